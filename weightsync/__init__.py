@@ -1,0 +1,66 @@
+"""weightsync: move model weights from a trainer to its workers, and know they
+were applied.
+
+Importing weightsync has no side effects and never imports ray.
+"""
+
+from __future__ import annotations
+
+# Errors
+from ._exceptions import (
+    AckTimeoutError,
+    InvalidWeightsError,
+    SenderLostError,
+    UnknownWorkerError,
+    WeightMismatchError,
+    WeightSyncError,
+    WeightSyncStateError,
+    WorkerApplyError,
+    WorkerError,
+    WorkerLostError,
+)
+
+# Sync facade
+from ._facade import WeightReceiver, WeightSender
+
+# Packets
+from ._packet import Manifest, Packet, TensorSpec
+
+# Async core
+from ._receiver import AsyncWeightReceiver
+
+# Schemes
+from ._schemes import MultiProcessWeightSyncScheme, NoWeightSyncScheme, WeightSyncScheme
+from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, SendReport
+
+# Strategies
+from ._strategy import WeightStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "AckTimeoutError",
+    "AsyncWeightReceiver",
+    "AsyncWeightSender",
+    "InvalidWeightsError",
+    "Manifest",
+    "MultiProcessWeightSyncScheme",
+    "NoWeightSyncScheme",
+    "Packet",
+    "SendReport",
+    "SenderLostError",
+    "TensorSpec",
+    "UnknownWorkerError",
+    "WeightMismatchError",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightStrategy",
+    "WeightSyncError",
+    "WeightSyncScheme",
+    "WeightSyncStateError",
+    "WorkerApplyError",
+    "WorkerError",
+    "WorkerLostError",
+    "__version__",
+]

@@ -1,0 +1,158 @@
+"""Exceptions raised by weightsync.
+
+The tree::
+
+    Exception
+    ├── WeightSyncError                      every error weightsync raises
+    │   ├── WorkerError                      about one or more named workers
+    │   │   ├── WorkerLostError              a worker died or its channel closed
+    │   │   ├── AckTimeoutError (TimeoutError)
+    │   │   │                                no ack before the deadline
+    │   │   └── WorkerApplyError             the worker failed to apply; carries its message
+    │   ├── WeightMismatchError (ValueError) names, shapes or dtypes do not match the model
+    │   ├── InvalidWeightsError (ValueError) weights that cannot be sent (sparse, meta, not tensors)
+    │   ├── UnknownWorkerError (ValueError)  a worker id that the sender does not know
+    │   ├── SenderLostError                  (worker side) the sender died or shut down
+    │   └── WeightSyncStateError (RuntimeError)
+    │                                        lifecycle misuse: use before init, after
+    │                                        shutdown, a send while one is pending
+
+Every error carries ``model_id``; :class:`WorkerError` also carries
+``worker_ids`` and ``failures`` (worker id -> the error for that worker), so a
+send that fails on several workers raises one error naming all of them. When
+the failures are of different kinds, the error raised is the closest common
+class (at worst :class:`WorkerError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = [
+    "AckTimeoutError",
+    "InvalidWeightsError",
+    "SenderLostError",
+    "UnknownWorkerError",
+    "WeightMismatchError",
+    "WeightSyncError",
+    "WeightSyncStateError",
+    "WorkerApplyError",
+    "WorkerError",
+    "WorkerLostError",
+]
+
+
+class WeightSyncError(Exception):
+    """Base class of every error raised by weightsync."""
+
+    def __init__(self, message: str, *, model_id: str | None = None) -> None:
+        super().__init__(message)
+        self.model_id = model_id
+
+
+class WeightSyncStateError(WeightSyncError, RuntimeError):
+    """The lifecycle was misused: a call before init, after shutdown, or while
+    another send is pending."""
+
+
+class WeightMismatchError(WeightSyncError, ValueError):
+    """The weights do not match the model (names, shapes or dtypes).
+
+    Raised before any worker or parameter is touched.
+    """
+
+
+class InvalidWeightsError(WeightSyncError, ValueError):
+    """The weights cannot be sent: not a tensor, sparse, on the meta device."""
+
+
+class UnknownWorkerError(WeightSyncError, ValueError):
+    """A worker id that the sender does not know. Raised before anything is sent."""
+
+
+class SenderLostError(WeightSyncError):
+    """Raised on a worker when the sender died or shut down its side."""
+
+
+class WorkerError(WeightSyncError):
+    """An error about one or more named workers.
+
+    ``worker_ids`` lists the failed workers, ``failures`` maps each to its own
+    error, and ``version`` is the version of the send that failed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        worker_id: int | None = None,
+        model_id: str | None = None,
+        version: int | None = None,
+    ) -> None:
+        super().__init__(message, model_id=model_id)
+        self.version = version
+        self.worker_ids: tuple[int, ...] = () if worker_id is None else (worker_id,)
+        self.failures: dict[int, WorkerError] = {} if worker_id is None else {worker_id: self}
+
+    @property
+    def worker_id(self) -> int | None:
+        """The failed worker when exactly one failed, else None."""
+        return self.worker_ids[0] if len(self.worker_ids) == 1 else None
+
+
+class WorkerLostError(WorkerError):
+    """A worker died, or its pipe/channel closed."""
+
+
+class AckTimeoutError(WorkerError, TimeoutError):
+    """A worker did not acknowledge the send before the deadline."""
+
+
+class WorkerApplyError(WorkerError):
+    """A worker failed to apply the weights; ``worker_message`` is its reason.
+
+    The worker's model is left as it was before the update.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        worker_id: int | None = None,
+        model_id: str | None = None,
+        version: int | None = None,
+        worker_message: str = "",
+    ) -> None:
+        super().__init__(message, worker_id=worker_id, model_id=model_id, version=version)
+        self.worker_message = worker_message
+
+
+def combine_worker_errors(
+    failures: Mapping[int, WorkerError], *, model_id: str | None, version: int | None
+) -> WorkerError:
+    """One error naming every failed worker.
+
+    A single failure is returned as it is; several become one error of their
+    closest common class, with every worker's reason in the message.
+    """
+    if len(failures) == 1:
+        return next(iter(failures.values()))
+    classes = [type(err) for err in failures.values()]
+    common: type[WorkerError] = WorkerError
+    for candidate in classes[0].__mro__:
+        if (
+            isinstance(candidate, type)
+            and issubclass(candidate, WorkerError)
+            and all(issubclass(c, candidate) for c in classes)
+        ):
+            common = candidate
+            break
+    lines = "; ".join(f"worker {wid}: {err}" for wid, err in sorted(failures.items()))
+    message = f"{len(failures)} workers failed (model {model_id!r}, version {version}): {lines}"
+    if common is WorkerApplyError:
+        combined: WorkerError = WorkerApplyError(message, model_id=model_id, version=version)
+    else:
+        combined = common(message, model_id=model_id, version=version)
+    combined.worker_ids = tuple(sorted(failures))
+    combined.failures = dict(sorted(failures.items()))
+    return combined

@@ -1,0 +1,267 @@
+"""The synchronous facade: one event-loop thread per process, entered through
+an anyio ``BlockingPortal``.
+
+The loop thread starts on first use and stops when the last sender or
+receiver using it is shut down, so an idle process holds no weightsync thread.
+After ``fork`` the child forgets the parent's loop (its thread does not exist
+there) and starts its own on first use.
+
+The loop runs on uvloop when uvloop is installed, unless the environment sets
+``WEIGHTSYNC_LOOP=asyncio``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+import anyio
+from anyio.from_thread import BlockingPortal
+
+from ._exceptions import WeightSyncStateError
+from ._receiver import AsyncWeightReceiver
+from ._sender import AsyncWeightSender, SendReport
+
+__all__ = ["WeightReceiver", "WeightSender", "loop_thread_name"]
+
+T = TypeVar("T")
+loop_thread_name = "weightsync-loop"
+
+
+def _backend_options() -> dict[str, Any]:
+    choice = os.environ.get("WEIGHTSYNC_LOOP", "auto")
+    if choice == "asyncio":
+        return {}
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        if choice == "uvloop":
+            raise
+        return {}
+    return {"use_uvloop": True}
+
+
+class _LoopThread:
+    """The process-wide loop thread, shared by every facade object."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._portal: BlockingPortal | None = None
+        self._thread: threading.Thread | None = None
+        self._users = 0
+
+    def _start(self) -> BlockingPortal:
+        ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
+
+        async def main() -> None:
+            async with BlockingPortal() as portal:
+                ready.set_result(portal)
+                await portal.sleep_until_stopped()
+
+        def run() -> None:
+            try:
+                anyio.run(main, backend="asyncio", backend_options=_backend_options())
+            except BaseException as exc:  # surfaced to the thread that waits on ready
+                if not ready.done():
+                    ready.set_exception(exc)
+
+        thread = threading.Thread(target=run, name=loop_thread_name, daemon=True)
+        thread.start()
+        self._thread = thread
+        return ready.result()
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._users = max(self._users - 1, 0)
+            if self._users or self._portal is None or threading.current_thread() is self._thread:
+                return
+            portal, thread = self._portal, self._thread
+            self._portal = self._thread = None
+        portal.call(portal.stop)
+        assert thread is not None
+        thread.join(timeout=10)
+
+    def portal(self) -> BlockingPortal:
+        if threading.current_thread() is self._thread:
+            raise WeightSyncStateError(
+                "a blocking weightsync call was made from weightsync's own event-loop thread; "
+                "await the async API (get_async_sender / get_async_receiver) there instead"
+            )
+        with self._lock:
+            if self._portal is None:
+                self._portal = self._start()
+            return self._portal
+
+    def call(self, func: Callable[..., Awaitable[T]], *args: Any) -> T:
+        return self.portal().call(func, *args)
+
+    def start(self, func: Callable[..., Awaitable[T]], *args: Any) -> concurrent.futures.Future[T]:
+        return self.portal().start_task_soon(func, *args)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._portal = None
+        self._thread = None
+        self._users = 0
+
+
+LOOP = _LoopThread()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=LOOP._after_fork)
+
+
+class WeightSender:
+    """Blocking front of an :class:`AsyncWeightSender`.
+
+    Get it from ``scheme.get_sender()`` after ``scheme.init_on_sender(...)``.
+    Calls may come from any thread, including one that runs its own event
+    loop (it is blocked while it waits); not from weightsync's loop thread.
+    """
+
+    def __init__(self, sender: AsyncWeightSender) -> None:
+        self._sender = sender
+        self._pending: concurrent.futures.Future[SendReport] | None = None
+        self._closed = False
+        LOOP.acquire()
+
+    @property
+    def async_sender(self) -> AsyncWeightSender:
+        return self._sender
+
+    def _check(self, what: str) -> None:
+        if self._closed:
+            raise WeightSyncStateError(
+                f"{what}: the sender of model {self._sender.model_id!r} is shut down",
+                model_id=self._sender.model_id,
+            )
+        if self._pending is not None:
+            raise WeightSyncStateError(
+                f"{what} while a send_async() is pending; call wait_async() first",
+                model_id=self._sender.model_id,
+            )
+
+    def connect(self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None) -> None:
+        """Block until the workers (default: all) announced themselves.
+
+        :raises WorkerError: naming every worker that died or did not show up in time.
+        """
+        self._check("connect()")
+        LOOP.call(lambda: self._sender.connect(worker_ids, timeout=timeout))
+
+    def send(
+        self,
+        weights: Any = None,
+        worker_ids: int | Iterable[int] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> SendReport:
+        """Send and block until every targeted worker applied and acked.
+
+        Arguments and errors as :meth:`AsyncWeightSender.send`.
+
+        :raises RuntimeError: a ``send_async()`` is pending.
+        """
+        self._check("send()")
+        return LOOP.call(lambda: self._sender.send(weights, worker_ids, timeout=timeout))
+
+    def send_async(
+        self,
+        weights: Any = None,
+        worker_ids: int | Iterable[int] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Start a send and return at once; :meth:`wait_async` finishes it.
+
+        The weights are read before the acks come in, but not necessarily
+        before this returns: do not change them until ``wait_async()`` returns.
+
+        :raises RuntimeError: a previous ``send_async()`` is still pending.
+        """
+        self._check("send_async()")
+        self._pending = LOOP.start(lambda: self._sender.send(weights, worker_ids, timeout=timeout))
+
+    def wait_async(self, timeout: float | None = None) -> SendReport:
+        """Block until the pending ``send_async()`` is done; re-raise its error.
+
+        With ``timeout=None`` it waits as long as the send's own deadline.
+
+        :raises RuntimeError: no ``send_async()`` is pending.
+        :raises TimeoutError: ``timeout`` passed first (the send stays pending).
+        """
+        if self._pending is None:
+            raise WeightSyncStateError(
+                "wait_async() with no send_async() pending", model_id=self._sender.model_id
+            )
+        future = self._pending
+        result = future.result(timeout)  # TimeoutError leaves it pending
+        self._pending = None
+        return result
+
+    def update_weights(self, weights: Any) -> SendReport:
+        """Legacy name of ``send(weights)`` to all workers."""
+        return self.send(weights)
+
+    def shutdown(self) -> None:
+        """Finish a pending send (errors ignored), close the channels. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pending is not None:
+            try:
+                self._pending.result()
+            except BaseException:  # noqa: BLE001 - shutting down regardless
+                pass
+            self._pending = None
+        try:
+            LOOP.call(self._sender.aclose)
+        finally:
+            LOOP.release()
+
+
+class WeightReceiver:
+    """Blocking front of an :class:`AsyncWeightReceiver`.
+
+    Get it from ``scheme.get_receiver()`` after ``scheme.init_on_receiver(...)``.
+    """
+
+    def __init__(self, receiver: AsyncWeightReceiver) -> None:
+        self._receiver = receiver
+        self._closed = False
+        LOOP.acquire()
+
+    @property
+    def async_receiver(self) -> AsyncWeightReceiver:
+        return self._receiver
+
+    def announce(self) -> None:
+        LOOP.call(self._receiver.announce)
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        """Apply the newest pending update, if any; see :meth:`AsyncWeightReceiver.receive`.
+
+        Blocks at most ``timeout`` seconds (None: does not wait).
+        """
+        if self._closed:
+            raise WeightSyncStateError(
+                f"the receiver of model {self._receiver.model_id!r} is shut down",
+                model_id=self._receiver.model_id,
+            )
+        return LOOP.call(self._receiver.receive, timeout)
+
+    def shutdown(self) -> None:
+        """Close the endpoint. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            LOOP.call(self._receiver.aclose)
+        finally:
+            LOOP.release()

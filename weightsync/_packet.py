@@ -1,0 +1,129 @@
+"""The packet: what one send moves.
+
+A send is prepared once into a flat layout: every tensor gets a fixed,
+64-byte-aligned slice of one contiguous byte buffer. The :class:`Manifest`
+(names, dtypes, shapes, offsets) depends only on the layout, so it is built
+and sent to a worker once per layout and cached by its ``layout_id``; a
+routine send carries only the version and the bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ._exceptions import WeightMismatchError
+from ._strategy import describe_mismatch
+
+__all__ = ["ALIGNMENT", "Manifest", "Packet", "TensorSpec"]
+
+# Every slice starts on a cache line, so a byte view can be reinterpreted as
+# any dtype and two tensors never share a line.
+ALIGNMENT = 64
+
+Signature = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise WeightMismatchError(f"unknown dtype {name!r} in a manifest")
+    return dtype
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where one tensor lives in the packet's byte buffer."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class Manifest:
+    """The layout of a packet: one :class:`TensorSpec` per tensor, sorted by name.
+
+    Two manifests with the same names, dtypes and shapes have the same
+    ``layout_id`` and offsets, on any process.
+    """
+
+    signature: Signature
+    specs: tuple[TensorSpec, ...] = field(repr=False)
+    nbytes: int
+    layout_id: str
+
+    @classmethod
+    def from_signature(cls, signature: Signature) -> Manifest:
+        specs = []
+        offset = 0
+        for name, dtype_name, shape in signature:
+            dtype = _dtype_from_name(dtype_name)
+            numel = 1
+            for dim in shape:
+                numel *= dim
+            nbytes = numel * dtype.itemsize
+            specs.append(TensorSpec(name, dtype, shape, offset, nbytes))
+            offset += -(-nbytes // ALIGNMENT) * ALIGNMENT
+        digest = hashlib.blake2b(repr(signature).encode(), digest_size=12).hexdigest()
+        return cls(signature, tuple(specs), offset, digest)
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> Manifest:
+        """The manifest of a flat ``{name: tensor}`` mapping."""
+        return cls.from_signature(signature_of(tensors))
+
+    @property
+    def names(self) -> list[str]:
+        return [spec.name for spec in self.specs]
+
+    def ordered(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors of ``tensors`` in manifest order."""
+        return [tensors[spec.name] for spec in self.specs]
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Typed views of each tensor's slice of a flat ``uint8`` buffer."""
+        return [
+            buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.specs
+        ]
+
+    def check_matches(self, other: Manifest, *, model_id: str | None, where: str) -> None:
+        """Raise :class:`WeightMismatchError` unless ``other`` has this layout."""
+        if other.layout_id == self.layout_id:
+            return
+        mine = {name: (dtype, shape) for name, dtype, shape in self.signature}
+        theirs = {name: (dtype, shape) for name, dtype, shape in other.signature}
+        missing = [n for n in theirs if n not in mine]
+        extra = [n for n in mine if n not in theirs]
+        wrong = [
+            f"{n}: {mine[n][1]} {mine[n][0]} vs {theirs[n][1]} {theirs[n][0]}"
+            for n in mine
+            if n in theirs and mine[n] != theirs[n]
+        ]
+        raise WeightMismatchError(describe_mismatch(missing, extra, wrong, where=where), model_id=model_id)
+
+
+def signature_of(tensors: Mapping[str, torch.Tensor]) -> Signature:
+    return tuple(
+        (name, str(tensors[name].dtype).removeprefix("torch."), tuple(tensors[name].shape))
+        for name in sorted(tensors)
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class Packet:
+    """One prepared send: a version, its manifest, and the source tensors in
+    manifest order (not yet copied anywhere)."""
+
+    version: int
+    manifest: Manifest
+    tensors: Sequence[torch.Tensor] = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.manifest.nbytes

@@ -1,0 +1,132 @@
+"""The async receiver: validate, apply atomically, ack."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import torch
+
+from ._exceptions import SenderLostError, WeightMismatchError, WeightSyncStateError
+from ._packet import Manifest
+from ._strategy import model_tensors
+from ._transports._base import ReceiverTransport, Update
+
+__all__ = ["AsyncWeightReceiver"]
+
+# After a copy raced with the sender's next write (only a worker that missed a
+# deadline can see that), the receiver waits this long for the newer version
+# before giving up, so it never returns with a mix of two versions.
+_RECOVERY_TIMEOUT = 60.0
+
+
+class AsyncWeightReceiver:
+    """Applies updates of one model on a worker, as coroutines.
+
+    Created by a scheme's ``init_on_receiver``; get it with
+    ``scheme.get_async_receiver()``.
+    """
+
+    def __init__(self, *, model_id: str | None, model: Any, transport: ReceiverTransport) -> None:
+        self.model_id = model_id
+        self.model = model
+        self.transport = transport
+        self.version = 0
+        self._layout: tuple[str, Manifest, list[torch.Tensor]] | None = None
+        self._closed = False
+        self._announced = False
+
+    def _manifest(self) -> tuple[Manifest, list[torch.Tensor]]:
+        tensors = model_tensors(self.model, model_id=self.model_id)
+        manifest = Manifest.of(tensors)
+        return manifest, manifest.ordered(tensors)
+
+    async def announce(self) -> None:
+        """Tell the sender this worker exists and what its model looks like."""
+        manifest, _ = self._manifest()
+        await self.transport.announce(manifest)
+        self._announced = True
+
+    def _layout_for(self, update: Update) -> tuple[str, Manifest, list[torch.Tensor]]:
+        """The model's tensors in the update's layout, checked before any write.
+
+        Looked up once per layout: replacing a parameter object of the model
+        (instead of writing into it) needs a new ``init_on_receiver``.
+        """
+        if self._layout is not None and self._layout[0] == update.layout_id:
+            return self._layout
+        manifest, targets = self._manifest()
+        if manifest.layout_id != update.layout_id:
+            raise WeightMismatchError(
+                f"version {update.version} has layout {update.layout_id}, but this worker's model "
+                f"has layout {manifest.layout_id} (names, shapes or dtypes changed since init)",
+                model_id=self.model_id,
+            )
+        for spec, tensor in zip(manifest.specs, targets, strict=True):
+            if tensor.layout != torch.strided or torch._debug_has_internal_overlap(tensor) == 1:
+                raise WeightMismatchError(
+                    f"{spec.name!r} cannot be written in place: its elements overlap in memory "
+                    "(an expanded or broadcast tensor)",
+                    model_id=self.model_id,
+                )
+        self._layout = (manifest.layout_id, manifest, targets)
+        return self._layout
+
+    async def receive(self, timeout: float | None = None) -> int | None:
+        """Apply the newest pending update, if any, and ack it.
+
+        ``timeout``: None or 0 checks without waiting; a number waits up to
+        that many seconds for an update. Returns the version applied (a
+        positive int), or None if no update came. The model is written only
+        here, and only with one complete version; an update that does not fit
+        the model is reported to the sender and leaves the model untouched.
+
+        :raises SenderLostError: the sender died or shut down.
+        :raises WeightSyncStateError: the receiver is shut down.
+        """
+        if self._closed:
+            raise WeightSyncStateError(
+                f"the receiver of model {self.model_id!r} is shut down", model_id=self.model_id
+            )
+        if not self._announced:
+            await self.announce()
+        wait = timeout or 0.0
+        torn = False
+        while True:
+            update = await self.transport.next_update(wait)
+            if update is None:
+                if torn:
+                    raise SenderLostError(
+                        f"the sender of model {self.model_id!r} stopped while this worker was "
+                        "reading an update; the model may hold a mix of versions",
+                        model_id=self.model_id,
+                    )
+                return None
+            try:
+                _, manifest, targets = self._layout_for(update)
+            except WeightMismatchError as exc:
+                await self.transport.reject(update.version, str(exc))
+                return None
+            sources = self.transport.sources(update, manifest)
+            if not self.transport.is_current(update):
+                continue  # superseded before the copy: the newer update is queued or coming
+            if targets:
+                with torch.inference_mode():
+                    torch._foreach_copy_(targets, sources)
+            if not self.transport.is_current(update):
+                # The sender began the next version during the copy: the model
+                # holds a mix now and must be overwritten before returning.
+                torn = True
+                wait = _RECOVERY_TIMEOUT
+                continue
+            self.version = update.version
+            await self.transport.ack(update.version)
+            return update.version
+
+    async def aclose(self) -> None:
+        """Close the endpoint. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self.transport.aclose()

@@ -1,0 +1,383 @@
+"""Schemes: the configuration of how ONE model is synchronised, and the
+entry point that builds each side.
+
+A scheme is created on the trainer, can be pickled (configuration only) and
+handed to spawned workers, and is initialised once per process:
+``init_on_sender`` on the trainer, ``init_on_receiver`` (alias
+``init_on_worker``) on each worker.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+from ._exceptions import WeightSyncStateError
+from ._facade import WeightReceiver, WeightSender
+from ._receiver import AsyncWeightReceiver
+from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, SendReport
+from ._strategy import WeightStrategy
+from ._transports._base import ReceiverTransport, SenderTransport, SharedTransport
+from ._transports._mp import MPReceiverTransport, MPSenderTransport, StagingArea
+from ._transports._none import NoReceiverTransport, NoTransport
+
+__all__ = ["MultiProcessWeightSyncScheme", "NoWeightSyncScheme", "WeightSyncScheme"]
+
+
+def _from(context: Any, kwargs: dict[str, Any], name: str, default: Any = None) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return getattr(context, name, default) if context is not None else default
+
+
+def _model_of(model_id: str | None, context: Any, kwargs: dict[str, Any]) -> Any:
+    model = kwargs.get("model")
+    if model is None and context is not None:
+        get_model = getattr(context, "get_model", None)
+        model = get_model(model_id) if get_model is not None else getattr(context, "model", None)
+    return model
+
+
+class WeightSyncScheme:
+    """Base class of every scheme: the whole public surface, transport-agnostic.
+
+    Subclasses provide the transports (``_sender_side`` / ``_receiver_side``).
+    ``timeout`` is the default deadline of a send, in seconds.
+    """
+
+    _needs_model = True
+
+    def __init__(
+        self,
+        strategy: Literal["state_dict", "tensordict"] = "tensordict",
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        self.strategy = WeightStrategy(strategy)
+        self.timeout = timeout
+        self._reset()
+
+    def _reset(self) -> None:
+        self._model_id: str | None = None
+        self._context: Any = None
+        self._model: Any = None
+        self._worker_idx: int | None = None
+        self._sender: WeightSender | None = None
+        self._receiver: WeightReceiver | None = None
+        self._sender_transports: dict[int, SenderTransport] = {}
+        self._receiver_transport: ReceiverTransport | None = None
+        self._shared_transport: SharedTransport | None = None
+
+    # A scheme crosses process boundaries as configuration only: pipes,
+    # models and event loops belong to the process that created them.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"strategy": self.strategy.extract_as, "timeout": self.timeout, "model_id": self._model_id}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.strategy = WeightStrategy(state["strategy"])
+        self.timeout = state["timeout"]
+        self._reset()
+        self._model_id = state["model_id"]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(strategy={self.strategy.extract_as!r}, model_id={self._model_id!r})"
+
+    # -- properties -----------------------------------------------------
+    @property
+    def context(self) -> Any | None:
+        """The context object (e.g. a collector) given at init, if any."""
+        return self._context
+
+    @property
+    def model(self) -> Any | None:
+        """The model this process synchronises (the worker's model, or the
+        sender's source model), if known."""
+        return self._model
+
+    @property
+    def model_id(self) -> str | None:
+        return self._model_id
+
+    @property
+    def worker_idx(self) -> int | None:
+        """This worker's index (worker side), if set."""
+        return self._worker_idx
+
+    @property
+    def weights(self) -> Any | None:
+        """The current weights of :attr:`model` in the strategy's form, or None."""
+        if self._model is None:
+            return None
+        return self.strategy.extract_weights(self._model, model_id=self._model_id)
+
+    @property
+    def sender_transports(self) -> dict[int, SenderTransport]:
+        """The sender's channel to each worker, by worker id."""
+        return dict(self._sender_transports)
+
+    @property
+    def receiver_transport(self) -> ReceiverTransport | None:
+        return self._receiver_transport
+
+    @property
+    def shared_transport(self) -> SharedTransport | None:
+        """What is written once per send for all workers (e.g. the staging area)."""
+        return self._shared_transport
+
+    # -- transports, per scheme ------------------------------------------
+    def _sender_side(
+        self, context: Any, kwargs: dict[str, Any]
+    ) -> tuple[dict[int, SenderTransport], SharedTransport | None]:
+        raise NotImplementedError
+
+    def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> ReceiverTransport:
+        raise NotImplementedError
+
+    def create_transport(self, *args: Any, **kwargs: Any) -> Any:
+        """Build one transport (legacy); see each scheme."""
+        raise NotImplementedError
+
+    # -- lifecycle --------------------------------------------------------
+    def init_on_sender(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
+        """Initialise the sender side (the trainer). Does not block.
+
+        ``context`` (e.g. a collector) or ``kwargs`` give what the scheme
+        needs (see each scheme); ``kwargs`` win. A ``model`` (kwarg) or the
+        context's ``get_model(model_id)`` is what ``send(None)`` reads.
+
+        :raises RuntimeError: this scheme is already initialised here.
+        """
+        if self._sender is not None or self._receiver is not None:
+            raise WeightSyncStateError(f"{self!r} is already initialised in this process")
+        self._model_id = model_id if model_id is not None else kwargs.get("model_id", self._model_id)
+        self._context = context
+        self._model = _model_of(self._model_id, context, kwargs)
+        transports, shared = self._sender_side(context, kwargs)
+        self._sender_transports = transports
+        self._shared_transport = shared
+        source = context if context is not None else (
+            types.SimpleNamespace(model=self._model) if self._model is not None else None
+        )
+        self._sender = WeightSender(
+            AsyncWeightSender(
+                model_id=self._model_id,
+                strategy=self.strategy,
+                transports=transports,
+                shared=shared,
+                context=source,
+                timeout=self.timeout,
+            )
+        )
+
+    def init_on_receiver(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
+        """Initialise a worker (receiver side) and announce it to the sender.
+
+        ``kwargs`` (or the context) give the ``model`` to update in place,
+        and what the transport needs (see each scheme).
+
+        :raises RuntimeError: this scheme is already initialised here.
+        :raises ValueError: no model was given.
+        """
+        if self._sender is not None or self._receiver is not None:
+            raise WeightSyncStateError(f"{self!r} is already initialised in this process")
+        self._model_id = model_id if model_id is not None else kwargs.get("model_id", self._model_id)
+        self._context = context
+        self._model = _model_of(self._model_id, context, kwargs)
+        self._worker_idx = _from(context, kwargs, "worker_idx")
+        if self._model is None and self._needs_model:
+            raise ValueError(
+                f"init_on_receiver needs the model to update: pass model=... or a context with get_model() "
+                f"(model {self._model_id!r})"
+            )
+        transport = self._receiver_side(context, kwargs)
+        self._receiver_transport = transport
+        self._receiver = WeightReceiver(
+            AsyncWeightReceiver(model_id=self._model_id, model=self._model, transport=transport)
+        )
+        self._receiver.announce()
+
+    def init_on_worker(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
+        """Alias of :meth:`init_on_receiver`."""
+        self.init_on_receiver(model_id, context, **kwargs)
+
+    def connect(self, *, worker_idx: int | None = None, timeout: float | None = None) -> None:
+        """Sender: block until every worker (or ``worker_idx``) announced
+        itself. Worker: announce again. Either side: no-op before init."""
+        if self._sender is not None:
+            self._sender.connect(worker_idx, timeout=timeout)
+        elif self._receiver is not None:
+            if worker_idx is not None:
+                self._worker_idx = worker_idx
+            self._receiver.announce()
+
+    def get_sender(self) -> WeightSender:
+        """The blocking sender. :raises RuntimeError: before ``init_on_sender``."""
+        if self._sender is None:
+            raise WeightSyncStateError(
+                f"{self!r}: get_sender() before init_on_sender()", model_id=self._model_id
+            )
+        return self._sender
+
+    def get_receiver(self) -> WeightReceiver:
+        """The blocking receiver. :raises RuntimeError: before ``init_on_receiver``."""
+        if self._receiver is None:
+            raise WeightSyncStateError(
+                f"{self!r}: get_receiver() before init_on_receiver()", model_id=self._model_id
+            )
+        return self._receiver
+
+    def get_async_sender(self) -> AsyncWeightSender:
+        """The coroutine sender, for async trainers. :raises RuntimeError: before init."""
+        return self.get_sender().async_sender
+
+    def get_async_receiver(self) -> AsyncWeightReceiver:
+        """The coroutine receiver. :raises RuntimeError: before init."""
+        return self.get_receiver().async_receiver
+
+    def create_sender(self) -> WeightSender:
+        """Legacy: the sender of this scheme (same as :meth:`get_sender`)."""
+        return self.get_sender()
+
+    def create_receiver(self) -> WeightReceiver:
+        """Legacy: the receiver of this scheme (same as :meth:`get_receiver`)."""
+        return self.get_receiver()
+
+    # -- operations ---------------------------------------------------------
+    def prepare_weights(
+        self, weights: Any, model_id: str | None, strategy: WeightStrategy, context: Any = None
+    ) -> Any:
+        """Extract ``weights`` (None: the context's model) in ``strategy``'s form."""
+        if weights is None and context is None:
+            context = self._context if self._context is not None else (
+                types.SimpleNamespace(model=self._model) if self._model is not None else None
+            )
+        return strategy.extract_weights(weights, context=context, model_id=model_id)
+
+    def apply_weights(self, weights: Any, inplace: bool = True) -> None:
+        """Apply ``weights`` to this process's model directly (no transport).
+
+        :raises WeightMismatchError: names, shapes or dtypes differ (nothing written).
+        """
+        if self._model is None:
+            raise WeightSyncStateError(f"{self!r} has no model to apply weights to")
+        self.strategy.apply_weights(self._model, weights, inplace=inplace, model_id=self._model_id)
+
+    def send(
+        self,
+        weights: Any = None,
+        worker_ids: int | Iterable[int] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> SendReport | None:
+        """Blocking send to ``worker_ids`` (default all); see :meth:`WeightSender.send`."""
+        return self.get_sender().send(weights, worker_ids, timeout=timeout)
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        """Apply the newest pending update; see :meth:`WeightReceiver.receive`."""
+        return self.get_receiver().receive(timeout)
+
+    def shutdown(self) -> None:
+        """Close this side's channels and release shared memory and the loop
+        thread. Idempotent; safe on a scheme never initialised."""
+        sender, receiver = self._sender, self._receiver
+        try:
+            if sender is not None:
+                sender.shutdown()
+        finally:
+            if receiver is not None:
+                receiver.shutdown()
+
+
+class MultiProcessWeightSyncScheme(WeightSyncScheme):
+    """Weights over ``multiprocessing`` pipes, bytes through shared memory.
+
+    Sender: ``init_on_sender(model_id, pipes=[...], num_workers=len(pipes))``
+    (or a context with ``pipes``/``num_workers``), the trainer's end of one
+    duplex pipe per worker, used by this scheme only. Each send writes the
+    bytes once into a shared staging segment, whatever the number of workers.
+
+    Worker: ``init_on_worker(model_id, pipe=..., model=...)``. The worker
+    copies the bytes into its own model when it calls ``receive()``: it never
+    runs on half-written weights and is isolated from the trainer's later
+    changes. Every parameter keeps its identity and ``data_ptr()``.
+    """
+
+    def __init__(
+        self,
+        strategy: Literal["state_dict", "tensordict"] = "state_dict",
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__(strategy, timeout=timeout)
+
+    def _sender_side(
+        self, context: Any, kwargs: dict[str, Any]
+    ) -> tuple[dict[int, SenderTransport], SharedTransport | None]:
+        pipes: Sequence[Any] | None = _from(context, kwargs, "pipes")
+        if pipes is None:
+            raise ValueError("MultiProcessWeightSyncScheme.init_on_sender needs pipes=[...]")
+        pipes = list(pipes)
+        num_workers = _from(context, kwargs, "num_workers") or len(pipes)
+        if num_workers != len(pipes):
+            raise ValueError(f"num_workers={num_workers} but {len(pipes)} pipes were given")
+        staging = StagingArea()
+        self._shared_transport = staging
+        transports: dict[int, SenderTransport] = {
+            i: MPSenderTransport(pipe, i, staging, self._model_id) for i, pipe in enumerate(pipes)
+        }
+        return transports, staging
+
+    def create_transport(self, pipe: Any) -> MPSenderTransport:
+        """Legacy: a sender channel over ``pipe`` sharing this scheme's staging area."""
+        staging = self._shared_transport if isinstance(self._shared_transport, StagingArea) else StagingArea()
+        return MPSenderTransport(pipe, len(self._sender_transports), staging, self._model_id)
+
+    def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> ReceiverTransport:
+        pipe = _from(context, kwargs, "pipe")
+        if pipe is None:
+            raise ValueError("MultiProcessWeightSyncScheme.init_on_worker needs pipe=...")
+        return MPReceiverTransport(pipe, self._model_id)
+
+
+class NoWeightSyncScheme(WeightSyncScheme):
+    """No synchronisation: ``send`` and ``receive`` do nothing and return None."""
+
+    _needs_model = False
+
+    def __init__(
+        self,
+        strategy: Literal["state_dict", "tensordict"] = "tensordict",
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__(strategy, timeout=timeout)
+
+    def _sender_side(
+        self, context: Any, kwargs: dict[str, Any]
+    ) -> tuple[dict[int, SenderTransport], SharedTransport | None]:
+        return {}, None
+
+    def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> ReceiverTransport:
+        return NoReceiverTransport()
+
+    def create_transport(self, **kwargs: Any) -> NoTransport:
+        """A transport that moves nothing."""
+        return NoTransport()
+
+    def connect(self, *, worker_idx: int | None = None, timeout: float | None = None) -> None:
+        """No-op."""
+
+    def send(
+        self,
+        weights: Any = None,
+        worker_ids: int | Iterable[int] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """No-op send: does nothing."""
+        return None
+
+    def receive(self, timeout: float | None = None) -> None:
+        """No-op receive: always returns None."""
+        return None

@@ -1,0 +1,230 @@
+"""The async sender: prepare a packet once, fan it out, gather the acks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import torch
+
+from ._exceptions import (
+    AckTimeoutError,
+    UnknownWorkerError,
+    WeightSyncStateError,
+    WorkerError,
+    combine_worker_errors,
+)
+from ._packet import Manifest, Packet, signature_of
+from ._strategy import WeightStrategy, flat_weights
+from ._transports._base import SenderTransport, SharedTransport
+
+__all__ = ["DEFAULT_TIMEOUT", "AsyncWeightSender", "SendReport"]
+
+#: Seconds a send waits for every ack unless told otherwise. A dead worker is
+#: reported long before this; the deadline is for workers that stop calling
+#: ``receive()``.
+DEFAULT_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class SendReport:
+    """What a successful send did: the version and the workers that applied it."""
+
+    version: int
+    worker_ids: tuple[int, ...]
+    nbytes: int
+    seconds: float
+
+
+class AsyncWeightSender:
+    """Sends the weights of one model to its workers, as coroutines.
+
+    Created by a scheme's ``init_on_sender``; get it with
+    ``scheme.get_async_sender()``. One send runs at a time per sender.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_id: str | None,
+        strategy: WeightStrategy,
+        transports: Mapping[int, SenderTransport],
+        shared: SharedTransport | None = None,
+        context: Any = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        self.model_id = model_id
+        self.strategy = strategy
+        self.transports: dict[int, SenderTransport] = dict(transports)
+        self.shared = shared
+        self.context = context
+        self.timeout = timeout
+        self.version = 0
+        self._busy = False
+        self._closed = False
+        self._manifests: dict[Any, Manifest] = {}
+
+    @property
+    def worker_ids(self) -> list[int]:
+        return list(self.transports)
+
+    def _targets(self, worker_ids: int | Iterable[int] | None) -> list[int]:
+        if worker_ids is None:
+            return list(self.transports)
+        ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
+        unknown = [w for w in ids if w not in self.transports]
+        if unknown:
+            raise UnknownWorkerError(
+                f"unknown worker id(s) {unknown} for model {self.model_id!r}; "
+                f"known: {sorted(self.transports)}",
+                model_id=self.model_id,
+            )
+        return list(dict.fromkeys(ids))
+
+    def _manifest(self, tensors: Mapping[str, torch.Tensor]) -> Manifest:
+        signature = signature_of(tensors)
+        manifest = self._manifests.get(signature)
+        if manifest is None:
+            manifest = self._manifests[signature] = Manifest.from_signature(signature)
+        return manifest
+
+    def prepare(self, weights: Any = None) -> Packet:
+        """Extract ``weights`` (None: the context's model) into the next packet.
+
+        :raises InvalidWeightsError: the weights hold something unsendable.
+        """
+        tensors = flat_weights(weights, context=self.context, model_id=self.model_id)
+        manifest = self._manifest(tensors)
+        self.version += 1
+        return Packet(self.version, manifest, manifest.ordered(tensors))
+
+    async def connect(self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None) -> None:
+        """Wait until the targeted workers have announced themselves.
+
+        :raises WorkerError: naming every worker that died or did not show up in time.
+        """
+        self._check_open()
+        targets = self._targets(worker_ids)
+        failures: dict[int, WorkerError] = {}
+        deadline = anyio.current_time() + (self.timeout if timeout is None else timeout)
+        await self._fan_out(targets, lambda t: t.connect(), deadline, failures, "announce itself")
+        if failures:
+            raise combine_worker_errors(failures, model_id=self.model_id, version=None)
+
+    async def send(
+        self,
+        weights: Any = None,
+        worker_ids: int | Iterable[int] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> SendReport:
+        """Send weights and return once every targeted worker applied and acked them.
+
+        ``weights``: None (the context's model), an ``nn.Module``, a
+        ``TensorDict`` or a dict of tensors. ``worker_ids``: None (all), one id,
+        or a list. ``timeout``: seconds for the whole send (default: the
+        scheme's timeout). The weights may be changed again once this returns.
+
+        :raises UnknownWorkerError: a worker id is unknown (nothing was sent).
+        :raises WeightMismatchError: the weights do not match a worker's model
+            (nothing was sent to any worker).
+        :raises InvalidWeightsError: the weights hold something unsendable.
+        :raises WorkerLostError: a worker died; the others still got the update.
+        :raises AckTimeoutError: a worker did not ack in time (also a TimeoutError).
+        :raises WorkerApplyError: a worker failed to apply; carries its message.
+        :raises WeightSyncStateError: another send is running, or the sender is closed.
+        """
+        self._check_open()
+        if self._busy:
+            raise WeightSyncStateError(
+                f"a send of model {self.model_id!r} is already in progress", model_id=self.model_id
+            )
+        self._busy = True
+        try:
+            return await self._send(weights, worker_ids, timeout)
+        finally:
+            self._busy = False
+
+    async def _send(
+        self, weights: Any, worker_ids: int | Iterable[int] | None, timeout: float | None
+    ) -> SendReport:
+        started = time.perf_counter()
+        deadline = anyio.current_time() + (self.timeout if timeout is None else timeout)
+        targets = self._targets(worker_ids)
+        packet = self.prepare(weights)
+        failures: dict[int, WorkerError] = {}
+
+        # Every target's layout must be known before anything is staged, so a
+        # mismatch is rejected with no worker touched.
+        pending = [w for w in targets if getattr(self.transports[w], "layout", None) is None]
+        if pending:
+            await self._fan_out(pending, lambda t: t.connect(), deadline, failures, "announce itself")
+        reachable = [w for w in targets if w not in failures]
+        for wid in reachable:
+            layout = getattr(self.transports[wid], "layout", None)
+            if layout is not None:
+                packet.manifest.check_matches(
+                    layout, model_id=self.model_id, where=f"the model of worker {wid}"
+                )
+
+        if reachable:
+            if self.shared is not None:
+                await self.shared.stage(packet)
+            await self._fan_out(
+                reachable, lambda t: t.deliver(packet), deadline, failures, f"ack version {packet.version}"
+            )
+        if failures:
+            raise combine_worker_errors(failures, model_id=self.model_id, version=packet.version)
+        return SendReport(packet.version, tuple(targets), packet.nbytes, time.perf_counter() - started)
+
+    async def _fan_out(
+        self,
+        targets: list[int],
+        step: Any,
+        deadline: float,
+        failures: dict[int, WorkerError],
+        what: str,
+    ) -> None:
+        """Run ``step(transport)`` for every target concurrently, each under the
+        deadline; a failing worker never cancels the others."""
+
+        async def one(wid: int) -> None:
+            try:
+                with anyio.fail_after(max(deadline - anyio.current_time(), 0)):
+                    await step(self.transports[wid])
+            except TimeoutError:
+                failures[wid] = AckTimeoutError(
+                    f"worker {wid} (model {self.model_id!r}) did not {what} before the deadline",
+                    worker_id=wid,
+                    model_id=self.model_id,
+                    version=self.version,
+                )
+            except WorkerError as exc:
+                failures[wid] = exc
+
+        if len(targets) == 1:
+            await one(targets[0])
+            return
+        async with anyio.create_task_group() as group:
+            for wid in targets:
+                group.start_soon(one, wid)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WeightSyncStateError(
+                f"the sender of model {self.model_id!r} is shut down", model_id=self.model_id
+            )
+
+    async def aclose(self) -> None:
+        """Close every channel and release the staging memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            for transport in self.transports.values():
+                await transport.aclose()
+            if self.shared is not None:
+                await self.shared.aclose()

@@ -1,0 +1,98 @@
+"""The transport interface every scheme implements.
+
+Sender side, per scheme: one :class:`SharedTransport` (what is written once per
+send, however many workers there are) and one :class:`SenderTransport` per
+worker. Worker side: one :class:`ReceiverTransport`. All methods that may wait
+are coroutines; none blocks the event loop. Deadlines are the caller's cancel
+scopes: a transport only has to be cancellable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .._packet import Manifest, Packet
+
+__all__ = ["ReceiverTransport", "SenderTransport", "SharedTransport", "Update"]
+
+
+@dataclass(frozen=True)
+class Update:
+    """A worker's view of one pending update."""
+
+    version: int
+    layout_id: str
+
+
+@runtime_checkable
+class SharedTransport(Protocol):
+    """The part of a send written once for all workers."""
+
+    async def stage(self, packet: Packet) -> None:
+        """Make ``packet``'s bytes available to the workers.
+
+        After it returns the caller may change its weights again.
+        """
+
+    async def aclose(self) -> None:
+        """Release what was staged. Idempotent."""
+
+
+@runtime_checkable
+class SenderTransport(Protocol):
+    """The sender's channel to one worker."""
+
+    worker_id: int
+
+    async def connect(self) -> Manifest | None:
+        """Wait until the worker is known, and return its model's layout
+        (None when the transport cannot tell).
+
+        :raises WorkerLostError: the worker died or its channel closed.
+        """
+
+    async def deliver(self, packet: Packet) -> None:
+        """Tell the worker about ``packet`` (already staged) and return when
+        the worker acked exactly that version.
+
+        :raises WorkerLostError: the worker died or its channel closed.
+        :raises WorkerApplyError: the worker reported a failure.
+        """
+
+    async def aclose(self) -> None:
+        """Close the channel; the worker's next receive reports the sender
+        gone. Idempotent."""
+
+
+@runtime_checkable
+class ReceiverTransport(Protocol):
+    """A worker's endpoint."""
+
+    async def announce(self, manifest: Manifest) -> None:
+        """Tell the sender this worker exists and what its model looks like."""
+
+    async def next_update(self, timeout: float) -> Update | None:
+        """The newest pending update, or None if none came within ``timeout``
+        seconds (0: do not wait).
+
+        :raises SenderLostError: the sender died or shut down.
+        """
+
+    def sources(self, update: Update, manifest: Manifest) -> list[torch.Tensor]:
+        """Read-only tensors holding the update's data, in manifest order."""
+
+    def is_current(self, update: Update) -> bool:
+        """Whether the data behind ``update`` is still that version (the
+        sender has not started overwriting it)."""
+
+    async def ack(self, version: int) -> None:
+        """Report ``version`` applied."""
+
+    async def reject(self, version: int, message: str) -> None:
+        """Report that ``version`` could not be applied, and why."""
+
+    async def aclose(self) -> None:
+        """Close the endpoint. Idempotent."""

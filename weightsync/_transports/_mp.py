@@ -1,0 +1,257 @@
+"""The multiprocess transport: control over pipes, bytes through one staging segment.
+
+Per send the sender writes the packet's bytes once into a shared staging
+segment (:class:`StagingArea`), then tells each worker over its pipe which
+version is there. A worker copies the bytes into its own model when it calls
+``receive()`` and acks the version. The segment's header says which version it
+holds; a worker checks it before and after its copy, so a copy that raced with
+the next send (only possible for a worker that missed a deadline) is detected
+and redone from the newer version, never kept.
+
+Messages (pickled tuples, small):
+
+    worker -> sender   ("hello", model_id, pid, signature)
+                       ("ack", version)
+                       ("error", version, message)
+    sender -> worker   ("segment", pid, fd, nbytes, token)   before first use of a segment
+                       ("update", version, layout_id)
+                       ("close",)
+"""
+
+from __future__ import annotations
+
+import os
+from multiprocessing.connection import Connection
+
+import anyio
+import torch
+
+from .._exceptions import SenderLostError, WorkerApplyError, WorkerLostError
+from .._packet import Manifest, Packet
+from .._segment import Segment
+from ._base import Update
+from ._pipe import PipeChannel
+
+__all__ = ["MPReceiverTransport", "MPSenderTransport", "StagingArea"]
+
+# Below this size the copy into staging runs inline: a thread hop would cost
+# more than the copy. Above it the copy runs in a worker thread so the event
+# loop stays responsive.
+_INLINE_COPY_BYTES = 1 << 20
+
+
+class StagingArea:
+    """The sender's shared staging segment, grown as layouts need."""
+
+    def __init__(self) -> None:
+        self.segment: Segment | None = None
+        self._views: tuple[str, list[torch.Tensor]] | None = None
+
+    def _ensure(self, manifest: Manifest) -> list[torch.Tensor]:
+        if self.segment is None or self.segment.nbytes < manifest.nbytes:
+            self._views = None
+            if self.segment is not None:
+                self.segment.close()
+            self.segment = Segment.create(manifest.nbytes)
+        if self._views is None or self._views[0] != manifest.layout_id:
+            assert self.segment.data is not None
+            self._views = (manifest.layout_id, manifest.views(self.segment.data))
+        return self._views[1]
+
+    def _write(self, packet: Packet, views: list[torch.Tensor]) -> None:
+        assert self.segment is not None
+        self.segment.begin_write()
+        if views:
+            with torch.no_grad():
+                torch._foreach_copy_(views, list(packet.tensors))
+        self.segment.publish(packet.version)
+
+    async def stage(self, packet: Packet) -> None:
+        views = self._ensure(packet.manifest)
+        if packet.nbytes <= _INLINE_COPY_BYTES:
+            self._write(packet, views)
+        else:
+            # Not cancellable mid-copy: an abandoned copy would race the next one.
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._write, packet, views)
+
+    def descriptor(self) -> tuple[str, int, int, int, bytes]:
+        assert self.segment is not None
+        return ("segment", os.getpid(), self.segment.fd, self.segment.nbytes, self.segment.token)
+
+    async def aclose(self) -> None:
+        self._views = None
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
+
+class MPSenderTransport:
+    """The sender's channel to one worker process, over the user's pipe."""
+
+    def __init__(
+        self, pipe: Connection, worker_id: int, staging: StagingArea, model_id: str | None
+    ) -> None:
+        self.worker_id = worker_id
+        self.model_id = model_id
+        self._staging = staging
+        self._channel = PipeChannel(pipe, self._lost)
+        self.layout: Manifest | None = None
+        self.worker_pid: int | None = None
+        self._segment_sent: bytes | None = None
+        self._closed = False
+
+    def _lost(self, reason: str) -> WorkerLostError:
+        return WorkerLostError(
+            f"worker {self.worker_id} (model {self.model_id!r}) is gone: {reason}",
+            worker_id=self.worker_id,
+            model_id=self.model_id,
+        )
+
+    def _handle_hello(self, message: tuple) -> None:
+        _, _model_id, pid, signature = message
+        self.worker_pid = pid
+        self._channel.watch(pid)
+        self.layout = Manifest.from_signature(signature)
+        self._segment_sent = None
+
+    async def connect(self) -> Manifest | None:
+        while self.layout is None:
+            message = await self._channel.recv()
+            if message is not None and message[0] == "hello":
+                self._handle_hello(message)
+        if not self._channel.peer_alive():
+            raise self._lost("its process exited")
+        return self.layout
+
+    async def deliver(self, packet: Packet) -> None:
+        segment = self._staging.segment
+        assert segment is not None, "stage() comes before deliver()"
+        if self._segment_sent != segment.token:
+            await self._channel.send(self._staging.descriptor())
+            self._segment_sent = segment.token
+        await self._channel.send(("update", packet.version, packet.manifest.layout_id))
+        while True:
+            message = await self._channel.recv()
+            if message is None:
+                continue
+            kind = message[0]
+            if kind == "ack" and message[1] == packet.version:
+                return
+            if kind == "error" and message[1] == packet.version:
+                raise WorkerApplyError(
+                    f"worker {self.worker_id} (model {self.model_id!r}) failed to apply "
+                    f"version {packet.version}: {message[2]}",
+                    worker_id=self.worker_id,
+                    model_id=self.model_id,
+                    version=packet.version,
+                    worker_message=message[2],
+                )
+            if kind == "hello":
+                # The worker re-initialised: it must be told the segment again.
+                self._handle_hello(message)
+                await self._channel.send(self._staging.descriptor())
+                self._segment_sent = segment.token
+                await self._channel.send(("update", packet.version, packet.manifest.layout_id))
+            # Anything else is an ack or error of an older, abandoned send: a
+            # stale ack never completes this one.
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with anyio.move_on_after(0.5):
+                await self._channel.send(("close",))
+        except WorkerLostError:
+            pass
+        self._channel.close()
+
+
+class MPReceiverTransport:
+    """A worker's endpoint over its pipe, reading from the sender's staging segment."""
+
+    def __init__(self, pipe: Connection, model_id: str | None) -> None:
+        self.model_id = model_id
+        self._channel = PipeChannel(pipe, self._lost)
+        self._descriptor: tuple[int, int, int, bytes] | None = None
+        self._segment: Segment | None = None
+        self._views: tuple[bytes, str, list[torch.Tensor]] | None = None
+        self._closed = False
+
+    def _lost(self, reason: str) -> SenderLostError:
+        return SenderLostError(f"the sender of model {self.model_id!r} is gone: {reason}", model_id=self.model_id)
+
+    async def announce(self, manifest: Manifest) -> None:
+        await self._channel.send(("hello", self.model_id, os.getpid(), manifest.signature))
+
+    def _handle(self, message: tuple, latest: Update | None) -> Update | None:
+        kind = message[0]
+        if kind == "update":
+            return Update(message[1], message[2])
+        if kind == "segment":
+            _, pid, fd, nbytes, token = message
+            self._descriptor = (pid, fd, nbytes, token)
+            self._channel.watch(pid)
+        elif kind == "close":
+            raise self._lost("it shut down")
+        return latest
+
+    async def next_update(self, timeout: float) -> Update | None:
+        latest: Update | None = None
+        # Drain what is there: only the newest update can still be read.
+        while (message := self._channel.poll()) is not None:
+            latest = self._handle(message, latest)
+        if latest is not None:
+            return latest
+        deadline = anyio.current_time() + timeout
+        while latest is None:
+            remaining = deadline - anyio.current_time()
+            message = await self._channel.recv(max(remaining, 0.0))
+            if message is None:
+                return None
+            latest = self._handle(message, latest)
+        while (message := self._channel.poll()) is not None:
+            latest = self._handle(message, latest)
+        return latest
+
+    def _attach(self) -> Segment:
+        if self._descriptor is None:
+            raise self._lost("it sent an update before its staging segment")
+        pid, fd, nbytes, token = self._descriptor
+        if self._segment is None or self._segment.token != token:
+            if self._segment is not None:
+                self._views = None
+                self._segment.close()
+                self._segment = None
+            try:
+                self._segment = Segment.attach(pid, fd, nbytes, token)
+            except (OSError, ValueError) as exc:
+                raise self._lost(f"its staging segment cannot be opened ({exc})") from exc
+        return self._segment
+
+    def sources(self, update: Update, manifest: Manifest) -> list[torch.Tensor]:
+        segment = self._attach()
+        if self._views is None or self._views[:2] != (segment.token, manifest.layout_id):
+            assert segment.data is not None
+            self._views = (segment.token, manifest.layout_id, manifest.views(segment.data))
+        return self._views[2]
+
+    def is_current(self, update: Update) -> bool:
+        return self._segment is not None and self._segment.published() == update.version
+
+    async def ack(self, version: int) -> None:
+        await self._channel.send(("ack", version))
+
+    async def reject(self, version: int, message: str) -> None:
+        await self._channel.send(("error", version, message))
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._views = None
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+        self._channel.close()
