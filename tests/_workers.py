@@ -1,0 +1,122 @@
+"""Worker processes and models for the tests (imported by spawned children)."""
+
+from __future__ import annotations
+
+import os
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+from torch import nn
+
+import weightsync as ws
+
+
+class Net(nn.Module):
+    """A small policy with parameters and BatchNorm buffers."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, hidden)
+        self.norm = nn.BatchNorm1d(hidden)
+        self.out = nn.Linear(hidden, 4)
+
+
+class OverlapNet(Net):
+    """Same names, shapes and dtypes as Net, but one buffer is a broadcast
+    view that cannot be written in place: applying an update must fail on
+    the worker, before anything is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm.running_mean = torch.zeros(1).expand(16)
+
+
+def build_model(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "net":
+        return Net()
+    if kind == "wide":
+        return Net(hidden=32)
+    if kind == "overlap":
+        return OverlapNet()
+    raise ValueError(kind)
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def worker_main(
+    scheme: ws.WeightSyncScheme,
+    model_id: str,
+    pipe: Connection,
+    ctrl: Connection,
+    kind: str,
+    poll: float = 0.02,
+) -> None:
+    """Receive updates in a loop; obey commands from the test over ``ctrl``.
+
+    Commands: "pause" / "resume" (stop / start calling receive), "state"
+    (reply with the model, the versions applied, and whether every tensor
+    kept its identity and data_ptr), "stop".
+    """
+    model = build_model(kind, seed=1000 + os.getpid())
+    tensors = dict(model.state_dict(keep_vars=True))
+    ids = {k: id(v) for k, v in tensors.items()}
+    ptrs = {k: v.data_ptr() for k, v in tensors.items()}
+    scheme.init_on_worker(model_id, pipe=pipe, model=model)
+    ctrl.send(("ready", os.getpid()))
+    receiving = True
+    applied: list[int] = []
+    errors: list[str] = []
+    try:
+        while True:
+            if ctrl.poll():
+                cmd = ctrl.recv()
+                if cmd == "stop":
+                    break
+                if cmd == "pause":
+                    receiving = False
+                elif cmd == "resume":
+                    receiving = True
+                elif cmd == "state":
+                    now = dict(model.state_dict(keep_vars=True))
+                    same = all(id(now[k]) == ids[k] and now[k].data_ptr() == ptrs[k] for k in ids)
+                    ctrl.send(
+                        {"weights": snapshot(model), "applied": list(applied), "same": same, "errors": errors}
+                    )
+                    continue
+                ctrl.send("ok")
+            if receiving:
+                try:
+                    version = scheme.receive(timeout=poll)
+                except ws.WeightSyncError as exc:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                    receiving = False
+                    continue
+                if version:
+                    applied.append(version)
+            else:
+                time.sleep(poll)
+    finally:
+        scheme.shutdown()
+        ctrl.send("bye")
+
+
+def trainer_then_die(scheme: ws.WeightSyncScheme, model_id: str, pipe: Connection, sends: int) -> None:
+    """A trainer that sends ``sends`` times, then kills itself with SIGKILL."""
+    import signal
+
+    model = build_model("net", seed=7)
+    scheme.init_on_sender(model_id, pipes=[pipe], model=model)
+    for _ in range(sends):
+        with torch.no_grad():
+            model.inp.weight.add_(1)
+        scheme.send(timeout=30)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def describe(obj: Any) -> str:
+    return f"{type(obj).__name__}: {obj}"

@@ -1,0 +1,201 @@
+"""The conformance suite: every behaviour of a scheme, over every scheme.
+
+Real worker processes (spawn), real pipes and real shared memory.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import weightsync as ws
+from conftest import Cluster
+
+
+def test_send_reaches_every_worker_in_place(cluster: Cluster) -> None:
+    cluster.bump()
+    report = cluster.sender.send()
+    assert report.worker_ids == (0, 1, 2)
+    expected = cluster.expected()
+    for i in range(3):
+        cluster.assert_has(i, expected)
+        assert cluster.state(i)["applied"][-1] == report.version
+
+
+def test_versions_increase_and_acks_match(cluster: Cluster) -> None:
+    versions = []
+    for _ in range(5):
+        cluster.bump()
+        versions.append(cluster.sender.send().version)
+    assert versions == sorted(versions) and len(set(versions)) == 5
+    for i in range(3):
+        assert cluster.state(i)["applied"][-5:] == versions
+
+
+def test_send_to_a_subset(cluster: Cluster) -> None:
+    cluster.sender.send()
+    before = cluster.expected()
+    cluster.bump()
+    report = cluster.sender.send(worker_ids=[1])
+    assert report.worker_ids == (1,)
+    cluster.assert_has(1, cluster.expected())
+    cluster.assert_has(0, before)
+    cluster.assert_has(2, before)
+    cluster.sender.send(worker_ids=2)
+    cluster.assert_has(2, cluster.expected())
+    cluster.sender.send()
+
+
+@pytest.mark.parametrize("form", ["module", "state_dict", "tensordict", "nested_dict"])
+def test_every_weights_form(cluster: Cluster, form: str) -> None:
+    cluster.bump()
+    sd = {k: v.detach().clone() for k, v in cluster.model.state_dict().items()}
+    weights = {
+        "module": cluster.model,
+        "state_dict": sd,
+        "tensordict": TensorDict(sd, batch_size=[]).unflatten_keys("."),
+        "nested_dict": TensorDict(sd, batch_size=[]).unflatten_keys(".").to_dict(),
+    }[form]
+    cluster.sender.send(weights)
+    for i in range(3):
+        cluster.assert_has(i, sd)
+
+
+def test_unknown_worker_id_is_rejected_before_sending(cluster: Cluster) -> None:
+    cluster.sender.send()
+    before = cluster.expected()
+    cluster.bump()
+    with pytest.raises(ws.UnknownWorkerError, match="7"):
+        cluster.sender.send(worker_ids=[0, 7])
+    for i in range(3):
+        cluster.assert_has(i, before)
+
+
+@pytest.mark.parametrize("defect", ["shape", "dtype", "missing", "extra"])
+def test_mismatched_weights_touch_no_worker(cluster: Cluster, defect: str) -> None:
+    cluster.sender.send()
+    before = cluster.expected()
+    bad = {k: v + 1 for k, v in before.items()}
+    if defect == "shape":
+        bad["out.weight"] = torch.zeros(5, 16)
+    elif defect == "dtype":
+        bad["out.weight"] = bad["out.weight"].double()
+    elif defect == "missing":
+        del bad["out.bias"]
+    else:
+        bad["extra.weight"] = torch.zeros(3)
+    with pytest.raises(ws.WeightMismatchError) as info:
+        cluster.sender.send(bad)
+    assert "out." in str(info.value) or "extra.weight" in str(info.value)
+    for i in range(3):
+        cluster.assert_has(i, before)
+    cluster.sender.send()  # the scheme is still usable
+
+
+def test_invalid_values_are_rejected(cluster: Cluster) -> None:
+    sd = cluster.expected()
+    with pytest.raises(ws.InvalidWeightsError, match="out.bias"):
+        cluster.sender.send({**sd, "out.bias": [1.0, 2.0]})
+    with pytest.raises(ws.InvalidWeightsError, match="sparse|layout"):
+        cluster.sender.send({**sd, "out.bias": sd["out.bias"].to_sparse()})
+    with pytest.raises(ws.InvalidWeightsError, match="meta"):
+        cluster.sender.send({**sd, "out.bias": torch.empty(4, device="meta")})
+
+
+def test_non_contiguous_and_grad_tensors_arrive_bit_exact(cluster: Cluster) -> None:
+    sd = {k: v.detach().clone() for k, v in cluster.model.state_dict().items()}
+    sd["inp.weight"] = torch.randn(8, 16).t()  # a transposed view
+    sd["out.weight"] = torch.randn(4, 32)[:, ::2].requires_grad_()  # strided, needs grad
+    cluster.sender.send(sd)
+    for i in range(3):
+        cluster.assert_has(i, {k: v.detach() for k, v in sd.items()})
+
+
+def test_a_worker_with_another_model_is_rejected_before_sending(make_cluster) -> None:
+    c = make_cluster(["net", "wide"])
+    c.sender.send(worker_ids=[0])
+    before = c.expected()
+    c.bump()
+    with pytest.raises(ws.WeightMismatchError, match="worker 1"):
+        c.sender.send()
+    c.assert_has(0, before)
+
+
+def test_apply_failure_reaches_the_sender_with_the_workers_message(make_cluster) -> None:
+    c = make_cluster(["net", "overlap"])
+    c.bump()
+    with pytest.raises(ws.WorkerApplyError) as info:
+        c.sender.send()
+    assert info.value.worker_ids == (1,)
+    assert "overlap" in info.value.worker_message
+    c.assert_has(0, c.expected())  # the healthy worker still got it
+    assert not torch.equal(c.state(1)["weights"]["out.weight"], c.expected()["out.weight"])
+
+
+def test_deadline_raises_a_timeout_naming_the_worker(make_cluster) -> None:
+    c = make_cluster(["net", "net"])
+    c.sender.send()
+    c.pause(1)
+    c.bump()
+    started = time.monotonic()
+    with pytest.raises(ws.AckTimeoutError) as info:
+        c.sender.send(timeout=1.0)
+    assert isinstance(info.value, TimeoutError)
+    assert info.value.worker_ids == (1,)
+    assert time.monotonic() - started < 5
+    c.assert_has(0, c.expected())
+
+
+def test_a_stale_ack_never_completes_a_newer_send(make_cluster) -> None:
+    c = make_cluster(["net"])
+    c.sender.send()
+    c.pause(0)
+    with pytest.raises(ws.AckTimeoutError):
+        c.sender.send(timeout=0.5)
+    stale = c.sender.async_sender.version
+    c.resume(0)
+    deadline = time.monotonic() + 10
+    while stale not in c.state(0)["applied"]:  # the late ack of `stale` is now in the pipe
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    c.pause(0)
+    with pytest.raises(ws.AckTimeoutError):
+        c.sender.send(timeout=0.5)
+    c.resume(0)
+    c.bump()
+    report = c.sender.send()
+    assert c.state(0)["applied"][-1] == report.version
+    c.assert_has(0, c.expected())
+
+
+def test_a_killed_worker_is_reported_promptly_and_the_others_still_update(make_cluster) -> None:
+    c = make_cluster(["net", "net", "net"])
+    c.sender.send()
+    c.kill(1)
+    c.bump()
+    started = time.monotonic()
+    with pytest.raises(ws.WorkerLostError) as info:
+        c.sender.send(timeout=30)
+    assert time.monotonic() - started < 5
+    assert info.value.worker_ids == (1,)
+    assert "worker 1" in str(info.value)
+    c.assert_has(0, c.expected())
+    c.assert_has(2, c.expected())
+    c.bump()
+    c.sender.send(worker_ids=[0, 2])
+    c.assert_has(2, c.expected())
+
+
+def test_two_failures_are_named_in_one_error(make_cluster) -> None:
+    c = make_cluster(["net", "net", "net"])
+    c.sender.send()
+    c.kill(0)
+    c.kill(2)
+    with pytest.raises(ws.WorkerLostError) as info:
+        c.sender.send(timeout=30)
+    assert info.value.worker_ids == (0, 2)
+    assert "worker 0" in str(info.value) and "worker 2" in str(info.value)
+    c.assert_has(1, c.expected())
