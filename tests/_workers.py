@@ -102,7 +102,9 @@ def worker_main(
                 time.sleep(poll)
     finally:
         scheme.shutdown()
-        ctrl.send("bye")
+        import threading
+
+        ctrl.send(("bye", sorted(t.name for t in threading.enumerate())))
 
 
 def trainer_then_die(scheme: ws.WeightSyncScheme, model_id: str, pipe: Connection, sends: int) -> None:

@@ -115,6 +115,7 @@ class Cluster:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
+            proc.close()
         self.scheme.shutdown()
         for conn in self.ctrls + self.pipes:
             conn.close()
@@ -161,3 +162,35 @@ def shm_entries() -> set[str]:
 
 def open_fds() -> set[int]:
     return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+    """Every async test runs on asyncio's own loop and on uvloop."""
+    import asyncio
+
+    import uvloop
+
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+def fd_baseline() -> set[int]:
+    """Open descriptors once the loop machinery has run once in this process.
+
+    uvloop keeps two process-wide descriptors from its first loop on (not one
+    per loop), and multiprocessing's spawn keeps one pipe to its resource
+    tracker; neither is weightsync's to close.
+    """
+    from multiprocessing import resource_tracker
+
+    import anyio
+
+    resource_tracker.ensure_running()
+
+    from weightsync._facade import LOOP
+
+    LOOP.acquire()
+    try:
+        LOOP.call(anyio.sleep, 0)
+    finally:
+        LOOP.release()
+    return open_fds()

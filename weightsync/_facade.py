@@ -201,9 +201,13 @@ class WeightSender:
                 "wait_async() with no send_async() pending", model_id=self._sender.model_id
             )
         future = self._pending
-        result = future.result(timeout)  # TimeoutError leaves it pending
-        self._pending = None
-        return result
+        try:
+            return future.result(timeout)
+        finally:
+            # Only a wait that timed out leaves the send pending; a send that
+            # failed (even with a TimeoutError of its own) is over.
+            if future.done():
+                self._pending = None
 
     def update_weights(self, weights: Any) -> SendReport:
         """Legacy name of ``send(weights)`` to all workers."""

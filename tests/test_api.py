@@ -1,0 +1,218 @@
+"""The public surface: names, schemes' lifecycle, strategies, packets (in-process)."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+import weightsync as ws
+from _workers import build_model
+
+
+def test_public_names_are_exactly_all() -> None:
+    public = {name for name in dir(ws) if not name.startswith("_")}
+    assert public == set(ws.__all__) - {"__version__"}
+    for name in ws.__all__:
+        assert getattr(ws, name) is not None
+
+
+def test_import_is_light_and_never_imports_ray() -> None:
+    code = "import sys, weightsync; assert 'ray' not in sys.modules; assert 'uvloop' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_error_tree() -> None:
+    assert issubclass(ws.AckTimeoutError, TimeoutError)
+    assert issubclass(ws.AckTimeoutError, ws.WorkerError)
+    assert issubclass(ws.WorkerLostError, ws.WeightSyncError)
+    assert issubclass(ws.WeightMismatchError, ValueError)
+    assert issubclass(ws.WeightSyncStateError, RuntimeError)
+    for name in ws.__all__:
+        obj = getattr(ws, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, ws.WeightSyncError)
+
+
+@pytest.mark.parametrize(
+    "cls, default", [(ws.MultiProcessWeightSyncScheme, "state_dict"), (ws.NoWeightSyncScheme, "tensordict")]
+)
+def test_scheme_defaults_and_uninitialised_state(cls: type[ws.WeightSyncScheme], default: str) -> None:
+    scheme = cls()
+    assert scheme.strategy == ws.WeightStrategy(default)
+    assert scheme.model_id is None and scheme.context is None and scheme.model is None
+    assert scheme.worker_idx is None and scheme.weights is None
+    assert scheme.sender_transports == {} and scheme.receiver_transport is None
+    assert scheme.shared_transport is None
+    for call in (scheme.get_sender, scheme.get_receiver, scheme.get_async_sender, scheme.get_async_receiver):
+        with pytest.raises(RuntimeError):
+            call()
+    scheme.shutdown()
+    scheme.shutdown()
+
+
+def test_scheme_pickles_configuration_only_before_and_after_init() -> None:
+    import multiprocessing as mp
+
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=12.0)
+    clone = pickle.loads(pickle.dumps(scheme))
+    assert clone.strategy == scheme.strategy and clone.timeout == 12.0
+    ours, theirs = mp.Pipe()
+    scheme.init_on_sender("policy", pipes=[ours], model=build_model("net"))
+    try:
+        clone = pickle.loads(pickle.dumps(scheme))
+        assert clone.model_id == "policy"
+        assert clone.sender_transports == {} and clone.model is None
+        with pytest.raises(RuntimeError):
+            clone.get_sender()
+    finally:
+        scheme.shutdown()
+        ours.close()
+        theirs.close()
+
+
+def test_init_validates_its_arguments() -> None:
+    import multiprocessing as mp
+
+    with pytest.raises(ValueError, match="pipes"):
+        ws.MultiProcessWeightSyncScheme().init_on_sender("policy")
+    a, b = mp.Pipe()
+    try:
+        with pytest.raises(ValueError, match="num_workers"):
+            ws.MultiProcessWeightSyncScheme().init_on_sender("policy", pipes=[a], num_workers=2)
+        with pytest.raises(ValueError, match="model"):
+            ws.MultiProcessWeightSyncScheme().init_on_receiver("policy", pipe=b)
+        scheme = ws.MultiProcessWeightSyncScheme()
+        scheme.init_on_sender("policy", pipes=[a])
+        with pytest.raises(RuntimeError, match="already"):
+            scheme.init_on_sender("policy", pipes=[a])
+        scheme.shutdown()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_context_provides_pipes_and_model() -> None:
+    import multiprocessing as mp
+
+    class Collector:
+        def __init__(self) -> None:
+            self.pipes = [mp.Pipe()[0]]
+            self.num_workers = 1
+            self.policy = build_model("net")
+
+        def get_model(self, model_id: str) -> nn.Module:
+            assert model_id == "policy"
+            return self.policy
+
+    collector = Collector()
+    scheme = ws.MultiProcessWeightSyncScheme()
+    scheme.init_on_sender("policy", context=collector)
+    try:
+        assert scheme.context is collector and scheme.model is collector.policy
+        assert list(scheme.sender_transports) == [0]
+        assert scheme.shared_transport is not None
+        assert scheme.create_sender() is scheme.get_sender()
+        prepared = scheme.prepare_weights(None, "policy", ws.WeightStrategy("state_dict"), collector)
+        assert set(prepared) == set(collector.policy.state_dict())
+    finally:
+        scheme.shutdown()
+
+
+def test_no_weight_sync_scheme_does_nothing() -> None:
+    scheme = ws.NoWeightSyncScheme()
+    scheme.init_on_sender("policy")
+    assert scheme.send() is None
+    scheme.connect()
+    scheme.shutdown()
+    worker = ws.NoWeightSyncScheme()
+    worker.init_on_receiver(model_id="policy", model=build_model("net"))
+    assert worker.receive() is None and worker.receive(timeout=0.1) is None
+    assert worker.create_transport() is not None
+    worker.shutdown()
+
+
+# -- strategies -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extract_as", ["state_dict", "tensordict"])
+@pytest.mark.parametrize("apply_as", ["state_dict", "tensordict"])
+def test_strategies_interoperate_and_apply_in_place(extract_as: str, apply_as: str) -> None:
+    source, target = build_model("net", seed=1), build_model("net", seed=2)
+    source.norm.running_mean.fill_(3.0)  # buffers travel with the parameters
+    weights = ws.WeightStrategy(extract_as).extract_weights(source)
+    if extract_as == "tensordict":
+        assert isinstance(weights, TensorDict)
+    else:
+        assert isinstance(weights, dict)
+    before = {k: (id(v), v.data_ptr()) for k, v in target.state_dict(keep_vars=True).items()}
+    ws.WeightStrategy(apply_as).apply_weights(target, weights)
+    after = target.state_dict(keep_vars=True)
+    for name, value in source.state_dict().items():
+        assert torch.equal(after[name], value)
+        assert (id(after[name]), after[name].data_ptr()) == before[name]
+
+
+def test_strategy_rejects_a_mismatch_before_writing_anything() -> None:
+    source, target = build_model("net", seed=1), build_model("net", seed=2)
+    snapshot = {k: v.clone() for k, v in target.state_dict().items()}
+    weights = dict(source.state_dict())
+    weights["out.weight"] = torch.zeros(2, 2)
+    with pytest.raises(ws.WeightMismatchError, match="out.weight"):
+        ws.WeightStrategy("state_dict").apply_weights(target, weights)
+    for name, value in target.state_dict().items():
+        assert torch.equal(value, snapshot[name])
+
+
+def test_extract_from_context_and_unknown_sources() -> None:
+    class Ctx:
+        def get_model(self, model_id: str) -> nn.Module:
+            return build_model("net")
+
+    strategy = ws.WeightStrategy("state_dict")
+    assert "out.bias" in strategy.extract_weights(None, context=Ctx(), model_id="policy")
+    with pytest.raises(ws.InvalidWeightsError):
+        strategy.extract_weights(None)
+    with pytest.raises(ws.InvalidWeightsError):
+        strategy.extract_weights(42)
+    with pytest.raises(ValueError):
+        ws.WeightStrategy("pickle")  # type: ignore[arg-type]
+
+
+def test_scheme_apply_weights_not_in_place_assigns() -> None:
+    scheme = ws.NoWeightSyncScheme()
+    model = build_model("net", seed=2)
+    scheme.init_on_receiver(model_id="policy", model=model)
+    new = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    scheme.apply_weights(new)
+    assert torch.equal(model.out.weight, new["out.weight"])
+    assert torch.equal(scheme.weights["out"]["weight"], new["out.weight"])
+    scheme.apply_weights(new, inplace=False)
+    assert model.out.weight.data_ptr() == new["out.weight"].data_ptr()
+    scheme.shutdown()
+
+
+# -- packets ----------------------------------------------------------------
+
+
+def test_manifest_is_aligned_sorted_and_stable() -> None:
+    tensors = {
+        "b": torch.zeros(3, dtype=torch.bool),
+        "a": torch.zeros(5, dtype=torch.float16),
+        "c": torch.tensor(1.0, dtype=torch.float64),
+        "d": torch.zeros(0, 4),
+    }
+    manifest = ws.Manifest.of(tensors)
+    assert manifest.names == ["a", "b", "c", "d"]
+    assert all(spec.offset % 64 == 0 for spec in manifest.specs)
+    assert ws.Manifest.from_signature(manifest.signature).layout_id == manifest.layout_id
+    assert ws.Manifest.of({**tensors, "d": torch.zeros(0, 5)}).layout_id != manifest.layout_id
+    buffer = torch.zeros(manifest.nbytes, dtype=torch.uint8)
+    views = manifest.views(buffer)
+    for view, source in zip(views, manifest.ordered(tensors), strict=True):
+        assert view.shape == source.shape and view.dtype == source.dtype

@@ -1,0 +1,168 @@
+"""The sync facade (send / send_async / wait_async) and the async core, with real workers."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import anyio
+import pytest
+
+import weightsync as ws
+from conftest import Cluster
+from weightsync._facade import LOOP
+
+
+def test_send_async_then_wait_async(cluster: Cluster) -> None:
+    cluster.bump()
+    assert cluster.sender.send_async() is None
+    report = cluster.sender.wait_async()
+    for i in range(3):
+        cluster.assert_has(i, cluster.expected())
+        assert cluster.state(i)["applied"][-1] == report.version
+
+
+def test_blocking_rules_of_the_weight_sender_page(cluster: Cluster) -> None:
+    sender = cluster.sender
+    with pytest.raises(RuntimeError, match="wait_async"):
+        sender.wait_async()
+    sender.send_async()
+    with pytest.raises(RuntimeError, match="pending"):
+        sender.send_async()
+    with pytest.raises(RuntimeError, match="pending"):
+        sender.send()
+    sender.wait_async()
+    sender.send()  # usable again
+
+
+def test_wait_async_reraises_the_sends_error(cluster: Cluster) -> None:
+    bad = {k: v for k, v in cluster.expected().items() if k != "out.bias"}
+    cluster.sender.send_async(bad)
+    with pytest.raises(ws.WeightMismatchError):
+        cluster.sender.wait_async()
+    with pytest.raises(RuntimeError):
+        cluster.sender.wait_async()  # nothing pending any more
+
+
+def test_update_weights_is_send_to_all(cluster: Cluster) -> None:
+    cluster.bump()
+    cluster.sender.update_weights(cluster.model)
+    for i in range(3):
+        cluster.assert_has(i, cluster.expected())
+
+
+def test_scheme_send_goes_through_the_sender(cluster: Cluster) -> None:
+    cluster.bump()
+    report = cluster.scheme.send(worker_ids=[0, 2])
+    assert report is not None and report.worker_ids == (0, 2)
+    cluster.assert_has(2, cluster.expected())
+
+
+def test_blocking_call_from_a_thread_running_its_own_loop(cluster: Cluster) -> None:
+    cluster.bump()
+
+    async def notebook_cell() -> ws.SendReport:
+        return cluster.sender.send()  # blocks this loop's thread, as documented
+
+    report = asyncio.run(notebook_cell())
+    assert report.worker_ids == (0, 1, 2)
+    cluster.assert_has(1, cluster.expected())
+
+
+def test_blocking_call_from_the_library_loop_thread_raises(cluster: Cluster) -> None:
+    async def inside_the_loop() -> None:
+        cluster.sender.send()
+
+    with pytest.raises(RuntimeError, match="own event-loop thread"):
+        LOOP.call(inside_the_loop)
+    cluster.sender.send()
+
+
+def test_sends_from_several_threads_never_interleave(cluster: Cluster) -> None:
+    errors: list[BaseException] = []
+    done: list[int] = []
+
+    def trainer_thread() -> None:
+        for _ in range(5):
+            try:
+                done.append(cluster.sender.send().version)
+            except ws.WeightSyncStateError:
+                pass  # another thread's send was in progress: refused, not mixed
+            except BaseException as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=trainer_thread) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and done
+    last = cluster.sender.send().version
+    for i in range(3):
+        assert cluster.state(i)["applied"][-1] == last
+
+
+@pytest.mark.asyncio
+async def test_async_trainer_awaits_sends(make_cluster) -> None:
+    c = make_cluster(["net", "net"])
+    sender = c.scheme.get_async_sender()
+    for _ in range(3):
+        c.bump()
+        report = await sender.send()
+    assert report.worker_ids == (0, 1)
+    for i in range(2):
+        c.assert_has(i, c.expected())
+        assert c.state(i)["applied"][-1] == report.version
+
+
+@pytest.mark.asyncio
+async def test_a_send_does_not_block_the_event_loop(make_cluster) -> None:
+    c = make_cluster(["net"])
+    sender = c.scheme.get_async_sender()
+    await sender.send()
+    c.pause(0)
+    ticks = 0
+    report: list[ws.SendReport] = []
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not report:
+            ticks += 1
+            await anyio.sleep(0.005)
+
+    async def resume_later() -> None:
+        await anyio.sleep(0.5)
+        await anyio.to_thread.run_sync(c.resume, 0)
+
+    async def send() -> None:
+        c.bump()
+        report.append(await sender.send(timeout=10))
+
+    started = time.monotonic()
+    async with anyio.create_task_group() as group:
+        group.start_soon(ticker)
+        group.start_soon(resume_later)
+        group.start_soon(send)
+    assert time.monotonic() - started >= 0.5
+    assert ticks >= 30, f"the loop ran only {ticks} ticks during a 0.5 s send"
+    c.assert_has(0, c.expected())
+
+
+@pytest.mark.asyncio
+async def test_two_concurrent_async_sends_are_refused_not_mixed(make_cluster) -> None:
+    c = make_cluster(["net"])
+    sender = c.scheme.get_async_sender()
+    outcomes: list[object] = []
+
+    async def one() -> None:
+        try:
+            outcomes.append(await sender.send())
+        except ws.WeightSyncStateError as exc:
+            outcomes.append(exc)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(one)
+        group.start_soon(one)
+    assert sum(isinstance(o, ws.SendReport) for o in outcomes) == 1
+    assert sum(isinstance(o, ws.WeightSyncStateError) for o in outcomes) == 1

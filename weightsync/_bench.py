@@ -1,0 +1,893 @@
+"""The engine of ``weightsync bench``: time full sends, verify every one, and
+measure memcpy references of the same bytes in the same run.
+
+A run starts one pool of worker processes (spawn) and reuses it for every
+case: starting a process that imports torch costs seconds on a small machine,
+more than most cases. Each case still gets its own scheme, its own pipes and
+freshly built models, so no weightsync state crosses cases.
+
+For each case the trainer
+
+1. builds a generated MLP-like model of float32 tensors; each worker builds
+   one of the same layout holding zeros;
+2. warms up, then times ``scheme.send()``: the whole send, from the call until
+   every worker applied the version and its ack is in;
+3. after every send, outside the timed region, compares a CRC32 per tensor
+   that each worker computed over its own model with the trainer's; a
+   mismatch raises :class:`VerificationError`;
+4. changes one tensor of its model, so every send carries different bytes;
+5. times a single-threaded memcpy of the same bytes, and the floor of the
+   scheme's work: ``workers + 1`` memcpys (one into staging, one out per
+   worker) on two threads.
+
+Worker processes run torch single-threaded by default (``worker_threads``):
+several workers share the cores, and oversubscribed OpenMP threads measure the
+scheduler rather than the transport.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import platform
+import signal
+import statistics
+import time
+import traceback
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._exceptions import SenderLostError, WeightSyncError
+from ._schemes import MultiProcessWeightSyncScheme, WeightSyncScheme
+
+__all__ = [
+    "SCHEMES",
+    "BenchConfig",
+    "BenchError",
+    "BenchRun",
+    "Case",
+    "CaseResult",
+    "GeneratedMLP",
+    "SchemeInfo",
+    "VerificationError",
+    "WorkerPool",
+    "describe_machine",
+    "format_row",
+    "format_table",
+    "machine_facts",
+    "memcpy_floor_seconds",
+    "memcpy_seconds",
+    "mlp_shapes",
+    "model_nbytes",
+    "run_bench",
+    "run_case",
+    "table_header",
+    "tensor_checksums",
+]
+
+MIB = 1 << 20
+MODEL_ID = "bench"
+# How long a worker's receive() waits before it looks at its control pipe again.
+_RECEIVE_POLL = 0.05
+# Spawned workers import torch: allow for a slow start on a loaded machine.
+_STARTUP_TIMEOUT = 120.0
+
+
+# -- schemes ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SchemeInfo:
+    """A scheme the bench knows: its name on the command line, a one-line
+    summary for ``--help``, and how to build it with a send deadline."""
+
+    name: str
+    summary: str
+    factory: Callable[[float], WeightSyncScheme]
+
+
+def _multiprocess(timeout: float) -> WeightSyncScheme:
+    return MultiProcessWeightSyncScheme(timeout=timeout)
+
+
+# A new scheme joins the bench here. Every scheme is initialised the same way
+# (``pipes=`` on the trainer, ``pipe=`` on a worker); one that needs more
+# should grow this record rather than special-case the engine.
+SCHEMES: dict[str, SchemeInfo] = {
+    "multiprocess": SchemeInfo(
+        "multiprocess",
+        "MultiProcessWeightSyncScheme: control over pipes, bytes through one shared staging segment",
+        _multiprocess,
+    ),
+}
+
+
+# -- errors -------------------------------------------------------------------
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not complete: a worker died, failed or timed out,
+    or a send raised."""
+
+
+class VerificationError(BenchError):
+    """A worker's weights differ from the trainer's after a send."""
+
+
+# -- the model ----------------------------------------------------------------
+
+
+def mlp_shapes(nbytes: int, tensors: int) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of an MLP of float32 tensors holding about ``nbytes``
+    in exactly ``tensors`` tensors.
+
+    Layers are Linear-like pairs (``weight [out, in]``, ``bias [out]``); an
+    odd count ends with a weight alone. The total is within a few rows of
+    ``nbytes`` (shapes are whole numbers); use :func:`model_nbytes` for the
+    exact figure.
+
+    :raises ValueError: ``nbytes`` or ``tensors`` is not positive.
+    """
+    if nbytes <= 0 or tensors <= 0:
+        raise ValueError(f"nbytes and tensors must be positive, got {nbytes} and {tensors}")
+    pairs, lone = divmod(tensors, 2)
+    matrices = pairs + lone
+    per_matrix = max(nbytes // 4 // matrices, 2)  # elements per weight (+ its bias)
+    rows = max(math.isqrt(per_matrix), 1)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(pairs):
+        shapes[f"layers.{i}.weight"] = (rows, max((per_matrix - rows) // rows, 1))
+        shapes[f"layers.{i}.bias"] = (rows,)
+    if lone:
+        shapes[f"layers.{pairs}.weight"] = (rows, max(per_matrix // rows, 1))
+    return shapes
+
+
+def model_nbytes(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """Bytes of float32 tensors of these shapes."""
+    return sum(math.prod(shape) for shape in shapes.values()) * 4
+
+
+class _Layer(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+
+class GeneratedMLP(nn.Module):
+    """A model with the tensors of :func:`mlp_shapes`.
+
+    ``fill="zeros"`` (a worker) or ``"pattern"`` (the trainer: a ramp per
+    tensor, offset by its index, so a tensor read from the wrong place or
+    shifted within itself changes the checksum).
+    """
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], fill: str = "zeros") -> None:
+        super().__init__()
+        count = len({name.split(".")[1] for name in shapes})
+        made: list[torch.Tensor] = []
+
+        def tensor(name: str) -> torch.Tensor | None:
+            shape = shapes.get(name)
+            if shape is None:
+                return None
+            # zeros, not empty: every page is touched now, not inside a timed send.
+            t = torch.zeros(shape, dtype=torch.float32)
+            if fill == "pattern":
+                t.view(-1).copy_(torch.linspace(-1.0, 1.0, t.numel())).add_(len(made))
+            made.append(t)
+            return t
+
+        layers = []
+        for i in range(count):
+            weight = tensor(f"layers.{i}.weight")
+            assert weight is not None, "mlp_shapes names every layer's weight"
+            layers.append(_Layer(weight, tensor(f"layers.{i}.bias")))
+        self.layers = nn.ModuleList(layers)
+
+
+def tensor_checksums(tensors: Mapping[str, torch.Tensor]) -> list[int]:
+    """CRC32 of the bytes of each tensor, in name order.
+
+    Position-sensitive, so a shifted, swapped, torn or stale tensor is caught,
+    and several GB/s, so verifying every send stays cheap.
+    """
+    sums = []
+    for name in sorted(tensors):
+        flat = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8)
+        sums.append(zlib.crc32(memoryview(flat.numpy())))
+    return sums
+
+
+# -- memcpy references --------------------------------------------------------
+
+
+@contextmanager
+def _torch_threads(count: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` single-threaded ``copy_`` of ``nbytes``
+    between two preallocated ``uint8`` tensors (after one untimed copy).
+    Blocks for the copies; allocates ``2 * nbytes`` for the duration."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    times = []
+    with _torch_threads(1):
+        dst.copy_(src)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def memcpy_floor_seconds(nbytes: int, copies: int, repeats: int, threads: int = 2) -> list[float]:
+    """Seconds of each of ``repeats`` rounds of ``copies`` memcpys of ``nbytes``,
+    the bytes split evenly across ``threads`` threads (torch single-threaded in
+    each). With ``copies = workers + 1`` this is the least work a send through
+    one staging buffer can do on this machine. Blocks for the copies."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    bounds = [nbytes * k // threads for k in range(threads + 1)]
+    halves = [(src[a:b], dst[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+    def work(part: int) -> None:
+        source, target = halves[part]
+        for _ in range(copies):
+            target.copy_(source)
+
+    times = []
+    with _torch_threads(1), ThreadPoolExecutor(threads, thread_name_prefix="bench-memcpy") as pool:
+        list(pool.map(work, range(threads)))
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for future in [pool.submit(work, part) for part in range(threads)]:
+                future.result()
+            times.append(time.perf_counter() - start)
+    return times
+
+
+# -- cases and results ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration."""
+
+    scheme: str
+    size_mib: float
+    workers: int
+    tensors: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.size_mib * MIB)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run: every combination of schemes, sizes, worker counts and
+    tensor counts, each with ``warmup`` untimed and ``repeats`` timed sends.
+
+    ``timeout`` is each send's deadline (and how long to wait for a worker);
+    ``worker_threads`` is torch's thread count in the workers (None: torch's
+    default).
+    """
+
+    schemes: tuple[str, ...] = ("multiprocess",)
+    sizes_mib: tuple[float, ...] = (1.0, 16.0, 128.0)
+    workers: tuple[int, ...] = (1, 2, 4)
+    tensors: tuple[int, ...] = (8,)
+    repeats: int = 10
+    warmup: int = 2
+    timeout: float = 60.0
+    worker_threads: int | None = 1
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.schemes if s not in SCHEMES]
+        if unknown:
+            raise ValueError(f"unknown scheme(s) {unknown}; known: {sorted(SCHEMES)}")
+        checks = [
+            (all(s > 0 for s in self.sizes_mib), "sizes must be positive"),
+            (all(w >= 1 for w in self.workers), "worker counts must be at least 1"),
+            (all(t >= 1 for t in self.tensors), "tensor counts must be at least 1"),
+            (self.repeats >= 1, "repeats must be at least 1"),
+            (self.warmup >= 0, "warmup must not be negative"),
+            (self.timeout > 0, "timeout must be positive"),
+            (self.worker_threads is None or self.worker_threads >= 1, "worker threads must be at least 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if not (self.schemes and self.sizes_mib and self.workers and self.tensors):
+            raise ValueError("every list of schemes, sizes, workers and tensors needs a value")
+
+    def cases(self) -> list[Case]:
+        """Every combination, sizes outermost, so the big cases come last."""
+        return [
+            Case(scheme, size, workers, tensors)
+            for size in self.sizes_mib
+            for scheme in self.schemes
+            for tensors in self.tensors
+            for workers in self.workers
+        ]
+
+
+def _p90(samples: Sequence[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[max(math.ceil(0.9 * len(ordered)) - 1, 0)]
+
+
+@dataclass
+class CaseResult:
+    """The raw samples of one case, in seconds, and what they mean."""
+
+    case: Case
+    nbytes: int  # bytes of the model's tensors
+    packet_nbytes: int  # bytes a send moves, with alignment padding
+    send_s: list[float] = field(default_factory=list)  # timed around scheme.send()
+    report_s: list[float] = field(default_factory=list)  # SendReport.seconds of the same sends
+    memcpy_s: list[float] = field(default_factory=list)
+    floor_s: list[float] = field(default_factory=list)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.send_s)
+
+    @property
+    def p90_s(self) -> float:
+        return _p90(self.send_s)
+
+    @property
+    def gbps(self) -> float:
+        """Bytes per second (1e9) each worker receives at the median."""
+        return self.nbytes / self.median_s / 1e9
+
+    @property
+    def memcpy_median_s(self) -> float:
+        return statistics.median(self.memcpy_s)
+
+    @property
+    def floor_median_s(self) -> float:
+        return statistics.median(self.floor_s)
+
+    @property
+    def vs_memcpy(self) -> float:
+        return self.median_s / self.memcpy_median_s
+
+    @property
+    def vs_floor(self) -> float:
+        return self.median_s / self.floor_median_s
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "median_ms": self.median_s * 1e3,
+            "p90_ms": self.p90_s * 1e3,
+            "gbps_per_worker": self.gbps,
+            "memcpy_ms": self.memcpy_median_s * 1e3,
+            "floor_ms": self.floor_median_s * 1e3,
+            "vs_memcpy": self.vs_memcpy,
+            "vs_floor": self.vs_floor,
+        }
+
+
+@dataclass
+class BenchRun:
+    """A whole run: the configuration, the machine, and one result per case."""
+
+    config: BenchConfig
+    machine: dict[str, Any]
+    results: list[CaseResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "config": asdict(self.config),
+            "machine": self.machine,
+            "seconds": self.seconds,
+            "cases": [
+                {**asdict(r.case), "nbytes": r.nbytes, "packet_nbytes": r.packet_nbytes}
+                | r.summary()
+                | {
+                    "floor_copies": r.case.workers + 1,
+                    "samples": {
+                        "send_s": r.send_s,
+                        "report_s": r.report_s,
+                        "memcpy_s": r.memcpy_s,
+                        "floor_s": r.floor_s,
+                    },
+                }
+                for r in self.results
+            ],
+        }
+
+    def write_json(self, path: str) -> None:
+        """Write :meth:`to_json` to ``path``. :raises OSError: it cannot be written."""
+        with open(path, "w", encoding="utf-8") as out:
+            json.dump(self.to_json(), out, indent=1)
+            out.write("\n")
+
+
+# -- the machine --------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _event_loop() -> str:
+    choice = os.environ.get("WEIGHTSYNC_LOOP", "auto")
+    if choice == "asyncio":
+        return "asyncio"
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def machine_facts() -> dict[str, Any]:
+    """What the numbers depend on: CPU, cores, memory, versions, and the load
+    when called (other processes on the machine skew every timing)."""
+    from . import __version__
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count() or 0
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = 0
+    return {
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "memory_bytes": memory,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "weightsync": __version__,
+        "torch_threads": torch.get_num_threads(),
+        "event_loop": _event_loop(),
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+# -- worker processes -----------------------------------------------------------
+
+
+def _worker_main(
+    slot: int, ctrl: Connection, pipes: dict[int, Connection], threads: int | None
+) -> None:
+    """A bench worker: serves the cases the trainer starts over ``ctrl``.
+
+    Messages to the trainer: ("up", pid), ("ready",), ("applied", version,
+    checksums), ("ended",), ("failed", traceback).
+    """
+    # Ctrl-C reaches the whole process group; the trainer decides when the
+    # workers stop, so they finish cleanly instead of dying mid-case.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        ctrl.send(("up", os.getpid()))
+        while True:
+            try:
+                command = ctrl.recv()
+            except EOFError:
+                return  # the trainer is gone
+            if command[0] == "stop":
+                return
+            _, index, scheme, shapes, corrupt = command
+            pipe = pipes.pop(index)
+            try:
+                _serve_case(ctrl, pipe, scheme, shapes, corrupt)
+            finally:
+                pipe.close()
+    except BaseException:
+        try:
+            ctrl.send(("failed", traceback.format_exc()))
+        except OSError:
+            pass
+        raise
+    finally:
+        for pipe in pipes.values():
+            pipe.close()
+
+
+def _serve_case(
+    ctrl: Connection,
+    pipe: Connection,
+    scheme: WeightSyncScheme,
+    shapes: dict[str, tuple[int, ...]],
+    corrupt: bool,
+) -> None:
+    model = GeneratedMLP(shapes)
+    tensors = model.state_dict()
+    try:
+        scheme.init_on_worker(MODEL_ID, pipe=pipe, model=model)
+        ctrl.send(("ready",))
+        while True:
+            try:
+                version = scheme.receive(timeout=_RECEIVE_POLL)
+            except SenderLostError:
+                return  # the trainer shut its sender down: the case is over
+            if version is None:
+                continue
+            if corrupt:
+                # The testing hook: this worker's model now differs from what it applied.
+                with torch.no_grad():
+                    next(iter(tensors.values())).view(-1)[0] += 1.0
+            ctrl.send(("applied", version, tensor_checksums(tensors)))
+    finally:
+        scheme.shutdown()
+        ctrl.send(("ended",))
+
+
+class WorkerPool:
+    """The bench's worker processes, started once and reused by every case.
+
+    Each case gets its own pipes, created with the pool (a spawned process
+    receives pipes only at start). Use as a context manager: leaving it stops
+    and joins every worker, also after an error or Ctrl-C, killing any that
+    does not exit in time.
+    """
+
+    def __init__(
+        self,
+        cases: Sequence[Case],
+        *,
+        timeout: float,
+        worker_threads: int | None = 1,
+        corrupt_worker: int | None = None,
+    ) -> None:
+        self.cases = list(cases)
+        self.timeout = timeout
+        self.worker_threads = worker_threads
+        self.corrupt_worker = corrupt_worker
+        self.size = max(case.workers for case in self.cases)
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+        self._ctrls: list[Connection] = []
+        self._case_pipes: dict[int, list[Connection]] = {}
+        self._in_case: list[int] = []
+        self._broken = False
+
+    def __enter__(self) -> WorkerPool:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Spawn the workers and block until each is up.
+
+        :raises BenchError: a worker died or did not start in time.
+        """
+        theirs: list[dict[int, Connection]] = [{} for _ in range(self.size)]
+        for index, case in enumerate(self.cases):
+            ours = []
+            for slot in range(case.workers):
+                mine, other = self._ctx.Pipe()
+                ours.append(mine)
+                theirs[slot][index] = other
+            self._case_pipes[index] = ours
+        try:
+            for slot in range(self.size):
+                ctrl, child_ctrl = self._ctx.Pipe()
+                self._ctrls.append(ctrl)
+                proc = self._ctx.Process(
+                    target=_worker_main,
+                    args=(slot, child_ctrl, theirs[slot], self.worker_threads),
+                    name=f"weightsync-bench-worker-{slot}",
+                    daemon=True,  # a safety net: never outlive the trainer
+                )
+                try:
+                    proc.start()
+                finally:
+                    child_ctrl.close()
+                self._procs.append(proc)
+        finally:
+            # The workers hold their own ends now (or never will).
+            for pipes in theirs:
+                for conn in pipes.values():
+                    conn.close()
+        deadline = time.monotonic() + max(self.timeout, _STARTUP_TIMEOUT)
+        for slot in range(self.size):
+            self._expect(slot, "up", deadline)
+
+    def pipes(self, index: int) -> list[Connection]:
+        """The trainer's ends of case ``index``'s pipes, one per worker."""
+        return self._case_pipes[index]
+
+    def _expect(self, slot: int, kind: str, deadline: float) -> tuple[Any, ...]:
+        """The next message of ``kind`` from worker ``slot``, skipping older ones.
+
+        :raises BenchError: the worker failed, died or was silent until the deadline.
+        """
+        ctrl, proc = self._ctrls[slot], self._procs[slot]
+        while True:
+            ready = mp.connection.wait([ctrl, proc.sentinel], timeout=max(deadline - time.monotonic(), 0))
+            if not ready:
+                self._broken = True
+                raise BenchError(f"bench worker {slot} (pid {proc.pid}) sent no {kind!r} before the deadline")
+            # A worker's last words arrive with its exit: read the pipe first.
+            if ctrl in ready:
+                try:
+                    message = ctrl.recv()
+                except (EOFError, OSError):
+                    pass  # it exited; its exit code says more
+                else:
+                    if message[0] == "failed":
+                        self._broken = True
+                        raise BenchError(f"bench worker {slot} failed:\n{message[1]}")
+                    if message[0] == kind:
+                        return tuple(message)
+                    continue
+            self._broken = True
+            proc.join(5)
+            raise BenchError(f"bench worker {slot} (pid {proc.pid}) exited with code {proc.exitcode}")
+
+    def start_case(self, index: int, scheme: WeightSyncScheme, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Have the case's workers build their models and initialise ``scheme``;
+        block until each is ready.
+
+        :raises BenchError: a worker failed, died or did not get ready in time.
+        """
+        workers = self.cases[index].workers
+        for slot in range(workers):
+            corrupt = slot == self.corrupt_worker
+            self._ctrls[slot].send(("case", index, scheme, shapes, corrupt))
+            self._in_case.append(slot)
+        deadline = time.monotonic() + self.timeout
+        for slot in range(workers):
+            self._expect(slot, "ready", deadline)
+
+    def verify(self, version: int, names: Sequence[str], expected: Sequence[int]) -> None:
+        """Block until every worker of the case reported its checksums after
+        ``version``, and compare them with ``expected`` (the trainer's).
+
+        :raises VerificationError: a worker holds other weights, or another version.
+        :raises BenchError: a worker failed, died or did not report in time.
+        """
+        deadline = time.monotonic() + self.timeout
+        for slot in self._in_case:
+            _, got_version, got = self._expect(slot, "applied", deadline)
+            if got_version != version:
+                raise VerificationError(
+                    f"worker {slot} reported applying version {got_version} after send {version}"
+                )
+            if list(got) != list(expected):
+                wrong = [n for n, a, b in zip(names, got, expected, strict=True) if a != b]
+                raise VerificationError(
+                    f"worker {slot} does not hold the trainer's weights after version {version}: "
+                    f"{len(wrong)} of {len(names)} tensors differ (first: {wrong[0]!r}, "
+                    f"crc32 {got[names.index(wrong[0])]:#010x} != {expected[names.index(wrong[0])]:#010x})"
+                )
+
+    def end_case(self) -> None:
+        """After the trainer's scheme is shut down: block until the case's
+        workers closed their side, then close the case's pipes.
+
+        :raises BenchError: a worker failed, died or did not end in time.
+        """
+        slots, self._in_case = self._in_case, []
+        deadline = time.monotonic() + self.timeout
+        for slot in slots:
+            self._expect(slot, "ended", deadline)
+
+    def close_pipes(self, index: int) -> None:
+        for conn in self._case_pipes.pop(index, []):
+            conn.close()
+
+    def close(self) -> None:
+        """Stop and join every worker, killing those that do not exit in
+        time; close every pipe. Idempotent; blocks at most a few seconds
+        per worker."""
+        for ctrl, proc in zip(self._ctrls, self._procs, strict=False):
+            if proc.is_alive():
+                try:
+                    ctrl.send(("stop",))
+                except OSError:
+                    pass
+        grace = 1.0 if self._broken else 10.0
+        for proc in self._procs:
+            proc.join(grace)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2)
+            if proc.exitcode is not None:
+                proc.close()
+        self._procs = []
+        for ctrl in self._ctrls:
+            ctrl.close()
+        self._ctrls = []
+        for index in list(self._case_pipes):
+            self.close_pipes(index)
+
+
+# -- running --------------------------------------------------------------------
+
+
+def _change(tensors: Sequence[torch.Tensor], step: int) -> None:
+    """Make the next send carry new bytes: add 1 to one tensor, a different
+    one each time."""
+    with torch.no_grad():
+        tensors[step % len(tensors)].add_(1.0)
+
+
+def run_case(pool: WorkerPool, index: int, config: BenchConfig) -> CaseResult:
+    """Run case ``index`` of ``pool`` (see the module docstring). Blocks for
+    the whole case; the scheme is shut down and the workers' side closed
+    before it returns or raises.
+
+    :raises VerificationError: a worker's weights differ from the trainer's.
+    :raises BenchError: a send failed, or a worker failed, died or timed out.
+    """
+    case = pool.cases[index]
+    shapes = mlp_shapes(case.nbytes, case.tensors)
+    model = GeneratedMLP(shapes, fill="pattern")
+    named = dict(sorted(model.state_dict().items()))
+    names = list(named)
+    tensors = list(named.values())
+    scheme = SCHEMES[case.scheme].factory(config.timeout)
+    result = CaseResult(case, model_nbytes(shapes), 0)
+    try:
+        scheme.init_on_sender(MODEL_ID, pipes=pool.pipes(index), model=model)
+        pool.start_case(index, scheme, shapes)
+        sender = scheme.get_sender()
+        sender.connect(timeout=config.timeout)
+        for step in range(config.warmup + config.repeats):
+            _change(tensors, step)
+            start = time.perf_counter()
+            report = sender.send()
+            elapsed = time.perf_counter() - start
+            pool.verify(report.version, names, tensor_checksums(named))
+            if step >= config.warmup:
+                result.send_s.append(elapsed)
+                result.report_s.append(report.seconds)
+            result.packet_nbytes = report.nbytes
+    except WeightSyncError as exc:
+        raise BenchError(f"{case.scheme} send of {case.size_mib:g} MiB to {case.workers} worker(s): {exc}") from exc
+    finally:
+        try:
+            scheme.shutdown()
+        finally:
+            try:
+                pool.end_case()
+            finally:
+                pool.close_pipes(index)
+    del model, named, tensors
+    # The references run with the workers idle, in the same process and run.
+    refs = max(config.repeats, 5)
+    result.memcpy_s = memcpy_seconds(result.nbytes, refs)
+    result.floor_s = memcpy_floor_seconds(result.nbytes, case.workers + 1, refs)
+    return result
+
+
+def run_bench(
+    config: BenchConfig,
+    *,
+    on_result: Callable[[CaseResult], None] | None = None,
+    corrupt_worker: int | None = None,
+) -> BenchRun:
+    """Run every case of ``config`` with one pool of workers. Blocks for the
+    whole run; every worker is joined and every scheme shut down before it
+    returns or raises (Ctrl-C included).
+
+    ``on_result`` is called after each case. ``corrupt_worker`` is a testing
+    hook: that worker changes its model after each update it applies, so
+    verification must fail.
+
+    :raises VerificationError: a worker's weights differ from the trainer's.
+    :raises BenchError: a send failed, or a worker failed, died or timed out.
+    """
+    started = time.perf_counter()
+    run = BenchRun(config, machine_facts())
+    cases = config.cases()
+    with WorkerPool(
+        cases, timeout=config.timeout, worker_threads=config.worker_threads, corrupt_worker=corrupt_worker
+    ) as pool:
+        for index in range(len(cases)):
+            result = run_case(pool, index, config)
+            run.results.append(result)
+            if on_result is not None:
+                on_result(result)
+    run.seconds = time.perf_counter() - started
+    run.machine["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return run
+
+
+# -- the table ------------------------------------------------------------------
+
+_COLUMNS = (
+    ("scheme", 12, "s"),
+    ("MiB", 8, ".2f"),
+    ("workers", 7, "d"),
+    ("tensors", 7, "d"),
+    ("median ms", 10, ".3f"),
+    ("p90 ms", 9, ".3f"),
+    ("GB/s/wkr", 8, ".2f"),
+    ("memcpy ms", 9, ".3f"),
+    ("x memcpy", 8, ".2f"),
+    ("floor ms", 9, ".3f"),
+    ("x floor", 7, ".2f"),
+)
+
+
+def table_header() -> str:
+    """The table's header line and rule."""
+    head = "  ".join(f"{name:<{w}}" if fmt == "s" else f"{name:>{w}}" for name, w, fmt in _COLUMNS)
+    return head + "\n" + "-" * len(head)
+
+
+def format_row(result: CaseResult) -> str:
+    """One case as a table row: medians of its samples and their ratios."""
+    r = result
+    values = (
+        r.case.scheme,
+        r.nbytes / MIB,
+        r.case.workers,
+        r.case.tensors,
+        r.median_s * 1e3,
+        r.p90_s * 1e3,
+        r.gbps,
+        r.memcpy_median_s * 1e3,
+        r.vs_memcpy,
+        r.floor_median_s * 1e3,
+        r.vs_floor,
+    )
+    return "  ".join(
+        f"{v:<{w}{fmt}}" if fmt == "s" else f"{v:>{w}{fmt}}" for (_, w, fmt), v in zip(_COLUMNS, values, strict=True)
+    )
+
+
+def format_table(results: Sequence[CaseResult]) -> str:
+    """The whole table."""
+    return "\n".join([table_header(), *(format_row(r) for r in results)])
+
+
+def describe_machine(facts: Mapping[str, Any]) -> str:
+    """One line of the facts that matter when reading the table."""
+    load = facts.get("loadavg")
+    return (
+        f"{facts['cpu_model']}, {facts['cpus_usable']} cpus, {facts['memory_bytes'] / 2**30:.1f} GiB; "
+        f"python {facts['python']}, torch {facts['torch']}, weightsync {facts['weightsync']}, "
+        f"{facts['event_loop']} loop"
+        + (f"; load {load[0]:.2f}" if load else "")
+    )
