@@ -27,7 +27,9 @@ _DEFAULTS = BenchConfig()
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weightsync", description="Move model weights from a trainer to its workers.")
+    parser = argparse.ArgumentParser(
+        prog="weightsync", description="Move model weights from a trainer to its workers."
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     known = "\n".join(f"  {info.name:<14} {info.summary}" for info in SCHEMES.values())
     bench = commands.add_parser(
@@ -58,8 +60,12 @@ def _parser() -> argparse.ArgumentParser:
         "--tensors", nargs="+", type=int, default=list(_DEFAULTS.tensors), metavar="N",
         help="numbers of tensors the bytes are split into (default: %(default)s)",
     )
-    bench.add_argument("--repeats", type=int, default=_DEFAULTS.repeats, help="timed sends per case (default: %(default)s)")
-    bench.add_argument("--warmup", type=int, default=_DEFAULTS.warmup, help="untimed sends first (default: %(default)s)")
+    bench.add_argument(
+        "--repeats", type=int, default=_DEFAULTS.repeats, help="timed sends per case (default: %(default)s)"
+    )
+    bench.add_argument(
+        "--warmup", type=int, default=_DEFAULTS.warmup, help="untimed sends first (default: %(default)s)"
+    )
     bench.add_argument(
         "--timeout", type=float, default=_DEFAULTS.timeout,
         help="deadline of each send, and of each wait for a worker, in seconds (default: %(default)s)",
