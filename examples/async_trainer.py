@@ -52,8 +52,11 @@ async def train(scheme: ws.MultiProcessWeightSyncScheme, policy: nn.Module, step
         optimizer.step()
         report = await sender.send()  # returns when every worker applied it
         if step % 5 == 0:
-            print(f"step {step}: version {report.version} on workers {report.worker_ids} "
-                  f"in {report.seconds * 1e3:.2f} ms", flush=True)
+            print(
+                f"step {step}: version {report.version} on workers {report.worker_ids} "
+                f"in {report.seconds * 1e3:.2f} ms",
+                flush=True,
+            )
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -11,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
+from _workers import build_model, worker_main
 
 import weightsync as ws
-from _workers import build_model, worker_main
 
 SPAWN = mp.get_context("spawn")
 READY_TIMEOUT = 90.0
@@ -106,10 +107,8 @@ class Cluster:
     def close(self) -> None:
         for i, proc in enumerate(self.procs):
             if proc.is_alive():
-                try:
+                with contextlib.suppress(OSError):
                     self.ctrls[i].send("stop")
-                except OSError:
-                    pass
         for proc in self.procs:
             proc.join(20)
             if proc.is_alive():

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
+from _workers import build_model
 from tensordict import TensorDict
 from torch import nn
 
 import weightsync as ws
-from _workers import build_model
 
 
 def test_public_names_are_exactly_all() -> None:
@@ -163,7 +163,7 @@ def test_strategy_rejects_a_mismatch_before_writing_anything() -> None:
     snapshot = {k: v.clone() for k, v in target.state_dict().items()}
     weights = dict(source.state_dict())
     weights["out.weight"] = torch.zeros(2, 2)
-    with pytest.raises(ws.WeightMismatchError, match="out.weight"):
+    with pytest.raises(ws.WeightMismatchError, match=r"out\.weight"):
         ws.WeightStrategy("state_dict").apply_weights(target, weights)
     for name, value in target.state_dict().items():
         assert torch.equal(value, snapshot[name])

@@ -6,10 +6,10 @@ import multiprocessing as mp
 import time
 
 import pytest
-
-import weightsync as ws
 from _workers import build_model, trainer_then_die
 from conftest import Cluster, fd_baseline, open_fds, shm_entries, weightsync_threads
+
+import weightsync as ws
 
 
 def _wait_for(predicate, timeout: float = 10.0) -> bool:

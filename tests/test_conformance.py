@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
+from conftest import Cluster
 from tensordict import TensorDict
 
 import weightsync as ws
-from conftest import Cluster
 
 
 def test_send_reaches_every_worker_in_place(cluster: Cluster) -> None:
@@ -97,9 +97,9 @@ def test_mismatched_weights_touch_no_worker(cluster: Cluster, defect: str) -> No
 
 def test_invalid_values_are_rejected(cluster: Cluster) -> None:
     sd = cluster.expected()
-    with pytest.raises(ws.InvalidWeightsError, match="out.bias"):
+    with pytest.raises(ws.InvalidWeightsError, match=r"out\.bias"):
         cluster.sender.send({**sd, "out.bias": [1.0, 2.0]})
-    with pytest.raises(ws.InvalidWeightsError, match="sparse|layout"):
+    with pytest.raises(ws.InvalidWeightsError, match=r"sparse|layout"):
         cluster.sender.send({**sd, "out.bias": sd["out.bias"].to_sparse()})
     with pytest.raises(ws.InvalidWeightsError, match="meta"):
         cluster.sender.send({**sd, "out.bias": torch.empty(4, device="meta")})

@@ -8,9 +8,9 @@ import time
 
 import anyio
 import pytest
+from conftest import Cluster
 
 import weightsync as ws
-from conftest import Cluster
 from weightsync._facade import LOOP
 
 

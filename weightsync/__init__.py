@@ -4,7 +4,6 @@ were applied.
 Importing weightsync has no side effects and never imports ray.
 """
 
-
 # Errors
 from ._exceptions import (
     AckTimeoutError,

@@ -13,6 +13,7 @@ The loop runs on uvloop when uvloop is installed, unless the environment sets
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 from collections.abc import Awaitable, Callable, Iterable
@@ -219,10 +220,8 @@ class WeightSender:
             return
         self._closed = True
         if self._pending is not None:
-            try:
+            with contextlib.suppress(BaseException):
                 self._pending.result()
-            except BaseException:  # noqa: BLE001 - shutting down regardless
-                pass
             self._pending = None
         try:
             LOOP.call(self._sender.aclose)

@@ -88,9 +88,7 @@ class Manifest:
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Typed views of each tensor's slice of a flat ``uint8`` buffer."""
-        return [
-            buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.specs
-        ]
+        return [buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.specs]
 
     def check_matches(self, other: Manifest, *, model_id: str | None, where: str) -> None:
         """Raise :class:`WeightMismatchError` unless ``other`` has this layout."""

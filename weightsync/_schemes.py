@@ -156,8 +156,10 @@ class WeightSyncScheme:
         transports, shared = self._sender_side(context, kwargs)
         self._sender_transports = transports
         self._shared_transport = shared
-        source = context if context is not None else (
-            types.SimpleNamespace(model=self._model) if self._model is not None else None
+        source = (
+            context
+            if context is not None
+            else (types.SimpleNamespace(model=self._model) if self._model is not None else None)
         )
         self._sender = WeightSender(
             AsyncWeightSender(
@@ -249,8 +251,10 @@ class WeightSyncScheme:
     ) -> Any:
         """Extract ``weights`` (None: the context's model) in ``strategy``'s form."""
         if weights is None and context is None:
-            context = self._context if self._context is not None else (
-                types.SimpleNamespace(model=self._model) if self._model is not None else None
+            context = (
+                self._context
+                if self._context is not None
+                else (types.SimpleNamespace(model=self._model) if self._model is not None else None)
             )
         return strategy.extract_weights(weights, context=context, model_id=model_id)
 

@@ -15,6 +15,7 @@ Layout: a 64-byte header, then the data::
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -40,9 +41,7 @@ class Segment:
     overwrote the data meanwhile and the copy must be discarded.
     """
 
-    def __init__(
-        self, fd: int, nbytes: int, mapping: mmap.mmap, token: bytes, *, owner: bool
-    ) -> None:
+    def __init__(self, fd: int, nbytes: int, mapping: mmap.mmap, token: bytes, *, owner: bool) -> None:
         self.fd = fd
         self.nbytes = nbytes
         self.token = token
@@ -108,10 +107,9 @@ class Segment:
         self.data = None
         mapping, self._mmap = self._mmap, None
         if mapping is not None:
-            try:
+            # A view still alive keeps the mapping; it goes when the view does.
+            with contextlib.suppress(BufferError):
                 mapping.close()
-            except BufferError:
-                pass  # a view is still alive; the mapping goes with it
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

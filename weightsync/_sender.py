@@ -101,7 +101,9 @@ class AsyncWeightSender:
         self.version += 1
         return Packet(self.version, manifest, manifest.ordered(tensors))
 
-    async def connect(self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None) -> None:
+    async def connect(
+        self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None
+    ) -> None:
         """Wait until the targeted workers have announced themselves.
 
         :raises WorkerError: naming every worker that died or did not show up in time.

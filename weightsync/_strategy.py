@@ -71,9 +71,7 @@ def _flatten_mapping(
             out[name] = _check_tensor(name, value, model_id)
 
 
-def flat_weights(
-    source: Any, *, context: Any = None, model_id: str | None = None
-) -> dict[str, torch.Tensor]:
+def flat_weights(source: Any, *, context: Any = None, model_id: str | None = None) -> dict[str, torch.Tensor]:
     """Reduce a weights source to ``{dotted name: detached tensor}``.
 
     ``source`` may be None (read the model from ``context``), an ``nn.Module``,
@@ -134,13 +132,10 @@ def check_same_layout(
     wrong = [
         f"{n}: {tuple(weights[n].shape)} {weights[n].dtype} vs {tuple(model[n].shape)} {model[n].dtype}"
         for n in weights
-        if n in model
-        and (weights[n].shape != model[n].shape or weights[n].dtype != model[n].dtype)
+        if n in model and (weights[n].shape != model[n].shape or weights[n].dtype != model[n].dtype)
     ]
     if missing or extra or wrong:
-        raise WeightMismatchError(
-            describe_mismatch(missing, extra, wrong, where=where), model_id=model_id
-        )
+        raise WeightMismatchError(describe_mismatch(missing, extra, wrong, where=where), model_id=model_id)
 
 
 def describe_mismatch(missing: list[str], extra: list[str], wrong: list[str], *, where: str) -> str:
@@ -162,9 +157,7 @@ class WeightStrategy:
 
     def __init__(self, extract_as: StrategyName = "tensordict") -> None:
         if extract_as not in ("state_dict", "tensordict"):
-            raise ValueError(
-                f"unknown strategy {extract_as!r}; expected 'state_dict' or 'tensordict'"
-            )
+            raise ValueError(f"unknown strategy {extract_as!r}; expected 'state_dict' or 'tensordict'")
         self.extract_as: StrategyName = extract_as
 
     def __repr__(self) -> str:

@@ -89,9 +89,7 @@ class StagingArea:
 class MPSenderTransport:
     """The sender's channel to one worker process, over the user's pipe."""
 
-    def __init__(
-        self, pipe: Connection, worker_id: int, staging: StagingArea, model_id: str | None
-    ) -> None:
+    def __init__(self, pipe: Connection, worker_id: int, staging: StagingArea, model_id: str | None) -> None:
         self.worker_id = worker_id
         self.model_id = model_id
         self._staging = staging
@@ -180,7 +178,9 @@ class MPReceiverTransport:
         self._closed = False
 
     def _lost(self, reason: str) -> SenderLostError:
-        return SenderLostError(f"the sender of model {self.model_id!r} is gone: {reason}", model_id=self.model_id)
+        return SenderLostError(
+            f"the sender of model {self.model_id!r} is gone: {reason}", model_id=self.model_id
+        )
 
     async def announce(self, manifest: Manifest) -> None:
         await self._channel.send(("hello", self.model_id, os.getpid(), manifest.signature))
