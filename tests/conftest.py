@@ -189,7 +189,7 @@ def fd_baseline() -> set[int]:
 
     LOOP.acquire()
     try:
-        LOOP.call(anyio.sleep, 0)
+        LOOP.portal().call(anyio.sleep, 0)
     finally:
         LOOP.release()
     return open_fds()

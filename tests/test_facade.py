@@ -75,7 +75,7 @@ def test_blocking_call_from_the_library_loop_thread_raises(cluster: Cluster) -> 
         cluster.sender.send()
 
     with pytest.raises(RuntimeError, match="own event-loop thread"):
-        LOOP.call(inside_the_loop)
+        LOOP.portal().call(inside_the_loop)
     cluster.sender.send()
 
 

@@ -1,5 +1,5 @@
 """The library's loop thread runs on uvloop when installed, on asyncio's loop
-otherwise (WEIGHTSYNC_LOOP=asyncio), and sends work on both."""
+otherwise (WEIGHTSYNC_LOOP=asyncio), and background sends work on both."""
 
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ def test_the_loop_thread_runs_on_the_chosen_loop(
         async def loop_type() -> str:
             return type(asyncio.get_running_loop()).__module__
 
-        assert LOOP.call(loop_type).startswith(loop_module)
+        assert LOOP.portal().call(loop_type).startswith(loop_module)
         c.bump()
-        c.sender.send()
+        c.sender.send_async()  # runs on the loop thread
+        c.sender.wait_async()
         c.assert_has(0, c.expected())
     finally:
         c.close()

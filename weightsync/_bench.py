@@ -80,8 +80,9 @@ __all__ = [
 
 MIB = 1 << 20
 MODEL_ID = "bench"
-# How long a worker's receive() waits before it looks at its control pipe again.
-_RECEIVE_POLL = 0.05
+# How long one receive() of a bench worker waits. An update or the sender's
+# shutdown ends the wait at once, so this only bounds an idle loop.
+_RECEIVE_POLL = 1.0
 # Spawned workers import torch: allow for a slow start on a loaded machine.
 _STARTUP_TIMEOUT = 120.0
 
@@ -135,9 +136,9 @@ def mlp_shapes(nbytes: int, tensors: int) -> dict[str, tuple[int, ...]]:
     in exactly ``tensors`` tensors.
 
     Layers are Linear-like pairs (``weight [out, in]``, ``bias [out]``); an
-    odd count ends with a weight alone. The total is within a few rows of
-    ``nbytes`` (shapes are whole numbers); use :func:`model_nbytes` for the
-    exact figure.
+    odd count ends with a weight alone. Row counts are powers of two, so a
+    power-of-two size comes out exact; otherwise the total is within a few
+    rows of ``nbytes`` (use :func:`model_nbytes` for the exact figure).
 
     :raises ValueError: ``nbytes`` or ``tensors`` is not positive.
     """
@@ -146,7 +147,7 @@ def mlp_shapes(nbytes: int, tensors: int) -> dict[str, tuple[int, ...]]:
     pairs, lone = divmod(tensors, 2)
     matrices = pairs + lone
     per_matrix = max(nbytes // 4 // matrices, 2)  # elements per weight (+ its bias)
-    rows = max(math.isqrt(per_matrix), 1)
+    rows = 1 << (max(math.isqrt(per_matrix), 1).bit_length() - 1)
     shapes: dict[str, tuple[int, ...]] = {}
     for i in range(pairs):
         shapes[f"layers.{i}.weight"] = (rows, max((per_matrix - rows) // rows, 1))

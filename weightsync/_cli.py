@@ -119,6 +119,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except OSError as exc:
             print(f"weightsync bench: cannot write {args.json}: {exc}", file=sys.stderr)
             return 1
+        print(f"raw samples and machine facts: {args.json}")
     return 0
 
 

@@ -130,6 +130,11 @@ class ProcessWatch:
         except (AttributeError, OSError):
             self._pidfd = None
 
+    @property
+    def fd(self) -> int | None:
+        """A descriptor that becomes readable when the process exits, if any."""
+        return self._pidfd
+
     def alive(self) -> bool:
         if self._pidfd is not None:
             readable, _, _ = select.select([self._pidfd], [], [], 0)

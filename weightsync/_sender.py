@@ -190,29 +190,36 @@ class AsyncWeightSender:
         failures: dict[int, WorkerError],
         what: str,
     ) -> None:
-        """Run ``step(transport)`` for every target concurrently, each under the
-        deadline; a failing worker never cancels the others."""
+        """Run ``step(transport)`` for every target concurrently, all under the
+        deadline; a failing worker never cancels the others. A target that
+        neither finished nor failed by the deadline gets an AckTimeoutError."""
+        done: set[int] = set()
 
         async def one(wid: int) -> None:
             try:
-                with anyio.fail_after(max(deadline - anyio.current_time(), 0)):
-                    await step(self.transports[wid])
-            except TimeoutError:
+                await step(self.transports[wid])
+                done.add(wid)
+            except WorkerError as exc:
+                failures[wid] = exc
+
+        # One cancel scope for the whole fan-out: the deadline is the same for
+        # every worker, and a scope per worker costs more than the send itself
+        # for small models.
+        with anyio.move_on_after(max(deadline - anyio.current_time(), 0)):
+            if len(targets) == 1:
+                await one(targets[0])
+            else:
+                async with anyio.create_task_group() as group:
+                    for wid in targets:
+                        group.start_soon(one, wid)
+        for wid in targets:
+            if wid not in done and wid not in failures:
                 failures[wid] = AckTimeoutError(
                     f"worker {wid} (model {self.model_id!r}) did not {what} before the deadline",
                     worker_id=wid,
                     model_id=self.model_id,
                     version=self.version,
                 )
-            except WorkerError as exc:
-                failures[wid] = exc
-
-        if len(targets) == 1:
-            await one(targets[0])
-            return
-        async with anyio.create_task_group() as group:
-            for wid in targets:
-                group.start_soon(one, wid)
 
     def _check_open(self) -> None:
         if self._closed:

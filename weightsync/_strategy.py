@@ -65,7 +65,8 @@ def _flatten_mapping(
 ) -> None:
     for key, value in mapping.items():
         name = f"{prefix}{key}"
-        if isinstance(value, Mapping | TensorDictBase):
+        # Tensors first: the common case, and a cheaper check than the ABCs.
+        if not isinstance(value, torch.Tensor) and isinstance(value, Mapping | TensorDictBase):
             _flatten_mapping(value, name + ".", out, model_id)
         else:
             out[name] = _check_tensor(name, value, model_id)

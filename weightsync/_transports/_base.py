@@ -9,6 +9,7 @@ scopes: a transport only has to be cancellable.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -16,7 +17,12 @@ import torch
 
 from .._packet import Manifest, Packet
 
-__all__ = ["ReceiverTransport", "SenderTransport", "SharedTransport", "Update"]
+__all__ = ["ReceiverTransport", "SenderTransport", "SharedTransport", "Update", "caller_is_blocked"]
+
+#: True while the coroutine runs on a private loop whose caller is blocked
+#: waiting for it: a transport may then do long copies inline instead of in a
+#: worker thread, since nothing else runs on that loop.
+caller_is_blocked: ContextVar[bool] = ContextVar("weightsync_caller_is_blocked", default=False)
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,15 @@ import torch
 from .._exceptions import SenderLostError, WorkerApplyError, WorkerLostError
 from .._packet import Manifest, Packet
 from .._segment import Segment
-from ._base import Update
+from ._base import Update, caller_is_blocked
 from ._pipe import PipeChannel
 
 __all__ = ["MPReceiverTransport", "MPSenderTransport", "StagingArea"]
 
 # Below this size the copy into staging runs inline: a thread hop would cost
-# more than the copy. Above it the copy runs in a worker thread so the event
-# loop stays responsive.
+# more than the copy. Above it the copy runs in a worker thread so an event
+# loop shared with other tasks stays responsive (not needed on a private loop
+# whose caller is blocked anyway).
 _INLINE_COPY_BYTES = 1 << 20
 
 
@@ -68,7 +69,7 @@ class StagingArea:
 
     async def stage(self, packet: Packet) -> None:
         views = self._ensure(packet.manifest)
-        if packet.nbytes <= _INLINE_COPY_BYTES:
+        if packet.nbytes <= _INLINE_COPY_BYTES or caller_is_blocked.get():
             self._write(packet, views)
         else:
             # Not cancellable mid-copy: an abandoned copy would race the next one.
@@ -204,10 +205,14 @@ class MPReceiverTransport:
             latest = self._handle(message, latest)
         if latest is not None:
             return latest
-        deadline = anyio.current_time() + timeout
-        while latest is None:
-            remaining = deadline - anyio.current_time()
-            message = await self._channel.recv(max(remaining, 0.0))
+        if timeout <= 0:
+            return None
+        message = await self._channel.recv(timeout)
+        if message is None:
+            return None
+        latest = self._handle(message, latest)
+        while latest is None:  # a segment descriptor comes just before its update
+            message = await self._channel.recv(timeout)
             if message is None:
                 return None
             latest = self._handle(message, latest)
