@@ -16,9 +16,9 @@ For each case the trainer
    that each worker computed over its own model with the trainer's; a
    mismatch raises :class:`VerificationError`;
 4. changes one tensor of its model, so every send carries different bytes;
-5. times a single-threaded memcpy of the same bytes, and the floor of the
-   scheme's work: ``workers + 1`` memcpys (one into staging, one out per
-   worker) on up to two threads.
+5. times, half before the sends and half after, a single-threaded memcpy of
+   the same bytes and the floor of the scheme's work: ``workers + 1`` memcpys
+   (one into staging, one out per worker) on up to two threads.
 
 Worker processes run torch single-threaded by default (``worker_threads``):
 several workers share the cores, and oversubscribed OpenMP threads measure the
@@ -795,11 +795,15 @@ def run_case(pool: WorkerPool, index: int, config: BenchConfig) -> CaseResult:
     tensors = list(named.values())
     scheme = SCHEMES[case.scheme].factory(config.timeout)
     result = CaseResult(case, model_nbytes(shapes), 0)
+    refs = max(config.repeats, 6)
     try:
         scheme.init_on_sender(MODEL_ID, pipes=pool.pipes(index), model=model)
         pool.start_case(index, scheme, shapes)
         sender = scheme.get_sender()
         sender.connect(timeout=config.timeout)
+        # Half the references before the sends and half after, so a change
+        # in the machine's load meanwhile hits sends and references alike.
+        _measure_references(result, refs // 2)
         for step in range(config.warmup + config.repeats):
             _change(tensors, step)
             start = time.perf_counter()
@@ -823,11 +827,19 @@ def run_case(pool: WorkerPool, index: int, config: BenchConfig) -> CaseResult:
             finally:
                 pool.close_pipes(index)
     del model, named, tensors
-    # The references run with the workers idle, in the same process and run.
-    refs = max(config.repeats, 5)
-    result.memcpy_s = memcpy_seconds(result.nbytes, refs)
-    result.floor_serial_s, result.floor_split_s = floor_seconds(result.nbytes, case.workers + 1, refs)
+    _measure_references(result, refs - refs // 2)
     return result
+
+
+def _measure_references(result: CaseResult, repeats: int) -> None:
+    """Add ``repeats`` samples of each memcpy reference of ``result``'s case.
+    They run in the trainer process while the workers wait for an update."""
+    if repeats <= 0:
+        return
+    result.memcpy_s += memcpy_seconds(result.nbytes, repeats)
+    serial, split = floor_seconds(result.nbytes, result.case.workers + 1, repeats)
+    result.floor_serial_s += serial
+    result.floor_split_s += split
 
 
 def run_bench(

@@ -140,7 +140,7 @@ class _Runtime:
                 self._private.add(loop)
         token = caller_is_blocked.set(True)
         try:
-            task = loop.create_task(func(*args))  # type: ignore[arg-type]
+            task: asyncio.Task[T] = loop.create_task(func(*args))  # type: ignore[arg-type]
             try:
                 return loop.run_until_complete(task)
             except BaseException:

@@ -175,8 +175,19 @@ class AsyncWeightSender:
         if reachable:
             if self.shared is not None:
                 await self.shared.stage(packet)
+            # Notify every worker first, so none waits for the task group's
+            # bookkeeping; the tasks then only gather the acks.
+            for wid in reachable:
+                try:
+                    self.transports[wid].post(packet)
+                except WorkerError as exc:
+                    failures[wid] = exc
             await self._fan_out(
-                reachable, lambda t: t.deliver(packet), deadline, failures, f"ack version {packet.version}"
+                [w for w in reachable if w not in failures],
+                lambda t: t.deliver(packet),
+                deadline,
+                failures,
+                f"ack version {packet.version}",
             )
         if failures:
             raise combine_worker_errors(failures, model_id=self.model_id, version=packet.version)

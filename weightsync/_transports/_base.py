@@ -60,9 +60,19 @@ class SenderTransport(Protocol):
         :raises WorkerLostError: the worker died or its channel closed.
         """
 
+    def post(self, packet: Packet) -> bool:
+        """Start delivering ``packet`` (already staged) if that can be done
+        without waiting; True if it was started. Never blocks.
+
+        The sender posts to every worker before it starts gathering acks, so
+        no worker waits for the fan-out's own bookkeeping.
+
+        :raises WorkerLostError: the worker's channel is closed.
+        """
+
     async def deliver(self, packet: Packet) -> None:
-        """Tell the worker about ``packet`` (already staged) and return when
-        the worker acked exactly that version.
+        """Finish delivering ``packet`` (already staged; posted or not) and
+        return when the worker acked exactly that version.
 
         :raises WorkerLostError: the worker died or its channel closed.
         :raises WorkerApplyError: the worker reported a failure.

@@ -13,15 +13,18 @@ Messages (pickled tuples, small):
     worker -> sender   ("hello", model_id, pid, signature)
                        ("ack", version)
                        ("error", version, message)
-    sender -> worker   ("segment", pid, fd, nbytes, token)   before first use of a segment
-                       ("update", version, layout_id)
+    sender -> worker   ("update", version, layout_id, descriptor)
                        ("close",)
+
+The descriptor ``("segment", pid, fd, nbytes, token)`` names the staging
+segment; it rides along only on the first update a worker gets from a segment.
 """
 
 from __future__ import annotations
 
 import os
 from multiprocessing.connection import Connection
+from typing import Any
 
 import anyio
 import torch
@@ -98,6 +101,7 @@ class MPSenderTransport:
         self.layout: Manifest | None = None
         self.worker_pid: int | None = None
         self._segment_sent: bytes | None = None
+        self._posted = 0
         self._closed = False
 
     def _lost(self, reason: str) -> WorkerLostError:
@@ -123,13 +127,29 @@ class MPSenderTransport:
             raise self._lost("its process exited")
         return self.layout
 
-    async def deliver(self, packet: Packet) -> None:
+    def _update_message(self, packet: Packet) -> tuple[Any, ...]:
         segment = self._staging.segment
-        assert segment is not None, "stage() comes before deliver()"
-        if self._segment_sent != segment.token:
-            await self._channel.send(self._staging.descriptor())
-            self._segment_sent = segment.token
-        await self._channel.send(("update", packet.version, packet.manifest.layout_id))
+        assert segment is not None, "stage() comes before post() and deliver()"
+        # The segment's descriptor rides along only when this worker has not
+        # seen that segment yet; a routine update is three small fields.
+        descriptor = None if self._segment_sent == segment.token else self._staging.descriptor()
+        return ("update", packet.version, packet.manifest.layout_id, descriptor)
+
+    def _sent(self, packet: Packet) -> None:
+        assert self._staging.segment is not None
+        self._segment_sent = self._staging.segment.token
+        self._posted = packet.version
+
+    def post(self, packet: Packet) -> bool:
+        if self._channel.try_send(self._update_message(packet)):
+            self._sent(packet)
+            return True
+        return False
+
+    async def deliver(self, packet: Packet) -> None:
+        if self._posted != packet.version:
+            await self._channel.send(self._update_message(packet))
+            self._sent(packet)
         while True:
             message = await self._channel.recv()
             if message is None:
@@ -147,11 +167,10 @@ class MPSenderTransport:
                     worker_message=message[2],
                 )
             if kind == "hello":
-                # The worker re-initialised: it must be told the segment again.
+                # The worker re-initialised: tell it about the segment again.
                 self._handle_hello(message)
-                await self._channel.send(self._staging.descriptor())
-                self._segment_sent = segment.token
-                await self._channel.send(("update", packet.version, packet.manifest.layout_id))
+                await self._channel.send(self._update_message(packet))
+                self._sent(packet)
             # Anything else is an ack or error of an older, abandoned send: a
             # stale ack never completes this one.
 
@@ -189,12 +208,13 @@ class MPReceiverTransport:
     def _handle(self, message: tuple, latest: Update | None) -> Update | None:
         kind = message[0]
         if kind == "update":
-            return Update(message[1], message[2])
-        if kind == "segment":
-            _, pid, fd, nbytes, token = message
-            self._descriptor = (pid, fd, nbytes, token)
-            self._channel.watch(pid)
-        elif kind == "close":
+            _, version, layout_id, descriptor = message
+            if descriptor is not None:
+                _, pid, fd, nbytes, token = descriptor
+                self._descriptor = (pid, fd, nbytes, token)
+                self._channel.watch(pid)
+            return Update(version, layout_id)
+        if kind == "close":
             raise self._lost("it shut down")
         return latest
 
@@ -211,11 +231,7 @@ class MPReceiverTransport:
         if message is None:
             return None
         latest = self._handle(message, latest)
-        while latest is None:  # a segment descriptor comes just before its update
-            message = await self._channel.recv(timeout)
-            if message is None:
-                return None
-            latest = self._handle(message, latest)
+
         while (message := self._channel.poll()) is not None:
             latest = self._handle(message, latest)
         return latest

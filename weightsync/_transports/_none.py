@@ -18,6 +18,9 @@ class NoTransport:
     async def connect(self) -> Manifest | None:
         return None
 
+    def post(self, packet: Packet) -> bool:
+        return True
+
     async def deliver(self, packet: Packet) -> None:
         return None
 

@@ -124,6 +124,22 @@ class PipeChannel:
         except (OSError, EOFError, ValueError) as exc:
             raise self._closed(exc) from exc
 
+    def try_send(self, message: tuple[Any, ...]) -> bool:
+        """Send one small message now if that cannot block; False otherwise.
+
+        :raises: ``lost(...)`` if the peer closed its end.
+        """
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) > _SMALL:
+            return False
+        try:
+            if not select.select([], [self._fd], [], 0)[1]:
+                return False
+            self.conn.send_bytes(data)
+        except (OSError, EOFError, ValueError) as exc:
+            raise self._closed(exc) from exc
+        return True
+
     def poll(self) -> tuple[Any, ...] | None:
         """The next message if one is ready, without waiting."""
         try:
