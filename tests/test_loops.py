@@ -30,3 +30,35 @@ def test_the_loop_thread_runs_on_the_chosen_loop(
         c.assert_has(0, c.expected())
     finally:
         c.close()
+
+
+def _use_the_loop_in_a_forked_child(result) -> None:  # runs in the child
+    async def answer() -> int:
+        return 42
+
+    LOOP.acquire()
+    try:
+        result.send((LOOP.portal().call(answer), LOOP.call(answer)))
+    finally:
+        LOOP.release()
+
+
+def test_a_forked_child_starts_its_own_loop() -> None:
+    import multiprocessing as mp
+
+    async def nothing() -> None:
+        return None
+
+    LOOP.acquire()
+    try:
+        LOOP.portal().call(nothing)  # the parent's loop thread is running now
+        ctx = mp.get_context("fork")
+        ours, theirs = ctx.Pipe()
+        child = ctx.Process(target=_use_the_loop_in_a_forked_child, args=(theirs,))
+        child.start()
+        assert ours.poll(30), "the forked child hung on the parent's loop"
+        assert ours.recv() == (42, 42)
+        child.join(10)
+        assert child.exitcode == 0
+    finally:
+        LOOP.release()
