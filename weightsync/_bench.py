@@ -473,15 +473,12 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _event_loop() -> str:
-    choice = os.environ.get("WEIGHTSYNC_LOOP", "auto")
-    if choice == "asyncio":
-        return "asyncio"
+def _uvloop_installed() -> bool:
     try:
         import uvloop  # noqa: F401
     except ImportError:
-        return "asyncio"
-    return "uvloop"
+        return False
+    return True
 
 
 def machine_facts() -> dict[str, Any]:
@@ -507,7 +504,9 @@ def machine_facts() -> dict[str, Any]:
         "torch": torch.__version__,
         "weightsync": __version__,
         "torch_threads": torch.get_num_threads(),
-        "event_loop": _event_loop(),
+        # Which event loop runs a send depends on these; the facade decides.
+        "uvloop_installed": _uvloop_installed(),
+        "weightsync_env": {k: v for k, v in os.environ.items() if k.startswith("WEIGHTSYNC_")},
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
@@ -928,7 +927,8 @@ def describe_machine(facts: Mapping[str, Any]) -> str:
     load = facts.get("loadavg")
     return (
         f"{facts['cpu_model']}, {facts['cpus_usable']} cpus, {facts['memory_bytes'] / 2**30:.1f} GiB; "
-        f"python {facts['python']}, torch {facts['torch']}, weightsync {facts['weightsync']}, "
-        f"{facts['event_loop']} loop"
+        f"python {facts['python']}, torch {facts['torch']}, weightsync {facts['weightsync']}"
+        + ("" if facts["uvloop_installed"] else ", no uvloop")
+        + "".join(f", {k}={v}" for k, v in facts["weightsync_env"].items())
         + (f"; load {load[0]:.2f}" if load else "")
     )
