@@ -9,7 +9,10 @@ routine send carries only the version and the bytes.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import os
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -18,7 +21,7 @@ import torch
 from ._exceptions import WeightMismatchError
 from ._strategy import describe_mismatch
 
-__all__ = ["ALIGNMENT", "Manifest", "Packet", "TensorSpec"]
+__all__ = ["ALIGNMENT", "Manifest", "Packet", "TensorSpec", "copy_tensors", "usable_cores"]
 
 # Every slice starts on a cache line, so a byte view can be reinterpreted as
 # any dtype and two tensors never share a line.
@@ -121,7 +124,98 @@ class Packet:
     version: int
     manifest: Manifest
     tensors: Sequence[torch.Tensor] = field(repr=False)
+    #: How many workers this packet goes to; each may copy with
+    #: ``usable_cores() // fanout`` threads without oversubscribing the host.
+    fanout: int = 1
 
     @property
     def nbytes(self) -> int:
         return self.manifest.nbytes
+
+
+# Copies are plain memcpy (``ctypes.memmove``, which releases the GIL), split
+# across ``threads`` short-lived threads when large. torch's own parallel copy
+# would use its intra-op threads, which spin-wait after each copy; on a
+# machine with as many processes as cores that spinning takes the core from
+# the very workers the copy is for, and torch cannot be told per call how many
+# threads to use. Below this size one thread is faster than starting others.
+PARALLEL_COPY_BYTES = 4 << 20
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    return (
+        tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
+
+
+def _memmove_spans(spans: list[tuple[int, int, int]]) -> None:
+    for dst, src, size in spans:
+        ctypes.memmove(dst, src, size)
+
+
+def _split(spans: list[tuple[int, int, int]], total: int, parts: int) -> list[list[tuple[int, int, int]]]:
+    """Cut a list of (dst, src, size) copies into ``parts`` lists of about equal bytes."""
+    share = -(-total // parts)
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = share
+    for dst, src, size in spans:
+        while size > 0:
+            if room == 0:
+                out.append([])
+                room = share
+            step = min(size, room)
+            out[-1].append((dst, src, step))
+            dst, src, size, room = dst + step, src + step, size - step, room - step
+    return out
+
+
+def copy_tensors(
+    destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], *, threads: int = 1
+) -> None:
+    """Copy ``sources`` into ``destinations`` (same shapes and dtypes), in place.
+
+    Contiguous CPU pairs are byte copies, on up to ``threads`` threads for
+    large totals; anything else (strided views, other devices) goes through
+    torch. Blocks until every byte is copied.
+    """
+    spans: list[tuple[int, int, int]] = []
+    total = 0
+    slow_dst: list[torch.Tensor] = []
+    slow_src: list[torch.Tensor] = []
+    for dst, src in zip(destinations, sources, strict=True):
+        if _plain(dst) and _plain(src):
+            size = dst.numel() * dst.element_size()
+            if size:
+                spans.append((dst.data_ptr(), src.data_ptr(), size))
+                total += size
+        else:
+            slow_dst.append(dst)
+            slow_src.append(src)
+    parts = max(1, min(threads, total // PARALLEL_COPY_BYTES))
+    if parts == 1:
+        _memmove_spans(spans)
+    else:
+        shares = _split(spans, total, parts)
+        helpers = [
+            threading.Thread(target=_memmove_spans, args=(share,), name="weightsync-copy", daemon=True)
+            for share in shares[1:]
+        ]
+        for helper in helpers:
+            helper.start()
+        _memmove_spans(shares[0])
+        for helper in helpers:
+            helper.join()
+    if slow_dst:
+        with torch.inference_mode():
+            torch._foreach_copy_(slow_dst, slow_src)
+
+
+def usable_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

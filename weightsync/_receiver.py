@@ -8,7 +8,7 @@ import anyio
 import torch
 
 from ._exceptions import SenderLostError, WeightMismatchError, WeightSyncStateError
-from ._packet import Manifest
+from ._packet import Manifest, copy_tensors
 from ._strategy import model_tensors
 from ._transports._base import ReceiverTransport, Update
 
@@ -110,9 +110,7 @@ class AsyncWeightReceiver:
             sources = self.transport.sources(update, manifest)
             if not self.transport.is_current(update):
                 continue  # superseded before the copy: the newer update is queued or coming
-            if targets:
-                with torch.inference_mode():
-                    torch._foreach_copy_(targets, sources)
+            copy_tensors(targets, sources, threads=update.copy_threads)
             if not self.transport.is_current(update):
                 # The sender began the next version during the copy: the model
                 # holds a mix now and must be overwritten before returning.

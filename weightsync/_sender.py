@@ -91,7 +91,7 @@ class AsyncWeightSender:
             manifest = self._manifests[signature] = Manifest.from_signature(signature)
         return manifest
 
-    def prepare(self, weights: Any = None) -> Packet:
+    def prepare(self, weights: Any = None, *, fanout: int = 1) -> Packet:
         """Extract ``weights`` (None: the context's model) into the next packet.
 
         :raises InvalidWeightsError: the weights hold something unsendable.
@@ -99,7 +99,7 @@ class AsyncWeightSender:
         tensors = flat_weights(weights, context=self.context, model_id=self.model_id)
         manifest = self._manifest(tensors)
         self.version += 1
-        return Packet(self.version, manifest, manifest.ordered(tensors))
+        return Packet(self.version, manifest, manifest.ordered(tensors), fanout)
 
     async def connect(
         self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None
@@ -156,7 +156,7 @@ class AsyncWeightSender:
         started = time.perf_counter()
         deadline = anyio.current_time() + (self.timeout if timeout is None else timeout)
         targets = self._targets(worker_ids)
-        packet = self.prepare(weights)
+        packet = self.prepare(weights, fanout=len(targets))
         failures: dict[int, WorkerError] = {}
 
         # Every target's layout must be known before anything is staged, so a

@@ -31,6 +31,9 @@ class Update:
 
     version: int
     layout_id: str
+    #: Threads the worker may use for its copy (the sender spreads the host's
+    #: cores over the workers of one send).
+    copy_threads: int = 1
 
 
 @runtime_checkable

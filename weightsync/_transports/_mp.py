@@ -13,7 +13,7 @@ Messages (pickled tuples, small):
     worker -> sender   ("hello", model_id, pid, signature)
                        ("ack", version)
                        ("error", version, message)
-    sender -> worker   ("update", version, layout_id, descriptor)
+    sender -> worker   ("update", version, layout_id, descriptor, copy_threads)
                        ("close",)
 
 The descriptor ``("segment", pid, fd, nbytes, token)`` names the staging
@@ -30,7 +30,7 @@ import anyio
 import torch
 
 from .._exceptions import SenderLostError, WorkerApplyError, WorkerLostError
-from .._packet import Manifest, Packet
+from .._packet import Manifest, Packet, copy_tensors, usable_cores
 from .._segment import Segment
 from ._base import Update, caller_is_blocked
 from ._pipe import PipeChannel
@@ -65,9 +65,8 @@ class StagingArea:
     def _write(self, packet: Packet, views: list[torch.Tensor]) -> None:
         assert self.segment is not None
         self.segment.begin_write()
-        if views:
-            with torch.no_grad():
-                torch._foreach_copy_(views, list(packet.tensors))
+        # Workers start copying only once this is done: all cores are ours.
+        copy_tensors(views, packet.tensors, threads=usable_cores())
         self.segment.publish(packet.version)
 
     async def stage(self, packet: Packet) -> None:
@@ -133,7 +132,8 @@ class MPSenderTransport:
         # The segment's descriptor rides along only when this worker has not
         # seen that segment yet; a routine update is three small fields.
         descriptor = None if self._segment_sent == segment.token else self._staging.descriptor()
-        return ("update", packet.version, packet.manifest.layout_id, descriptor)
+        threads = max(1, usable_cores() // packet.fanout)
+        return ("update", packet.version, packet.manifest.layout_id, descriptor, threads)
 
     def _sent(self, packet: Packet) -> None:
         assert self._staging.segment is not None
@@ -208,12 +208,12 @@ class MPReceiverTransport:
     def _handle(self, message: tuple, latest: Update | None) -> Update | None:
         kind = message[0]
         if kind == "update":
-            _, version, layout_id, descriptor = message
+            _, version, layout_id, descriptor, threads = message
             if descriptor is not None:
                 _, pid, fd, nbytes, token = descriptor
                 self._descriptor = (pid, fd, nbytes, token)
                 self._channel.watch(pid)
-            return Update(version, layout_id)
+            return Update(version, layout_id, threads)
         if kind == "close":
             raise self._lost("it shut down")
         return latest
