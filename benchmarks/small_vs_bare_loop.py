@@ -9,7 +9,9 @@ are measured in this script, on the same machine, in the same run:
 - bare loop: the trainer copies its tensors into one preallocated shared
   buffer (``Tensor.share_memory_()``), writes a few bytes to each worker's
   pipe, each worker copies the tensors out into its own preallocated tensors
-  and replies; the median of full rounds. Half of its rounds run before the
+  and replies; the median of full rounds. Like weightsync's sends, every
+  round is verified (each worker's checksums against the trainer's) after it,
+  outside the timing. Half of its rounds run before the
   weightsync run and half after, so a change in the machine's load in the
   meantime hits both alike.
 
@@ -99,6 +101,9 @@ def bare_worker(
             for target, source in zip(targets, sources, strict=True):
                 target.copy_(source)
             conn.send_bytes(message)
+            # Verified after every round, outside the timed region, exactly
+            # as weightsync's sends are: both loops run under the same rhythm.
+            conn.send(tensor_checksums(named))
 
 
 class BareLoop:
@@ -145,7 +150,12 @@ class BareLoop:
         for conn in self.conns:
             if conn.recv_bytes() != message:
                 raise RuntimeError("a bare-loop worker echoed another version")
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        expected = tensor_checksums(self.named)
+        for conn in self.conns:
+            if conn.recv() != expected:
+                raise VerificationError("a bare-loop worker does not hold the trainer's weights")
+        return elapsed
 
     def change(self, step: int) -> None:
         with torch.no_grad():

@@ -28,6 +28,7 @@ import concurrent.futures
 import contextlib
 import os
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
@@ -333,7 +334,18 @@ class WeightReceiver:
                 f"the receiver of model {self._receiver.model_id!r} is shut down",
                 model_id=self._receiver.model_id,
             )
-        return LOOP.call(self._receiver.receive, timeout)
+        # Wait on this thread, outside any event loop, until something may be
+        # pending: a poll that finds nothing never enters the loop, and one
+        # that does runs the coroutine without it ever suspending.
+        transport = self._receiver.transport
+        deadline = time.monotonic() + (timeout or 0.0)
+        while True:
+            if transport.wait_ready(max(deadline - time.monotonic(), 0.0)):
+                version = LOOP.call(self._receiver.receive, 0.0)
+                if version is not None:
+                    return version
+            if time.monotonic() >= deadline:
+                return None
 
     def shutdown(self) -> None:
         """Close the endpoint. Idempotent."""

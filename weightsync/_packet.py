@@ -21,7 +21,7 @@ import torch
 from ._exceptions import WeightMismatchError
 from ._strategy import describe_mismatch
 
-__all__ = ["ALIGNMENT", "Manifest", "Packet", "TensorSpec", "copy_tensors", "usable_cores"]
+__all__ = ["ALIGNMENT", "CopyPlan", "Manifest", "Packet", "TensorSpec", "copy_tensors", "usable_cores"]
 
 # Every slice starts on a cache line, so a byte view can be reinterpreted as
 # any dtype and two tensors never share a line.
@@ -143,12 +143,7 @@ PARALLEL_COPY_BYTES = 4 << 20
 
 
 def _plain(tensor: torch.Tensor) -> bool:
-    return (
-        tensor.device.type == "cpu"
-        and tensor.is_contiguous()
-        and not tensor.is_conj()
-        and not tensor.is_neg()
-    )
+    return tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
 
 
 def _memmove_spans(spans: list[tuple[int, int, int]]) -> None:
@@ -172,45 +167,58 @@ def _split(spans: list[tuple[int, int, int]], total: int, parts: int) -> list[li
     return out
 
 
+class CopyPlan:
+    """A copy of ``sources`` into ``destinations`` (same shapes and dtypes),
+    worked out once and run as often as the tensors stay the same.
+
+    Contiguous CPU pairs become byte copies, run on up to ``threads`` threads
+    for large totals; anything else (strided views, other devices) goes
+    through torch.
+    """
+
+    def __init__(self, destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+        self.spans: list[tuple[int, int, int]] = []
+        self.total = 0
+        self.slow_dst: list[torch.Tensor] = []
+        self.slow_src: list[torch.Tensor] = []
+        for dst, src in zip(destinations, sources, strict=True):
+            if _plain(dst) and _plain(src):
+                size = dst.numel() * dst.element_size()
+                if size:
+                    self.spans.append((dst.data_ptr(), src.data_ptr(), size))
+                    self.total += size
+            else:
+                self.slow_dst.append(dst)
+                self.slow_src.append(src)
+        # The plan holds raw addresses: keep the tensors alive with it.
+        self._keep = (list(destinations), list(sources))
+
+    def run(self, threads: int = 1) -> None:
+        """Copy every byte; blocks until done."""
+        parts = max(1, min(threads, self.total // PARALLEL_COPY_BYTES))
+        if parts == 1:
+            _memmove_spans(self.spans)
+        else:
+            shares = _split(self.spans, self.total, parts)
+            helpers = [
+                threading.Thread(target=_memmove_spans, args=(share,), name="weightsync-copy", daemon=True)
+                for share in shares[1:]
+            ]
+            for helper in helpers:
+                helper.start()
+            _memmove_spans(shares[0])
+            for helper in helpers:
+                helper.join()
+        if self.slow_dst:
+            with torch.inference_mode():
+                torch._foreach_copy_(self.slow_dst, self.slow_src)
+
+
 def copy_tensors(
     destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], *, threads: int = 1
 ) -> None:
-    """Copy ``sources`` into ``destinations`` (same shapes and dtypes), in place.
-
-    Contiguous CPU pairs are byte copies, on up to ``threads`` threads for
-    large totals; anything else (strided views, other devices) goes through
-    torch. Blocks until every byte is copied.
-    """
-    spans: list[tuple[int, int, int]] = []
-    total = 0
-    slow_dst: list[torch.Tensor] = []
-    slow_src: list[torch.Tensor] = []
-    for dst, src in zip(destinations, sources, strict=True):
-        if _plain(dst) and _plain(src):
-            size = dst.numel() * dst.element_size()
-            if size:
-                spans.append((dst.data_ptr(), src.data_ptr(), size))
-                total += size
-        else:
-            slow_dst.append(dst)
-            slow_src.append(src)
-    parts = max(1, min(threads, total // PARALLEL_COPY_BYTES))
-    if parts == 1:
-        _memmove_spans(spans)
-    else:
-        shares = _split(spans, total, parts)
-        helpers = [
-            threading.Thread(target=_memmove_spans, args=(share,), name="weightsync-copy", daemon=True)
-            for share in shares[1:]
-        ]
-        for helper in helpers:
-            helper.start()
-        _memmove_spans(shares[0])
-        for helper in helpers:
-            helper.join()
-    if slow_dst:
-        with torch.inference_mode():
-            torch._foreach_copy_(slow_dst, slow_src)
+    """Copy ``sources`` into ``destinations`` once (see :class:`CopyPlan`)."""
+    CopyPlan(destinations, sources).run(threads)
 
 
 def usable_cores() -> int:

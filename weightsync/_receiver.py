@@ -8,7 +8,7 @@ import anyio
 import torch
 
 from ._exceptions import SenderLostError, WeightMismatchError, WeightSyncStateError
-from ._packet import Manifest, copy_tensors
+from ._packet import CopyPlan, Manifest
 from ._strategy import model_tensors
 from ._transports._base import ReceiverTransport, Update
 
@@ -33,6 +33,9 @@ class AsyncWeightReceiver:
         self.transport = transport
         self.version = 0
         self._layout: tuple[str, Manifest, list[torch.Tensor]] | None = None
+        # The copy plan for the current (model tensors, source views) pair;
+        # both lists are cached objects, so identity tells when to redo it.
+        self._plan: tuple[list[torch.Tensor], list[torch.Tensor], CopyPlan] | None = None
         self._closed = False
         self._announced = False
 
@@ -110,7 +113,10 @@ class AsyncWeightReceiver:
             sources = self.transport.sources(update, manifest)
             if not self.transport.is_current(update):
                 continue  # superseded before the copy: the newer update is queued or coming
-            copy_tensors(targets, sources, threads=update.copy_threads)
+            plan = self._plan
+            if plan is None or plan[0] is not targets or plan[1] is not sources:
+                plan = self._plan = (targets, sources, CopyPlan(targets, sources))
+            plan[2].run(update.copy_threads)
             if not self.transport.is_current(update):
                 # The sender began the next version during the copy: the model
                 # holds a mix now and must be overwritten before returning.

@@ -93,6 +93,14 @@ class ReceiverTransport(Protocol):
     async def announce(self, manifest: Manifest) -> None:
         """Tell the sender this worker exists and what its model looks like."""
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Block the calling thread (not an event loop) up to ``timeout``
+        seconds until an update may be pending or the sender may be gone.
+
+        True means "look now" (``next_update(0)`` will tell); False means
+        nothing came.
+        """
+
     async def next_update(self, timeout: float) -> Update | None:
         """The newest pending update, or None if none came within ``timeout``
         seconds (0: do not wait).

@@ -218,6 +218,9 @@ class MPReceiverTransport:
             raise self._lost("it shut down")
         return latest
 
+    def wait_ready(self, timeout: float) -> bool:
+        return self._channel.wait_ready(timeout)
+
     async def next_update(self, timeout: float) -> Update | None:
         latest: Update | None = None
         # Drain what is there: only the newest update can still be read.

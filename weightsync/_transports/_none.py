@@ -34,6 +34,9 @@ class NoReceiverTransport:
     async def announce(self, manifest: Manifest) -> None:
         return None
 
+    def wait_ready(self, timeout: float) -> bool:
+        return False
+
     async def next_update(self, timeout: float) -> Update | None:
         return None
 

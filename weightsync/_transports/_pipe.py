@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import select
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -172,6 +173,25 @@ class PipeChannel:
                 return message
             if not self.peer_alive():
                 raise self._lost("its process exited")
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Block this thread up to ``timeout`` seconds until the pipe is
+        readable or the peer exited; True if either happened."""
+        fds = [self._fd]
+        watch = self.peer.fd if self.peer is not None else None
+        if watch is not None:
+            fds.append(watch)
+        elif timeout > LIVENESS_PERIOD:
+            # No pidfd: look at the peer now and then while waiting.
+            end = time.monotonic() + timeout
+            while (remaining := end - time.monotonic()) > 0:
+                if self.wait_ready(min(remaining, LIVENESS_PERIOD)) or not self.peer_alive():
+                    return True
+            return False
+        try:
+            return bool(select.select(fds, [], [], timeout)[0])
+        except (OSError, ValueError):
+            return True  # closed: the next read reports it
 
     def close(self) -> None:
         if self.peer is not None:
