@@ -33,8 +33,24 @@ class OverlapNet(Net):
         self.norm.running_mean = torch.zeros(1).expand(16)
 
 
+class MixedNet(nn.Module):
+    """Every dtype family a policy may hold, a 0-d and an empty tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f16 = nn.Parameter(torch.randn(3, 5).half())
+        self.bf16 = nn.Parameter(torch.randn(7).bfloat16())
+        self.register_buffer("counts", torch.randint(-100, 100, (11,), dtype=torch.int8))
+        self.register_buffer("mask", torch.rand(6) > 0.5)
+        self.register_buffer("steps", torch.tensor(3, dtype=torch.int64))
+        self.register_buffer("nothing", torch.zeros(0, 4))
+        self.register_buffer("phase", torch.randn(2, dtype=torch.complex64))
+
+
 def build_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
+    if kind == "mixed":
+        return MixedNet()
     if kind == "net":
         return Net()
     if kind == "wide":

@@ -28,11 +28,13 @@ SCHEMES: dict[str, Callable[[], ws.WeightSyncScheme]] = {
 class Cluster:
     """One trainer-side scheme (in the test process) and N worker processes."""
 
-    def __init__(self, scheme_name: str, kinds: list[str], model_id: str = "policy") -> None:
+    def __init__(
+        self, scheme_name: str, kinds: list[str], model_id: str = "policy", trainer_kind: str = "net"
+    ) -> None:
         self.scheme_name = scheme_name
         self.model_id = model_id
         self.scheme = SCHEMES[scheme_name]()
-        self.model = build_model("net", seed=7)
+        self.model = build_model(trainer_kind, seed=7)
         self.procs: list[Any] = []
         self.ctrls: list[Any] = []
         self.pipes: list[Any] = []
@@ -89,9 +91,13 @@ class Cluster:
     def bump(self, amount: float = 1.0) -> None:
         """Change the trainer's weights so the next send is distinguishable."""
         with torch.no_grad():
-            for tensor in self.model.parameters():
-                tensor.add_(amount)
-            self.model.norm.running_mean.add_(amount)
+            for tensor in self.model.state_dict().values():
+                if tensor.dtype == torch.bool:
+                    tensor.logical_not_()
+                elif tensor.is_floating_point() or tensor.is_complex():
+                    tensor.add_(amount)
+                else:
+                    tensor.add_(1)
 
     def expected(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -138,8 +144,8 @@ def make_cluster(scheme_name: str) -> Iterator[Callable[..., Cluster]]:
     """A factory of clusters for tests that kill, pause or break workers."""
     made: list[Cluster] = []
 
-    def make(kinds: list[str], model_id: str = "policy") -> Cluster:
-        c = Cluster(scheme_name, kinds, model_id)
+    def make(kinds: list[str], model_id: str = "policy", trainer_kind: str = "net") -> Cluster:
+        c = Cluster(scheme_name, kinds, model_id, trainer_kind)
         made.append(c)
         return c
 

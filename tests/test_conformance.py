@@ -199,3 +199,20 @@ def test_two_failures_are_named_in_one_error(make_cluster) -> None:
     assert info.value.worker_ids == (0, 2)
     assert "worker 0" in str(info.value) and "worker 2" in str(info.value)
     c.assert_has(1, c.expected())
+
+
+def test_every_dtype_0d_and_empty_tensors_arrive_bit_exact(make_cluster) -> None:
+    c = make_cluster(["mixed", "mixed"], trainer_kind="mixed")
+    for _ in range(2):
+        c.bump()
+        c.sender.send()
+        for i in range(2):
+            c.assert_has(i, c.expected())
+
+
+def test_an_empty_model_sends_nothing_but_still_acks(make_cluster) -> None:
+    c = make_cluster(["net"])
+    with pytest.raises(ws.WeightMismatchError):
+        c.sender.send({})  # an empty mapping does not match a model with weights
+    report = c.sender.send()
+    assert c.state(0)["applied"][-1] == report.version

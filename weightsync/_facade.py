@@ -8,7 +8,9 @@ Two ways in, one coroutine core:
   2-core machine a hop into a loop thread through a ``BlockingPortal`` costs
   about 130 us a call, ``run_until_complete`` on a kept loop about 20 us
   (asyncio's loop; uvloop's re-arms its signal handling on every run and
-  costs about 80 us there).
+  costs about 80 us there). A blocking ``receive()`` first waits on the
+  calling thread itself (``select`` on the pipe and the sender's pidfd), so a
+  poll that finds nothing never enters a loop at all.
 - A call that must go on in the background (``send_async()``), or a blocking
   call from a thread that already runs an event loop (a notebook, an async
   app), goes through the process-wide loop thread, entered with an anyio
@@ -58,14 +60,6 @@ def _backend_options() -> dict[str, Any]:
             raise
         return {}
     return {"use_uvloop": True}
-
-
-def _private_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
-    if os.environ.get("WEIGHTSYNC_PRIVATE_LOOP") == "uvloop":
-        import uvloop
-
-        return uvloop.new_event_loop
-    return asyncio.new_event_loop
 
 
 def _thread_runs_a_loop() -> bool:
@@ -135,7 +129,7 @@ class _Runtime:
             return self.portal().call(func, *args)
         loop = getattr(self._local, "loop", None)
         if loop is None or loop.is_closed():
-            loop = _private_loop_factory()()
+            loop = asyncio.new_event_loop()
             self._local.loop = loop
             with self._lock:
                 self._private.add(loop)
