@@ -93,7 +93,13 @@ def worker_main(
                 cmd = ctrl.recv()
                 if cmd == "stop":
                     break
-                if cmd == "pause":
+                if cmd == "repoint":  # new storage, same shape: updates must follow it
+                    model.out.weight.data = torch.zeros_like(model.out.weight)
+                    ptrs["out.weight"] = model.out.weight.data_ptr()
+                elif cmd == "reshape":  # new storage of another shape: updates must be refused
+                    model.out.weight.data = torch.zeros(5, 16)
+                    ptrs["out.weight"] = model.out.weight.data_ptr()
+                elif cmd == "pause":
                     receiving = False
                 elif cmd == "resume":
                     receiving = True

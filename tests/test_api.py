@@ -216,3 +216,24 @@ def test_manifest_is_aligned_sorted_and_stable() -> None:
     views = manifest.views(buffer)
     for view, source in zip(views, manifest.ordered(tensors), strict=True):
         assert view.shape == source.shape and view.dtype == source.dtype
+
+
+def test_a_copy_plan_notices_a_destination_that_moved() -> None:
+    from weightsync._packet import CopyPlan
+
+    dst, src = torch.zeros(4), torch.arange(4.0)
+    param = nn.Parameter(dst)
+    plan = CopyPlan([param], [src])
+    plan.run()
+    assert torch.equal(param.detach(), src) and plan.still_valid()
+    param.data = torch.zeros(4)  # the user swapped the storage under the plan
+    assert not plan.still_valid()
+
+
+def test_a_copy_plan_refuses_tensors_that_differ() -> None:
+    from weightsync._packet import CopyPlan
+
+    with pytest.raises(ValueError):
+        CopyPlan([torch.zeros(4)], [torch.zeros(5)])
+    with pytest.raises(ValueError):
+        CopyPlan([torch.zeros(4)], [torch.zeros(4, dtype=torch.float64)])

@@ -216,3 +216,17 @@ def test_an_empty_model_sends_nothing_but_still_acks(make_cluster) -> None:
         c.sender.send({})  # an empty mapping does not match a model with weights
     report = c.sender.send()
     assert c.state(0)["applied"][-1] == report.version
+
+
+def test_a_worker_that_repoints_its_parameters_still_gets_exact_updates(make_cluster) -> None:
+    c = make_cluster(["net"])
+    c.sender.send()
+    assert c.command(0, "repoint") == "ok"
+    c.bump()
+    c.sender.send()
+    c.assert_has(0, c.expected())
+    assert c.command(0, "reshape") == "ok"
+    c.bump()
+    with pytest.raises(ws.WorkerApplyError, match="layout"):
+        c.sender.send()
+    assert c.state(0)["weights"]["out.weight"].shape == (5, 16)

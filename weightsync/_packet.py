@@ -182,6 +182,11 @@ class CopyPlan:
         self.slow_dst: list[torch.Tensor] = []
         self.slow_src: list[torch.Tensor] = []
         for dst, src in zip(destinations, sources, strict=True):
+            if dst.shape != src.shape or dst.dtype != src.dtype:
+                # Raw copies trust sizes: never make one between tensors that differ.
+                raise ValueError(
+                    f"cannot copy {src.dtype}{tuple(src.shape)} into {dst.dtype}{tuple(dst.shape)}"
+                )
             if _plain(dst) and _plain(src):
                 size = dst.numel() * dst.element_size()
                 if size:
@@ -190,8 +195,15 @@ class CopyPlan:
             else:
                 self.slow_dst.append(dst)
                 self.slow_src.append(src)
-        # The plan holds raw addresses: keep the tensors alive with it.
+        # The plan holds raw addresses: keep the tensors alive with it, and
+        # remember where the destinations' data was.
         self._keep = (list(destinations), list(sources))
+        self._where = [t.data_ptr() for t in self._keep[0]]
+
+    def still_valid(self) -> bool:
+        """False if a destination's data moved since the plan was made (e.g.
+        ``param.data = other``): the plan must then be made again."""
+        return [t.data_ptr() for t in self._keep[0]] == self._where
 
     def run(self, threads: int = 1) -> None:
         """Copy every byte; blocks until done."""

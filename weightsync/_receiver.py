@@ -75,6 +75,25 @@ class AsyncWeightReceiver:
         self._layout = (manifest.layout_id, manifest, targets)
         return self._layout
 
+    def _plan_for(self, update: Update) -> CopyPlan:
+        """The copy from the update's data into the model, checked first.
+
+        :raises WeightMismatchError: the update does not fit the model.
+        """
+        _, manifest, targets = self._layout_for(update)
+        sources = self.transport.sources(update, manifest)
+        plan = self._plan
+        if plan is not None and plan[0] is targets and plan[1] is sources:
+            if plan[2].still_valid():
+                return plan[2]
+            # The model's tensors were re-pointed (``param.data = ...``):
+            # look the model up again, and check it, before writing anything.
+            self._layout = None
+            _, manifest, targets = self._layout_for(update)
+            sources = self.transport.sources(update, manifest)
+        self._plan = (targets, sources, CopyPlan(targets, sources))
+        return self._plan[2]
+
     async def receive(self, timeout: float | None = None) -> int | None:
         """Apply the newest pending update, if any, and ack it.
 
@@ -106,17 +125,13 @@ class AsyncWeightReceiver:
                     )
                 return None
             try:
-                _, manifest, targets = self._layout_for(update)
+                plan = self._plan_for(update)
             except WeightMismatchError as exc:
                 await self.transport.reject(update.version, str(exc))
                 return None
-            sources = self.transport.sources(update, manifest)
             if not self.transport.is_current(update):
                 continue  # superseded before the copy: the newer update is queued or coming
-            plan = self._plan
-            if plan is None or plan[0] is not targets or plan[1] is not sources:
-                plan = self._plan = (targets, sources, CopyPlan(targets, sources))
-            plan[2].run(update.copy_threads)
+            plan.run(update.copy_threads)
             if not self.transport.is_current(update):
                 # The sender began the next version during the copy: the model
                 # holds a mix now and must be overwritten before returning.
