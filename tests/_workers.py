@@ -105,9 +105,14 @@ def worker_main(
                     receiving = True
                 elif cmd == "state":
                     now = dict(model.state_dict(keep_vars=True))
-                    same = all(id(now[k]) == ids[k] and now[k].data_ptr() == ptrs[k] for k in ids)
                     ctrl.send(
-                        {"weights": snapshot(model), "applied": list(applied), "same": same, "errors": errors}
+                        {
+                            "weights": snapshot(model),
+                            "applied": list(applied),
+                            "same_identity": all(id(now[k]) == ids[k] for k in ids),
+                            "same_ptr": all(now[k].data_ptr() == ptrs[k] for k in ids),
+                            "errors": errors,
+                        }
                     )
                     continue
                 ctrl.send("ok")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 from _workers import build_model, trainer_then_die
-from conftest import Cluster, fd_baseline, open_fds, shm_entries, weightsync_threads
+from conftest import SCHEMES, Cluster, fd_baseline, open_fds, shm_entries, weightsync_threads
 
 import weightsync as ws
 
@@ -66,7 +66,7 @@ def test_sigkilled_worker_leaves_nothing_behind(scheme_name: str) -> None:
 def test_sigkilled_trainer_is_reported_to_the_worker_promptly(scheme_name: str) -> None:
     ctx = mp.get_context("spawn")
     shm_before = shm_entries()
-    scheme = {"multiprocess": ws.MultiProcessWeightSyncScheme}[scheme_name]()
+    scheme = SCHEMES[scheme_name]()
     ours, theirs = ctx.Pipe()
     trainer = ctx.Process(target=trainer_then_die, args=(scheme, "policy", theirs, 2), daemon=True)
     trainer.start()

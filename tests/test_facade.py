@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
 
 import anyio
 import pytest
@@ -12,6 +13,19 @@ from conftest import Cluster
 
 import weightsync as ws
 from weightsync._facade import LOOP
+
+
+# The facade and the loops are the same for every transport: one scheme is enough.
+@pytest.fixture
+def scheme_name() -> str:
+    return "multiprocess"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster("multiprocess", ["net", "net", "net"])
+    yield c
+    c.close()
 
 
 def test_send_async_then_wait_async(cluster: Cluster) -> None:

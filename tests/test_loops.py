@@ -11,6 +11,12 @@ from conftest import Cluster, weightsync_threads
 from weightsync._facade import LOOP
 
 
+# The facade and the loops are the same for every transport: one scheme is enough.
+@pytest.fixture
+def scheme_name() -> str:
+    return "multiprocess"
+
+
 @pytest.mark.parametrize("choice, loop_module", [("asyncio", "asyncio"), ("uvloop", "uvloop")])
 def test_the_loop_thread_runs_on_the_chosen_loop(
     monkeypatch: pytest.MonkeyPatch, scheme_name: str, choice: str, loop_module: str

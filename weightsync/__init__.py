@@ -21,6 +21,9 @@ from ._exceptions import (
 # Sync facade
 from ._facade import WeightReceiver, WeightSender
 
+# Legacy updaters
+from ._legacy import MultiProcessedRemoteWeightUpdate, RemoteWeightUpdaterBase
+
 # Packets
 from ._packet import Manifest, Packet, TensorSpec
 
@@ -28,7 +31,12 @@ from ._packet import Manifest, Packet, TensorSpec
 from ._receiver import AsyncWeightReceiver
 
 # Schemes
-from ._schemes import MultiProcessWeightSyncScheme, NoWeightSyncScheme, WeightSyncScheme
+from ._schemes import (
+    MultiProcessWeightSyncScheme,
+    NoWeightSyncScheme,
+    SharedMemWeightSyncScheme,
+    WeightSyncScheme,
+)
 from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, SendReport
 
 # Strategies
@@ -44,10 +52,13 @@ __all__ = [
     "InvalidWeightsError",
     "Manifest",
     "MultiProcessWeightSyncScheme",
+    "MultiProcessedRemoteWeightUpdate",
     "NoWeightSyncScheme",
     "Packet",
+    "RemoteWeightUpdaterBase",
     "SendReport",
     "SenderLostError",
+    "SharedMemWeightSyncScheme",
     "TensorSpec",
     "UnknownWorkerError",
     "WeightMismatchError",

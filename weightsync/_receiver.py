@@ -75,6 +75,21 @@ class AsyncWeightReceiver:
         self._layout = (manifest.layout_id, manifest, targets)
         return self._layout
 
+    def _repoint_plan(self, update: Update) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The model's tensors and the slot's views they will point at, checked.
+
+        :raises WeightMismatchError: the update does not fit the model.
+        """
+        _, manifest, targets = self._layout_for(update)
+        sources = self.transport.sources(update, manifest)
+        if any(t.shape != s.shape or t.dtype != s.dtype for t, s in zip(targets, sources, strict=True)):
+            # A tensor of the model was re-pointed to another shape since the
+            # layout was cached: look the model up again (this raises).
+            self._layout = None
+            _, manifest, targets = self._layout_for(update)
+            sources = self.transport.sources(update, manifest)
+        return targets, sources
+
     def _plan_for(self, update: Update) -> CopyPlan:
         """The copy from the update's data into the model, checked first.
 
@@ -124,6 +139,21 @@ class AsyncWeightReceiver:
                         model_id=self.model_id,
                     )
                 return None
+            if getattr(self.transport, "zero_copy", False):
+                try:
+                    targets, sources = self._repoint_plan(update)
+                except WeightMismatchError as exc:
+                    await self.transport.reject(update.version, str(exc))
+                    return None
+                if not self.transport.is_current(update):
+                    continue  # superseded: the newer update is queued or coming
+                # The slot is the sender's to keep unchanged until we ack a
+                # newer one: re-pointing is the whole update, no byte copied.
+                for target, source in zip(targets, sources, strict=True):
+                    target.data = source
+                self.version = update.version
+                await self.transport.ack(update.version)
+                return update.version
             try:
                 plan = self._plan_for(update)
             except WeightMismatchError as exc:

@@ -21,8 +21,14 @@ from ._strategy import WeightStrategy
 from ._transports._base import ReceiverTransport, SenderTransport, SharedTransport
 from ._transports._mp import MPReceiverTransport, MPSenderTransport, StagingArea
 from ._transports._none import NoReceiverTransport, NoTransport
+from ._transports._shm import ShmReceiverTransport, ShmSenderTransport, SlotStore
 
-__all__ = ["MultiProcessWeightSyncScheme", "NoWeightSyncScheme", "WeightSyncScheme"]
+__all__ = [
+    "MultiProcessWeightSyncScheme",
+    "NoWeightSyncScheme",
+    "SharedMemWeightSyncScheme",
+    "WeightSyncScheme",
+]
 
 
 def _from(context: Any, kwargs: dict[str, Any], name: str, default: Any = None) -> Any:
@@ -318,19 +324,23 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
     def _sender_side(
         self, context: Any, kwargs: dict[str, Any]
     ) -> tuple[dict[int, SenderTransport], SharedTransport | None]:
-        pipes: Sequence[Any] | None = _from(context, kwargs, "pipes")
-        if pipes is None:
-            raise ValueError("MultiProcessWeightSyncScheme.init_on_sender needs pipes=[...]")
-        pipes = list(pipes)
-        num_workers = _from(context, kwargs, "num_workers") or len(pipes)
-        if num_workers != len(pipes):
-            raise ValueError(f"num_workers={num_workers} but {len(pipes)} pipes were given")
+        pipes = self._pipes(context, kwargs)
         staging = StagingArea()
         self._shared_transport = staging
         transports: dict[int, SenderTransport] = {
             i: MPSenderTransport(pipe, i, staging, self._model_id) for i, pipe in enumerate(pipes)
         }
         return transports, staging
+
+    def _pipes(self, context: Any, kwargs: dict[str, Any]) -> list[Any]:
+        pipes: Sequence[Any] | None = _from(context, kwargs, "pipes")
+        if pipes is None:
+            raise ValueError(f"{type(self).__name__}.init_on_sender needs pipes=[...]")
+        pipes = list(pipes)
+        num_workers = _from(context, kwargs, "num_workers") or len(pipes)
+        if num_workers != len(pipes):
+            raise ValueError(f"num_workers={num_workers} but {len(pipes)} pipes were given")
+        return pipes
 
     def create_transport(self, pipe: Any) -> MPSenderTransport:
         """Legacy: a sender channel over ``pipe`` sharing this scheme's staging area."""
@@ -342,6 +352,57 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
         if pipe is None:
             raise ValueError("MultiProcessWeightSyncScheme.init_on_worker needs pipe=...")
         return MPReceiverTransport(pipe, self._model_id)
+
+
+class SharedMemWeightSyncScheme(MultiProcessWeightSyncScheme):
+    """Zero-copy weights on one host: workers run on weights in shared memory.
+
+    Set up exactly like :class:`MultiProcessWeightSyncScheme` (pipes on the
+    sender, ``pipe`` and ``model`` on each worker). Each send is written once
+    into a shared-memory slot that no worker is reading; a worker moves to it
+    at ``receive()`` by re-pointing its tensors, without copying, and acks.
+    Nothing a worker reads between two ``receive()`` calls ever changes under
+    it, and the trainer's later changes reach no worker without a send.
+
+    A tensor keeps its identity (the same ``nn.Parameter`` object) but not its
+    ``data_ptr()``, which changes at each update (the first one included:
+    until then a worker runs on its own memory). Where ``data_ptr()`` must
+    stay fixed (CUDA graphs, compiled code holding addresses), use
+    :class:`MultiProcessWeightSyncScheme`.
+
+    Slots are mapped read-only by the workers: worker code must not write
+    into synchronised tensors (put BatchNorm in eval mode); a write faults.
+    """
+
+    def __init__(
+        self,
+        strategy: Literal["state_dict", "tensordict"] = "tensordict",
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__(strategy, timeout=timeout)
+
+    def _sender_side(
+        self, context: Any, kwargs: dict[str, Any]
+    ) -> tuple[dict[int, SenderTransport], SharedTransport | None]:
+        pipes = self._pipes(context, kwargs)
+        store = SlotStore()
+        self._shared_transport = store
+        transports: dict[int, SenderTransport] = {
+            i: ShmSenderTransport(pipe, i, store, self._model_id) for i, pipe in enumerate(pipes)
+        }
+        return transports, store
+
+    def create_transport(self, pipe: Any) -> ShmSenderTransport:
+        """Legacy: a sender channel over ``pipe`` sharing this scheme's slots."""
+        store = self._shared_transport if isinstance(self._shared_transport, SlotStore) else SlotStore()
+        return ShmSenderTransport(pipe, len(self._sender_transports), store, self._model_id)
+
+    def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> ReceiverTransport:
+        pipe = _from(context, kwargs, "pipe")
+        if pipe is None:
+            raise ValueError("SharedMemWeightSyncScheme.init_on_worker needs pipe=...")
+        return ShmReceiverTransport(pipe, self._model_id)
 
 
 class NoWeightSyncScheme(WeightSyncScheme):

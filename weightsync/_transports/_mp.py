@@ -35,13 +35,31 @@ from .._segment import Segment
 from ._base import Update, caller_is_blocked
 from ._pipe import PipeChannel
 
-__all__ = ["MPReceiverTransport", "MPSenderTransport", "StagingArea"]
+__all__ = ["MPReceiverTransport", "MPSenderTransport", "StagingArea", "write_packet"]
 
 # Below this size the copy into staging runs inline: a thread hop would cost
 # more than the copy. Above it the copy runs in a worker thread so an event
 # loop shared with other tasks stays responsive (not needed on a private loop
 # whose caller is blocked anyway).
 _INLINE_COPY_BYTES = 1 << 20
+
+
+def _write(segment: Segment, views: list[torch.Tensor], packet: Packet) -> None:
+    segment.begin_write()
+    # Workers read only once this is published: all cores are ours meanwhile.
+    copy_tensors(views, packet.tensors, threads=usable_cores())
+    segment.publish(packet.version)
+
+
+async def write_packet(segment: Segment, views: list[torch.Tensor], packet: Packet) -> None:
+    """Write ``packet``'s bytes into ``views`` of ``segment`` and publish its
+    version in the segment's header."""
+    if packet.nbytes <= _INLINE_COPY_BYTES or caller_is_blocked.get():
+        _write(segment, views, packet)
+    else:
+        # Not cancellable mid-copy: an abandoned copy would race the next one.
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(_write, segment, views, packet)
 
 
 class StagingArea:
@@ -62,21 +80,10 @@ class StagingArea:
             self._views = (manifest.layout_id, manifest.views(self.segment.data))
         return self._views[1]
 
-    def _write(self, packet: Packet, views: list[torch.Tensor]) -> None:
-        assert self.segment is not None
-        self.segment.begin_write()
-        # Workers start copying only once this is done: all cores are ours.
-        copy_tensors(views, packet.tensors, threads=usable_cores())
-        self.segment.publish(packet.version)
-
     async def stage(self, packet: Packet) -> None:
         views = self._ensure(packet.manifest)
-        if packet.nbytes <= _INLINE_COPY_BYTES or caller_is_blocked.get():
-            self._write(packet, views)
-        else:
-            # Not cancellable mid-copy: an abandoned copy would race the next one.
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._write, packet, views)
+        assert self.segment is not None
+        await write_packet(self.segment, views, packet)
 
     def descriptor(self) -> tuple[str, int, int, int, bytes]:
         assert self.segment is not None
@@ -92,7 +99,7 @@ class StagingArea:
 class MPSenderTransport:
     """The sender's channel to one worker process, over the user's pipe."""
 
-    def __init__(self, pipe: Connection, worker_id: int, staging: StagingArea, model_id: str | None) -> None:
+    def __init__(self, pipe: Connection, worker_id: int, staging: Any, model_id: str | None) -> None:
         self.worker_id = worker_id
         self.model_id = model_id
         self._staging = staging
@@ -146,6 +153,9 @@ class MPSenderTransport:
             return True
         return False
 
+    def _on_ack(self, message: tuple[Any, ...]) -> None:
+        """Bookkeeping on every ack, stale or not (a hook for subclasses)."""
+
     async def deliver(self, packet: Packet) -> None:
         if self._posted != packet.version:
             await self._channel.send(self._update_message(packet))
@@ -155,8 +165,10 @@ class MPSenderTransport:
             if message is None:
                 continue
             kind = message[0]
-            if kind == "ack" and message[1] == packet.version:
-                return
+            if kind == "ack":
+                self._on_ack(message)
+                if message[1] == packet.version:
+                    return
             if kind == "error" and message[1] == packet.version:
                 raise WorkerApplyError(
                     f"worker {self.worker_id} (model {self.model_id!r}) failed to apply "
