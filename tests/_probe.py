@@ -164,3 +164,24 @@ def stop(conns: list[Connection], timeout: float = 30.0) -> list[ProbeReport]:
         assert tag == "report"
         reports.append(report)
     return reports
+
+
+def scheme_probe(
+    scheme: Any, model_id: str, pipe: Connection, conn: Connection, shapes: dict[str, int], duration: float
+) -> None:
+    """Worker process for a scheme: its model is ``{name: zeros(numel)}``; it
+    checks the model between two ``receive()`` calls until told to stop,
+    then sends ``("report", ProbeReport)`` over ``conn``."""
+    from tensordict import TensorDict
+
+    torch.set_num_threads(1)
+    model = TensorDict({name: torch.zeros(numel) for name, numel in shapes.items()}, batch_size=[])
+    scheme.init_on_worker(model_id, pipe=pipe, model=model)
+    try:
+        announce_ready(conn)
+        report = probe_loop(
+            lambda: model, conn, duration=duration, between=lambda: scheme.receive(timeout=0.0)
+        )
+        conn.send(("report", report))
+    finally:
+        scheme.shutdown()
