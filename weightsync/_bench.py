@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from ._exceptions import SenderLostError, WeightSyncError
-from ._schemes import MultiProcessWeightSyncScheme, WeightSyncScheme
+from ._schemes import MultiProcessWeightSyncScheme, SharedMemWeightSyncScheme, WeightSyncScheme
 
 __all__ = [
     "SCHEMES",
@@ -104,6 +104,10 @@ def _multiprocess(timeout: float) -> WeightSyncScheme:
     return MultiProcessWeightSyncScheme(timeout=timeout)
 
 
+def _shared(timeout: float) -> WeightSyncScheme:
+    return SharedMemWeightSyncScheme(timeout=timeout)
+
+
 # A new scheme joins the bench here. Every scheme is initialised the same way
 # (``pipes=`` on the trainer, ``pipe=`` on a worker); one that needs more
 # should grow this record rather than special-case the engine.
@@ -112,6 +116,11 @@ SCHEMES: dict[str, SchemeInfo] = {
         "multiprocess",
         "MultiProcessWeightSyncScheme: control over pipes, bytes through one shared staging segment",
         _multiprocess,
+    ),
+    "shared": SchemeInfo(
+        "shared",
+        "SharedMemWeightSyncScheme: zero-copy, workers re-point to versioned shared-memory slots",
+        _shared,
     ),
 }
 
@@ -559,7 +568,6 @@ def _serve_case(
     corrupt: bool,
 ) -> None:
     model = GeneratedMLP(shapes)
-    tensors = model.state_dict()
     try:
         scheme.init_on_worker(MODEL_ID, pipe=pipe, model=model)
         ctrl.send(("ready",))
@@ -570,6 +578,9 @@ def _serve_case(
                 return  # the trainer shut its sender down: the case is over
             if version is None:
                 continue
+            # Looked up after every update: a zero-copy scheme re-points the
+            # model's tensors, so views taken before would show old memory.
+            tensors = model.state_dict()
             if corrupt:
                 # The testing hook: this worker's model now differs from what it applied.
                 with torch.no_grad():
