@@ -18,7 +18,7 @@ from torch import nn
 
 from ._exceptions import InvalidWeightsError, WeightMismatchError
 
-__all__ = ["WeightStrategy", "flat_weights", "model_tensors"]
+__all__ = ["WeightStrategy", "check_same_layout", "describe_mismatch", "flat_weights", "model_tensors"]
 
 StrategyName = Literal["state_dict", "tensordict"]
 
