@@ -134,7 +134,6 @@ class ShmReceiverTransport(MPReceiverTransport):
         super().__init__(pipe, model_id)
         self._slots: dict[bytes, Segment] = {}
         self._slot_views: dict[tuple[bytes, str], list[torch.Tensor]] = {}
-        self._token: bytes | None = None
 
     def _attach(self) -> Segment:
         if self._descriptor is None:
