@@ -60,8 +60,22 @@ def test_bench_fails_when_a_worker_holds_other_weights() -> None:
     # Through ``python -m weightsync`` too: the hidden hook makes worker 0
     # change its model after applying, so the first verification must fail.
     proc = subprocess.run(
-        [sys.executable, "-m", "weightsync", "bench", "--size", "0.25", "--workers", "1",
-         "--repeats", "2", "--warmup", "0", "--corrupt-worker", "0"],
+        [
+            sys.executable,
+            "-m",
+            "weightsync",
+            "bench",
+            "--size",
+            "0.25",
+            "--workers",
+            "1",
+            "--repeats",
+            "2",
+            "--warmup",
+            "0",
+            "--corrupt-worker",
+            "0",
+        ],
         capture_output=True,
         text=True,
         timeout=90,
@@ -94,3 +108,126 @@ def test_generated_model_has_the_asked_layout(mib: float, tensors: int) -> None:
     assert len(shapes) == tensors
     nbytes = model_nbytes(shapes)
     assert abs(nbytes - mib * MIB) <= max(0.02 * mib * MIB, 64 * tensors)
+
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_all_schemes_with_alternatives_writes_json_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    shm_before = _shm()
+    args = [
+        "--size",
+        "0.25",
+        "--workers",
+        "1",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--scheme",
+        "all",
+        "--compare",
+        "pickle-pipe",
+        "bare-shm",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+    ]
+    code = main(["bench", *args])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    lines = printed.out.splitlines()
+    header = next(line for line in lines if line.startswith("scheme"))
+    for column in ("copy", "torn", "p10 ms", "max ms", "GB/s all", "+MiB T/W"):
+        assert column in header
+    rows = {
+        line.split()[0]: line.split()
+        for line in lines
+        if line.split()[:1] in (["multiprocess"], ["shared"], ["pickle-pipe"], ["bare-shm"])
+    }
+    assert {name: row[4] for name, row in rows.items()} == {
+        "multiprocess": "private",
+        "shared": "shared",
+        "pickle-pipe": "private",
+        "bare-shm": "private",
+    }
+
+    report = json.loads(out.read_text())
+    cases = {case["scheme"]: case for case in report["cases"]}
+    assert set(cases) == {"multiprocess", "shared", "pickle-pipe", "bare-shm"}
+    assert report["config"]["compare"] == ["pickle-pipe", "bare-shm"]
+    for name, case in cases.items():
+        assert case["kind"] == ("scheme" if name in ("multiprocess", "shared") else "alternative")
+        assert case["torn"] == "no"
+        assert len(case["samples"]["send_s"]) == 2
+        assert all(s > 0 for s in case["samples"]["send_s"])
+        assert case["p10_ms"] <= case["median_ms"] <= case["max_ms"]
+        assert case["gbps_aggregate"] == pytest.approx(case["gbps_per_worker"] * case["workers"])
+        memory = case["peak_memory"]
+        assert memory["method"] in ("vmhwm-reset", "vmhwm-lifetime", "unavailable")
+        assert len(memory["worker_extra_bytes"]) == case["workers"]
+
+    data = png.read_bytes()
+    assert data.startswith(_PNG_SIGNATURE) and len(data) > len(_PNG_SIGNATURE)
+
+    assert mp.active_children() == []
+    assert _shm() <= shm_before
+
+
+def test_bench_bfloat16_with_torch_mp_and_progress(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    args = [
+        "--size",
+        "0.25",
+        "--workers",
+        "2",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--dtype",
+        "bfloat16",
+        "--compare",
+        "torch-mp",
+        "--progress",
+        "--json",
+        str(out),
+    ]
+    code = main(["bench", *args])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "[0/2 done] multiprocess 0.25 MiB, 2 worker(s)" in printed.err
+    assert "[1/2 done] torch-mp" in printed.err
+    report = json.loads(out.read_text())
+    assert report["config"]["dtype"] == "bfloat16"
+    assert [case["scheme"] for case in report["cases"]] == ["multiprocess", "torch-mp"]
+    for case in report["cases"]:
+        assert case["dtype"] == "bfloat16"
+        # 2 bytes per element: 0.25 MiB of weights, whatever the dtype.
+        assert abs(case["nbytes"] - 0.25 * MIB) <= 0.02 * MIB
+        assert len(case["samples"]["send_s"]) == 2
+
+
+def test_bench_plot_without_matplotlib_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    code = main(["bench", "--size", "0.25", "--workers", "1", "--plot", str(tmp_path / "x.png")])
+    assert code == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_an_alternative_whose_package_is_missing_is_skipped_with_a_note() -> None:
+    from weightsync._bench_compare import AlternativeInfo
+
+    missing = AlternativeInfo("x", "needs a package that is not installed", requires="no_such_package_here")
+    assert "no_such_package_here" in (missing.unavailable() or "")
+    assert AlternativeInfo("y", "needs nothing").unavailable() is None

@@ -8,8 +8,8 @@ freshly built models, so no weightsync state crosses cases.
 
 For each case the trainer
 
-1. builds a generated MLP-like model of float32 tensors; each worker builds
-   one of the same layout holding zeros;
+1. builds a generated MLP-like model of tensors of the run's dtype (float32
+   unless asked); each worker builds one of the same layout holding zeros;
 2. warms up, then times ``scheme.send()``: the whole send, from the call until
    every worker applied the version and its ack is in;
 3. after every send, outside the timed region, compares a CRC32 per tensor
@@ -19,6 +19,11 @@ For each case the trainer
 5. times, half before the sends and half after, a single-threaded memcpy of
    the same bytes and the floor of the scheme's work: ``workers + 1`` memcpys
    (one into staging, one out per worker) on up to two threads.
+
+Alternatives to weightsync (``--compare``, :mod:`weightsync._bench_compare`)
+run in the same pool with the same model and sizes, timed and verified the
+same way. During each case the peak extra memory of the trainer and of each
+worker is measured (:mod:`weightsync._bench_memory`).
 
 Worker processes run torch single-threaded by default (``worker_threads``):
 several workers share the cores, and oversubscribed OpenMP threads measure the
@@ -49,10 +54,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._bench_memory import METHOD as MEMORY_METHOD
+from ._bench_memory import PeakMemory, PeakMemoryProbe
 from ._exceptions import SenderLostError, WeightSyncError
 from ._schemes import MultiProcessWeightSyncScheme, SharedMemWeightSyncScheme, WeightSyncScheme
 
 __all__ = [
+    "DTYPES",
     "SCHEMES",
     "BenchConfig",
     "BenchError",
@@ -63,6 +71,10 @@ __all__ = [
     "SchemeInfo",
     "VerificationError",
     "WorkerPool",
+    "change_model",
+    "corrupt_model",
+    "itemsize",
+    "labels",
     "describe_machine",
     "format_row",
     "floor_seconds",
@@ -93,11 +105,16 @@ _STARTUP_TIMEOUT = 120.0
 @dataclass(frozen=True)
 class SchemeInfo:
     """A scheme the bench knows: its name on the command line, a one-line
-    summary for ``--help``, and how to build it with a send deadline."""
+    summary for ``--help``, how to build it with a send deadline, and what it
+    guarantees: ``copy`` is ``"private"`` (each worker holds its own copy) or
+    ``"shared"`` (workers read one shared buffer); ``torn`` says whether a
+    worker can read a mix of two versions (``"no"`` or ``"yes"``)."""
 
     name: str
     summary: str
     factory: Callable[[float], WeightSyncScheme]
+    copy: str = "private"
+    torn: str = "no"
 
 
 def _multiprocess(timeout: float) -> WeightSyncScheme:
@@ -121,8 +138,28 @@ SCHEMES: dict[str, SchemeInfo] = {
         "shared",
         "SharedMemWeightSyncScheme: zero-copy, workers re-point to versioned shared-memory slots",
         _shared,
+        copy="shared",
     ),
 }
+
+
+# Element types of the generated model (``--dtype``); checksums are over raw bytes.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of the dtype named ``dtype`` (a key of :data:`DTYPES`)."""
+    return DTYPES[dtype].itemsize
 
 
 # -- errors -------------------------------------------------------------------
@@ -140,9 +177,9 @@ class VerificationError(BenchError):
 # -- the model ----------------------------------------------------------------
 
 
-def mlp_shapes(nbytes: int, tensors: int) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of an MLP of float32 tensors holding about ``nbytes``
-    in exactly ``tensors`` tensors.
+def mlp_shapes(nbytes: int, tensors: int, item: int = 4) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of an MLP of tensors of ``item`` bytes per element
+    (4: float32) holding about ``nbytes`` in exactly ``tensors`` tensors.
 
     Layers are Linear-like pairs (``weight [out, in]``, ``bias [out]``); an
     odd count ends with a weight alone. Row counts are powers of two, so a
@@ -155,7 +192,7 @@ def mlp_shapes(nbytes: int, tensors: int) -> dict[str, tuple[int, ...]]:
         raise ValueError(f"nbytes and tensors must be positive, got {nbytes} and {tensors}")
     pairs, lone = divmod(tensors, 2)
     matrices = pairs + lone
-    per_matrix = max(nbytes // 4 // matrices, 2)  # elements per weight (+ its bias)
+    per_matrix = max(nbytes // item // matrices, 2)  # elements per weight (+ its bias)
     rows = 1 << (max(math.isqrt(per_matrix), 1).bit_length() - 1)
     shapes: dict[str, tuple[int, ...]] = {}
     for i in range(pairs):
@@ -166,9 +203,9 @@ def mlp_shapes(nbytes: int, tensors: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def model_nbytes(shapes: Mapping[str, tuple[int, ...]]) -> int:
-    """Bytes of float32 tensors of these shapes."""
-    return sum(math.prod(shape) for shape in shapes.values()) * 4
+def model_nbytes(shapes: Mapping[str, tuple[int, ...]], item: int = 4) -> int:
+    """Bytes of tensors of these shapes, ``item`` bytes per element."""
+    return sum(math.prod(shape) for shape in shapes.values()) * item
 
 
 class _Layer(nn.Module):
@@ -178,15 +215,35 @@ class _Layer(nn.Module):
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
 
+_FILL_CHUNK = 1 << 20  # elements: bounds the temporaries of a fill, which the memory probe sees
+
+
+def _fill_pattern(flat: torch.Tensor, index: int) -> None:
+    """A ramp from -1 to 1 plus ``index`` (integer dtypes: a sawtooth from
+    ``index``), written in chunks."""
+    count = flat.numel()
+    step = 2.0 / max(count - 1, 1)
+    for lo in range(0, count, _FILL_CHUNK):
+        hi = min(lo + _FILL_CHUNK, count)
+        positions = torch.arange(lo, hi, dtype=torch.float64)
+        if flat.is_floating_point():
+            flat[lo:hi].copy_(positions.mul_(step).add_(index - 1.0))
+        else:
+            flat[lo:hi].copy_(positions.add_(index).remainder_(97))
+
+
 class GeneratedMLP(nn.Module):
     """A model with the tensors of :func:`mlp_shapes`.
 
     ``fill="zeros"`` (a worker) or ``"pattern"`` (the trainer: a ramp per
     tensor, offset by its index, so a tensor read from the wrong place or
-    shifted within itself changes the checksum).
+    shifted within itself changes the checksum). ``dtype`` names a key of
+    :data:`DTYPES`; integer dtypes get a sawtooth instead of the ramp.
     """
 
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]], fill: str = "zeros") -> None:
+    def __init__(
+        self, shapes: Mapping[str, tuple[int, ...]], fill: str = "zeros", dtype: str = "float32"
+    ) -> None:
         super().__init__()
         count = len({name.split(".")[1] for name in shapes})
         made: list[torch.Tensor] = []
@@ -196,9 +253,9 @@ class GeneratedMLP(nn.Module):
             if shape is None:
                 return None
             # zeros, not empty: every page is touched now, not inside a timed send.
-            t = torch.zeros(shape, dtype=torch.float32)
+            t = torch.zeros(shape, dtype=DTYPES[dtype])
             if fill == "pattern":
-                t.view(-1).copy_(torch.linspace(-1.0, 1.0, t.numel())).add_(len(made))
+                _fill_pattern(t.view(-1), len(made))
             made.append(t)
             return t
 
@@ -311,10 +368,11 @@ def floor_seconds(
 class Case:
     """One measured configuration."""
 
-    scheme: str
+    scheme: str  # a key of SCHEMES, or of weightsync._bench_compare.ALTERNATIVES
     size_mib: float
     workers: int
     tensors: int
+    dtype: str = "float32"
 
     @property
     def nbytes(self) -> int:
@@ -328,7 +386,9 @@ class BenchConfig:
 
     ``timeout`` is each send's deadline (and how long to wait for a worker);
     ``worker_threads`` is torch's thread count in the workers (None: torch's
-    default).
+    default). ``dtype`` is the generated model's element type (a key of
+    :data:`DTYPES`); ``compare`` names alternatives to weightsync
+    (:data:`weightsync._bench_compare.ALTERNATIVES`) run like the schemes.
     """
 
     schemes: tuple[str, ...] = ("multiprocess",)
@@ -339,11 +399,20 @@ class BenchConfig:
     warmup: int = 2
     timeout: float = 60.0
     worker_threads: int | None = 1
+    dtype: str = "float32"
+    compare: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        from ._bench_compare import ALTERNATIVES
+
         unknown = [s for s in self.schemes if s not in SCHEMES]
         if unknown:
             raise ValueError(f"unknown scheme(s) {unknown}; known: {sorted(SCHEMES)}")
+        unknown = [s for s in self.compare if s not in ALTERNATIVES]
+        if unknown:
+            raise ValueError(f"unknown alternative(s) {unknown}; known: {sorted(ALTERNATIVES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPES)}")
         checks = [
             (all(s > 0 for s in self.sizes_mib), "sizes must be positive"),
             (all(w >= 1 for w in self.workers), "worker counts must be at least 1"),
@@ -360,19 +429,35 @@ class BenchConfig:
             raise ValueError("every list of schemes, sizes, workers and tensors needs a value")
 
     def cases(self) -> list[Case]:
-        """Every combination, sizes outermost, so the big cases come last."""
+        """Every combination, sizes outermost, so the big cases come last;
+        at each size the schemes first, then the alternatives."""
         return [
-            Case(scheme, size, workers, tensors)
+            Case(scheme, size, workers, tensors, self.dtype)
             for size in self.sizes_mib
-            for scheme in self.schemes
+            for scheme in (*self.schemes, *self.compare)
             for tensors in self.tensors
             for workers in self.workers
         ]
 
 
-def _p90(samples: Sequence[float]) -> float:
+def _percentile(samples: Sequence[float], fraction: float) -> float:
+    """The nearest-rank percentile: the smallest sample with at least
+    ``fraction`` of the samples at or below it."""
     ordered = sorted(samples)
-    return ordered[max(math.ceil(0.9 * len(ordered)) - 1, 0)]
+    return ordered[max(math.ceil(fraction * len(ordered)) - 1, 0)]
+
+
+def _p90(samples: Sequence[float]) -> float:
+    return _percentile(samples, 0.9)
+
+
+def labels(name: str) -> tuple[str, str]:
+    """What scheme or alternative ``name`` guarantees: (copy, torn), as in
+    :class:`SchemeInfo`."""
+    from ._bench_compare import ALTERNATIVES
+
+    info = SCHEMES.get(name) or ALTERNATIVES[name]
+    return info.copy, info.torn
 
 
 @dataclass
@@ -387,6 +472,25 @@ class CaseResult:
     memcpy_s: list[float] = field(default_factory=list)
     floor_serial_s: list[float] = field(default_factory=list)  # workers + 1 copies, one thread
     floor_split_s: list[float] = field(default_factory=list)  # the same, split across two threads
+    memory: PeakMemory | None = None  # peak extra memory during the case
+
+    @property
+    def kind(self) -> str:
+        """``"scheme"`` (weightsync) or ``"alternative"`` (``--compare``)."""
+        return "scheme" if self.case.scheme in SCHEMES else "alternative"
+
+    @property
+    def p10_s(self) -> float:
+        return _percentile(self.send_s, 0.1)
+
+    @property
+    def max_s(self) -> float:
+        return max(self.send_s)
+
+    @property
+    def gbps_aggregate(self) -> float:
+        """Bytes per second (1e9) all workers together receive at the median."""
+        return self.case.workers * self.nbytes / self.median_s / 1e9
 
     @property
     def median_s(self) -> float:
@@ -418,11 +522,28 @@ class CaseResult:
     def vs_floor(self) -> float:
         return self.median_s / self.floor_median_s
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, Any]:
+        copy, torn = labels(self.case.scheme)
+        memory = self.memory
         return {
+            "kind": self.kind,
+            "copy": copy,
+            "torn": torn,
             "median_ms": self.median_s * 1e3,
+            "p10_ms": self.p10_s * 1e3,
             "p90_ms": self.p90_s * 1e3,
+            "max_ms": self.max_s * 1e3,
             "gbps_per_worker": self.gbps,
+            "gbps_aggregate": self.gbps_aggregate,
+            "peak_memory": None
+            if memory is None
+            else {
+                "method": memory.method,
+                "definition": MEMORY_METHOD,
+                "trainer_extra_bytes": memory.trainer_bytes,
+                "worker_extra_bytes": memory.worker_bytes,
+                "total_extra_bytes": memory.total_bytes(),
+            },
             "memcpy_ms": self.memcpy_median_s * 1e3,
             "floor_ms": self.floor_median_s * 1e3,
             "vs_memcpy": self.vs_memcpy,
@@ -438,12 +559,15 @@ class BenchRun:
     machine: dict[str, Any]
     results: list[CaseResult] = field(default_factory=list)
     seconds: float = 0.0
+    skipped: dict[str, str] = field(default_factory=dict)  # alternative -> why it did not run
 
     def to_json(self) -> dict[str, Any]:
         return {
             "config": asdict(self.config),
             "machine": self.machine,
             "seconds": self.seconds,
+            "skipped": self.skipped,
+            "peak_memory_method": MEMORY_METHOD,
             "cases": [
                 {**asdict(r.case), "nbytes": r.nbytes, "packet_nbytes": r.packet_nbytes}
                 | r.summary()
@@ -523,9 +647,7 @@ def machine_facts() -> dict[str, Any]:
 # -- worker processes -----------------------------------------------------------
 
 
-def _worker_main(
-    slot: int, ctrl: Connection, pipes: dict[int, Connection], threads: int | None
-) -> None:
+def _worker_main(slot: int, ctrl: Connection, pipes: dict[int, Connection], threads: int | None) -> None:
     """A bench worker: serves the cases the trainer starts over ``ctrl``.
 
     Messages to the trainer: ("up", pid), ("ready",), ("applied", version,
@@ -545,10 +667,16 @@ def _worker_main(
                 return  # the trainer is gone
             if command[0] == "stop":
                 return
-            _, index, scheme, shapes, corrupt = command
-            pipe = pipes.pop(index)
+            pipe = pipes.pop(command[1])
             try:
-                _serve_case(ctrl, pipe, scheme, shapes, corrupt)
+                if command[0] == "case":
+                    _, _, scheme, shapes, dtype, corrupt = command
+                    _serve_case(ctrl, pipe, scheme, shapes, dtype, corrupt)
+                else:  # "alt": an alternative to weightsync
+                    from ._bench_compare import serve_alternative
+
+                    _, _, name, shapes, dtype, payload, corrupt = command
+                    serve_alternative(ctrl, pipe, name, shapes, dtype, payload, corrupt)
             finally:
                 pipe.close()
     except BaseException:
@@ -565,9 +693,10 @@ def _serve_case(
     pipe: Connection,
     scheme: WeightSyncScheme,
     shapes: dict[str, tuple[int, ...]],
+    dtype: str,
     corrupt: bool,
 ) -> None:
-    model = GeneratedMLP(shapes)
+    model = GeneratedMLP(shapes, dtype=dtype)
     try:
         scheme.init_on_worker(MODEL_ID, pipe=pipe, model=model)
         ctrl.send(("ready",))
@@ -582,13 +711,17 @@ def _serve_case(
             # model's tensors, so views taken before would show old memory.
             tensors = model.state_dict()
             if corrupt:
-                # The testing hook: this worker's model now differs from what it applied.
-                with torch.no_grad():
-                    next(iter(tensors.values())).view(-1)[0] += 1.0
+                corrupt_model(tensors)
             ctrl.send(("applied", version, tensor_checksums(tensors)))
     finally:
         scheme.shutdown()
         ctrl.send(("ended",))
+
+
+def corrupt_model(tensors: Mapping[str, torch.Tensor]) -> None:
+    """The testing hook: make a worker's model differ from what it applied."""
+    with torch.no_grad():
+        next(iter(tensors.values())).view(-1)[0] += 1
 
 
 class WorkerPool:
@@ -706,10 +839,25 @@ class WorkerPool:
 
         :raises BenchError: a worker failed, died or did not get ready in time.
         """
+        case = self.cases[index]
+        self._start(index, lambda corrupt: ("case", index, scheme, shapes, case.dtype, corrupt))
+
+    def start_alternative(
+        self, index: int, name: str, shapes: dict[str, tuple[int, ...]], payload: Any
+    ) -> None:
+        """Like :meth:`start_case`, for alternative ``name`` to weightsync;
+        ``payload`` (pickled with torch's reductions) goes to every worker."""
+        case = self.cases[index]
+        self._start(index, lambda corrupt: ("alt", index, name, shapes, case.dtype, payload, corrupt))
+
+    def worker_pids(self, count: int) -> list[int]:
+        """Process ids of the first ``count`` workers."""
+        return [proc.pid for proc in self._procs[:count]]
+
+    def _start(self, index: int, message: Callable[[bool], tuple[Any, ...]]) -> None:
         workers = self.cases[index].workers
         for slot in range(workers):
-            corrupt = slot == self.corrupt_worker
-            self._ctrls[slot].send(("case", index, scheme, shapes, corrupt))
+            self._ctrls[slot].send(message(slot == self.corrupt_worker))
             self._in_case.append(slot)
         deadline = time.monotonic() + self.timeout
         for slot in range(workers):
@@ -782,11 +930,11 @@ class WorkerPool:
 # -- running --------------------------------------------------------------------
 
 
-def _change(tensors: Sequence[torch.Tensor], step: int) -> None:
+def change_model(tensors: Sequence[torch.Tensor], step: int) -> None:
     """Make the next send carry new bytes: add 1 to one tensor, a different
     one each time."""
     with torch.no_grad():
-        tensors[step % len(tensors)].add_(1.0)
+        tensors[step % len(tensors)].add_(1)
 
 
 def run_case(pool: WorkerPool, index: int, config: BenchConfig) -> CaseResult:
@@ -798,24 +946,47 @@ def run_case(pool: WorkerPool, index: int, config: BenchConfig) -> CaseResult:
     :raises BenchError: a send failed, or a worker failed, died or timed out.
     """
     case = pool.cases[index]
-    shapes = mlp_shapes(case.nbytes, case.tensors)
-    model = GeneratedMLP(shapes, fill="pattern")
+    item = itemsize(case.dtype)
+    shapes = mlp_shapes(case.nbytes, case.tensors, item)
+    result = CaseResult(case, model_nbytes(shapes, item), 0)
+    refs = max(config.repeats, 6)
+    # Half the references before the case and half after, so a change in the
+    # machine's load meanwhile hits sends and references alike; both halves
+    # outside the memory probe, which sees only the case's own allocations.
+    _measure_references(result, refs // 2)
+    probe = PeakMemoryProbe([os.getpid(), *pool.worker_pids(case.workers)])
+    probe.start()
+    if case.scheme not in SCHEMES:
+        from ._bench_compare import run_alternative
+
+        run_alternative(pool, index, config, shapes, result)
+    else:
+        _run_scheme(pool, index, config, shapes, result)
+    result.memory = probe.stop()
+    _measure_references(result, refs - refs // 2)
+    return result
+
+
+def _run_scheme(
+    pool: WorkerPool,
+    index: int,
+    config: BenchConfig,
+    shapes: dict[str, tuple[int, ...]],
+    result: CaseResult,
+) -> None:
+    case = pool.cases[index]
+    model = GeneratedMLP(shapes, fill="pattern", dtype=case.dtype)
     named = dict(sorted(model.state_dict().items()))
     names = list(named)
     tensors = list(named.values())
     scheme = SCHEMES[case.scheme].factory(config.timeout)
-    result = CaseResult(case, model_nbytes(shapes), 0)
-    refs = max(config.repeats, 6)
     try:
         scheme.init_on_sender(MODEL_ID, pipes=pool.pipes(index), model=model)
         pool.start_case(index, scheme, shapes)
         sender = scheme.get_sender()
         sender.connect(timeout=config.timeout)
-        # Half the references before the sends and half after, so a change
-        # in the machine's load meanwhile hits sends and references alike.
-        _measure_references(result, refs // 2)
         for step in range(config.warmup + config.repeats):
-            _change(tensors, step)
+            change_model(tensors, step)
             start = time.perf_counter()
             report = sender.send()
             elapsed = time.perf_counter() - start
@@ -836,9 +1007,6 @@ def run_case(pool: WorkerPool, index: int, config: BenchConfig) -> CaseResult:
                 pool.end_case()
             finally:
                 pool.close_pipes(index)
-    del model, named, tensors
-    _measure_references(result, refs - refs // 2)
-    return result
 
 
 def _measure_references(result: CaseResult, repeats: int) -> None:
@@ -856,13 +1024,15 @@ def run_bench(
     config: BenchConfig,
     *,
     on_result: Callable[[CaseResult], None] | None = None,
+    on_start: Callable[[int, Case], None] | None = None,
     corrupt_worker: int | None = None,
 ) -> BenchRun:
     """Run every case of ``config`` with one pool of workers. Blocks for the
     whole run; every worker is joined and every scheme shut down before it
     returns or raises (Ctrl-C included).
 
-    ``on_result`` is called after each case. ``corrupt_worker`` is a testing
+    ``on_start`` is called with its index before each case, ``on_result``
+    after it. ``corrupt_worker`` is a testing
     hook: that worker changes its model after each update it applies, so
     verification must fail.
 
@@ -876,6 +1046,8 @@ def run_bench(
         cases, timeout=config.timeout, worker_threads=config.worker_threads, corrupt_worker=corrupt_worker
     ) as pool:
         for index in range(len(cases)):
+            if on_start is not None:
+                on_start(index, cases[index])
             result = run_case(pool, index, config)
             run.results.append(result)
             if on_result is not None:
@@ -889,16 +1061,22 @@ def run_bench(
 
 _COLUMNS = (
     ("scheme", 12, "s"),
-    ("MiB", 8, ".2f"),
+    ("MiB", 7, ".2f"),
     ("workers", 7, "d"),
     ("tensors", 7, "d"),
-    ("median ms", 10, ".3f"),
-    ("p90 ms", 9, ".3f"),
+    ("copy", 7, "s"),
+    ("torn", 4, "s"),
+    ("median ms", 9, ".3f"),
+    ("p10 ms", 8, ".3f"),
+    ("p90 ms", 8, ".3f"),
+    ("max ms", 8, ".3f"),
     ("GB/s/wkr", 8, ".2f"),
+    ("GB/s all", 8, ".2f"),
     ("memcpy ms", 9, ".3f"),
     ("x memcpy", 8, ".2f"),
-    ("floor ms", 9, ".3f"),
+    ("floor ms", 8, ".3f"),
     ("x floor", 7, ".2f"),
+    ("+MiB T/W", 11, "s"),
 )
 
 
@@ -911,21 +1089,37 @@ def table_header() -> str:
 def format_row(result: CaseResult) -> str:
     """One case as a table row: medians of its samples and their ratios."""
     r = result
+    copy, torn = labels(r.case.scheme)
     values = (
         r.case.scheme,
         r.nbytes / MIB,
         r.case.workers,
         r.case.tensors,
+        copy,
+        torn,
         r.median_s * 1e3,
+        r.p10_s * 1e3,
         r.p90_s * 1e3,
+        r.max_s * 1e3,
         r.gbps,
+        r.gbps_aggregate,
         r.memcpy_median_s * 1e3,
         r.vs_memcpy,
         r.floor_median_s * 1e3,
         r.vs_floor,
+        _memory_cell(r.memory),
     )
     cells = zip(_COLUMNS, values, strict=True)
     return "  ".join(f"{v:<{w}{fmt}}" if fmt == "s" else f"{v:>{w}{fmt}}" for (_, w, fmt), v in cells)
+
+
+def _memory_cell(memory: PeakMemory | None) -> str:
+    """Peak extra MiB of the trainer / of the worker that grew most."""
+    if memory is None or memory.trainer_bytes is None:
+        return "-"
+    workers = [b for b in memory.worker_bytes if b is not None]
+    most = f"{max(workers) / MIB:.0f}" if workers else "-"
+    return f"{memory.trainer_bytes / MIB:.0f}/{most}"
 
 
 def format_table(results: Sequence[CaseResult]) -> str:

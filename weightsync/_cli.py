@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 
 from ._bench import (
+    DTYPES,
     SCHEMES,
     BenchConfig,
     BenchError,
@@ -20,6 +21,9 @@ from ._bench import (
     run_bench,
     table_header,
 )
+from ._bench_compare import ALTERNATIVES, resolve
+from ._bench_memory import METHOD as MEMORY_METHOD
+from ._bench_progress import Progress
 
 __all__ = ["main"]
 
@@ -31,7 +35,18 @@ def _parser() -> argparse.ArgumentParser:
         prog="weightsync", description="Move model weights from a trainer to its workers."
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    known = "\n".join(f"  {info.name:<14} {info.summary}" for info in SCHEMES.values())
+    known, alternatives = (
+        "\n".join(f"  {i.name:<14} " + f"[copy: {i.copy}, torn: {i.torn}] " + i.summary for i in infos)
+        for infos in (SCHEMES.values(), ALTERNATIVES.values())
+    )
+    columns = (
+        "columns: median/p10/p90/max ms of full sends; GB/s/wkr = bytes / median, GB/s all = workers x "
+        "bytes / median; copy = private (each worker holds its own copy) or shared (workers read one "
+        "shared buffer): compare private with private; torn = whether a worker can read two versions "
+        f"mixed; +MiB T/W = peak extra memory of the trainer / of the worker that grew most, in MiB: "
+        f"{MEMORY_METHOD} (RSS counts touched shared pages in every process mapping them; per process "
+        "in --json)."
+    )
     bench = commands.add_parser(
         "bench",
         help="time full sends (every ack in) against memcpy of the same bytes",
@@ -41,23 +56,55 @@ def _parser() -> argparse.ArgumentParser:
             "worker holds exactly the trainer's weights; compare with a single-threaded memcpy and "
             "with (workers+1) memcpys on 2 threads, measured in the same run."
         ),
-        epilog=f"known schemes:\n{known}",
+        epilog=f"known schemes:\n{known}\nalternatives (--compare):\n{alternatives}\n\n{columns}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument(
-        "--scheme", nargs="+", choices=sorted(SCHEMES), default=list(_DEFAULTS.schemes), metavar="NAME",
-        help=f"schemes to run (default: %(default)s; known: {', '.join(sorted(SCHEMES))})",
+        "--scheme",
+        nargs="+",
+        choices=[*sorted(SCHEMES), "all"],
+        default=list(_DEFAULTS.schemes),
+        metavar="NAME",
+        help=f"schemes to run, or all (default: %(default)s; known: {', '.join(sorted(SCHEMES))})",
     )
     bench.add_argument(
-        "--size", nargs="+", type=float, default=list(_DEFAULTS.sizes_mib), metavar="MIB",
+        "--compare",
+        nargs="+",
+        choices=[*ALTERNATIVES, "all"],
+        default=[],
+        metavar="NAME",
+        help="also run these alternatives to weightsync, or all, with the same model and sizes "
+        f"(known: {', '.join(ALTERNATIVES)}; one that cannot run here is skipped with a note)",
+    )
+    bench.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default=_DEFAULTS.dtype,
+        metavar="DTYPE",
+        help=f"element type of the generated model (default: %(default)s; known: {', '.join(DTYPES)})",
+    )
+    bench.add_argument(
+        "--size",
+        nargs="+",
+        type=float,
+        default=list(_DEFAULTS.sizes_mib),
+        metavar="MIB",
         help="bytes of weights, in MiB (default: %(default)s)",
     )
     bench.add_argument(
-        "--workers", nargs="+", type=int, default=list(_DEFAULTS.workers), metavar="N",
+        "--workers",
+        nargs="+",
+        type=int,
+        default=list(_DEFAULTS.workers),
+        metavar="N",
         help="numbers of worker processes (default: %(default)s)",
     )
     bench.add_argument(
-        "--tensors", nargs="+", type=int, default=list(_DEFAULTS.tensors), metavar="N",
+        "--tensors",
+        nargs="+",
+        type=int,
+        default=list(_DEFAULTS.tensors),
+        metavar="N",
         help="numbers of tensors the bytes are split into (default: %(default)s)",
     )
     bench.add_argument(
@@ -67,23 +114,53 @@ def _parser() -> argparse.ArgumentParser:
         "--warmup", type=int, default=_DEFAULTS.warmup, help="untimed sends first (default: %(default)s)"
     )
     bench.add_argument(
-        "--timeout", type=float, default=_DEFAULTS.timeout,
+        "--timeout",
+        type=float,
+        default=_DEFAULTS.timeout,
         help="deadline of each send, and of each wait for a worker, in seconds (default: %(default)s)",
     )
     bench.add_argument(
-        "--worker-threads", type=int, default=_DEFAULTS.worker_threads, metavar="N",
+        "--worker-threads",
+        type=int,
+        default=_DEFAULTS.worker_threads,
+        metavar="N",
         help="torch threads in each worker; 0: torch's default (default: %(default)s)",
     )
     bench.add_argument("--json", metavar="PATH", help="also write the raw samples and machine facts to PATH")
+    bench.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="also write a PNG of median latency against size to PATH, per scheme, one line per worker "
+        "count, the floor dashed (needs matplotlib: the plot extra)",
+    )
+    bench.add_argument(
+        "--progress",
+        action="store_true",
+        help="show progress on stderr even when it is not a terminal (on a terminal it always shows)",
+    )
     # Testing hook: this worker corrupts its model after applying, so verification must fail.
     bench.add_argument("--corrupt-worker", type=int, default=None, help=argparse.SUPPRESS)
     return parser
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.plot:
+        from ._bench_plot import PlotUnavailableError, require_matplotlib
+
+        try:
+            require_matplotlib()
+        except PlotUnavailableError as exc:
+            print(f"weightsync bench: {exc}", file=sys.stderr)
+            return 2
+    schemes = sorted(SCHEMES) if "all" in args.scheme else list(dict.fromkeys(args.scheme))
+    compare, skipped = resolve(list(ALTERNATIVES) if "all" in args.compare else args.compare)
+    for name, why in skipped.items():
+        print(f"weightsync bench: skipping {name}: {why}", file=sys.stderr)
     try:
         config = BenchConfig(
-            schemes=tuple(args.scheme),
+            schemes=tuple(schemes),
+            compare=tuple(compare),
+            dtype=args.dtype,
             sizes_mib=tuple(args.size),
             workers=tuple(args.workers),
             tensors=tuple(args.tensors),
@@ -95,14 +172,31 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     print(describe_machine(machine_facts()), flush=True)
+    print(
+        f"dtype {config.dtype}; {config.repeats} timed sends per case after {config.warmup} untimed; "
+        "copy: private = own copy per worker, shared = one shared buffer (compare like with like)",
+        flush=True,
+    )
     print(table_header(), flush=True)
+    progress = Progress(sys.stderr, config.cases(), config) if args.progress or sys.stderr.isatty() else None
 
     def show(result: CaseResult) -> None:
+        if progress is not None:
+            progress.clear()
         print(format_row(result), flush=True)
 
     started = time.perf_counter()
     try:
-        run = run_bench(config, on_result=show, corrupt_worker=args.corrupt_worker)
+        try:
+            run = run_bench(
+                config,
+                on_result=show,
+                on_start=progress.start if progress is not None else None,
+                corrupt_worker=args.corrupt_worker,
+            )
+        finally:
+            if progress is not None:
+                progress.finish()
     except VerificationError as exc:
         print(f"weightsync bench: verification failed: {exc}", file=sys.stderr)
         return 1
@@ -112,7 +206,10 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except KeyboardInterrupt:
         print("weightsync bench: interrupted", file=sys.stderr)
         return 130
+    run.skipped = skipped
     print(f"{len(run.results)} cases in {time.perf_counter() - started:.1f} s", flush=True)
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
     if args.json:
         try:
             run.write_json(args.json)
@@ -120,6 +217,15 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(f"weightsync bench: cannot write {args.json}: {exc}", file=sys.stderr)
             return 1
         print(f"raw samples and machine facts: {args.json}")
+    if args.plot:
+        from ._bench_plot import write_plot
+
+        try:
+            write_plot(run.results, args.plot, describe_machine(run.machine))
+        except OSError as exc:
+            print(f"weightsync bench: cannot write {args.plot}: {exc}", file=sys.stderr)
+            return 1
+        print(f"plot: {args.plot}")
     return 0
 
 
@@ -128,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Blocks until the command is done and returns its exit status: 0 on
     success, 1 when a benchmark failed (a worker held other weights than the
-    trainer, died or timed out), 130 after Ctrl-C.
+    trainer, died or timed out), 2 when ``--plot`` is asked without
+    matplotlib installed, 130 after Ctrl-C.
 
     :raises SystemExit: the arguments are invalid (status 2) or ``--help`` was asked.
     """

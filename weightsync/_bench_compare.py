@@ -1,0 +1,316 @@
+"""Alternatives to weightsync that ``weightsync bench --compare`` runs in the
+same pool of workers, with the same model and sizes, timed and verified like
+the schemes.
+
+Each round is timed from the trainer's first action until every worker has
+applied the weights and replied; after it, outside the timing, every worker's
+CRC32 per tensor is compared with the trainer's, as for the schemes. Each
+alternative is labelled by what it guarantees (``copy``, ``torn``), so a
+shared-buffer figure is never read as a private-copy one:
+
+- ``pickle-pipe``: the trainer pickles its state_dict (``pickle``, so the
+  bytes of every tensor are serialised) and sends it over each worker's pipe;
+  the worker unpickles it and ``load_state_dict``'s it. Private copy.
+- ``torch-mp``: ``torch.multiprocessing``'s reductions
+  (``ForkingPickler.dumps``): the trainer's tensors move to shared memory once
+  and each round sends their file descriptors over the pipe; the worker maps
+  them and copies them into its model. Private copy.
+- ``bare-shm``: the bare loop of ``benchmarks/small_vs_bare_loop.py``: the
+  trainer copies its tensors into one shared buffer and writes a version to
+  each pipe; each worker copies them out into its model and echoes it.
+  Private copy.
+
+An alternative that needs a package (``requires``) is skipped with a note
+where that package is not importable. Ray's object store and torchrl's
+schemes are not among the alternatives yet.
+
+The trainer waits for every reply before it changes its weights again, so no
+alternative here lets a worker see two versions mixed (``torn``: no).
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing.reduction
+import pickle
+import struct
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.multiprocessing  # registers torch's reductions on ForkingPickler
+from torch import nn
+
+from ._bench import (
+    DTYPES,
+    BenchConfig,
+    BenchError,
+    CaseResult,
+    GeneratedMLP,
+    change_model,
+    corrupt_model,
+    itemsize,
+    tensor_checksums,
+)
+
+if TYPE_CHECKING:
+    from ._bench import WorkerPool
+
+__all__ = ["ALTERNATIVES", "AlternativeInfo", "resolve", "run_alternative", "serve_alternative"]
+
+_VERSION = struct.Struct("<q")
+_ALIGN = 64
+_STOP = b""
+
+
+@dataclass(frozen=True)
+class AlternativeInfo:
+    """An alternative to weightsync: its name, a one-line summary, what it
+    guarantees (as :class:`weightsync._bench.SchemeInfo`), and, for one that
+    needs a package, that package's module."""
+
+    name: str
+    summary: str
+    copy: str = "private"
+    torn: str = "no"
+    requires: str | None = None
+
+    def unavailable(self) -> str | None:
+        """Why it cannot run here, or None if it can."""
+        if self.requires is not None:
+            try:
+                importlib.import_module(self.requires)
+            except ImportError as exc:
+                return f"{self.requires} is not importable ({exc})"
+        return None
+
+
+ALTERNATIVES: dict[str, AlternativeInfo] = {
+    info.name: info
+    for info in (
+        AlternativeInfo("pickle-pipe", "pickle.dumps(state_dict) over each pipe; worker load_state_dict"),
+        AlternativeInfo(
+            "torch-mp", "torch.multiprocessing reductions: shared-memory fds over the pipe; worker copies"
+        ),
+        AlternativeInfo("bare-shm", "bare loop: copy into one shared buffer, notify, workers copy out"),
+    )
+}
+
+
+def resolve(names: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """Split ``names`` into those that can run here and those that cannot,
+    with the reason for each."""
+    runnable, skipped = [], {}
+    for name in dict.fromkeys(names):
+        why = ALTERNATIVES[name].unavailable()
+        if why is None:
+            runnable.append(name)
+        else:
+            skipped[name] = why
+    return runnable, skipped
+
+
+# -- the shared-buffer layout of bare-shm ---------------------------------------
+
+
+def _layout(shapes: Mapping[str, tuple[int, ...]], item: int) -> tuple[list[tuple[str, int, int]], int]:
+    """(name, offset, nbytes) per tensor in name order, and the buffer's size."""
+    entries = []
+    offset = 0
+    for name in sorted(shapes):
+        nbytes = item * int(torch.Size(shapes[name]).numel())
+        entries.append((name, offset, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return entries, max(offset, 1)
+
+
+def _views(
+    buffer: torch.Tensor, shapes: Mapping[str, tuple[int, ...]], dtype: str
+) -> dict[str, torch.Tensor]:
+    entries, _ = _layout(shapes, itemsize(dtype))
+    return {
+        name: buffer[offset : offset + nbytes].view(DTYPES[dtype]).view(shapes[name])
+        for name, offset, nbytes in entries
+    }
+
+
+# -- the trainer's side ------------------------------------------------------------
+
+
+class _Sender:
+    """One alternative's trainer side: ``payload`` goes to each worker once
+    at the start; ``send`` starts one round (acks are awaited by the caller)."""
+
+    payload: Any = None
+    packet_nbytes = 0
+
+    def send(self, version: int, conns: Sequence[Connection]) -> None:
+        raise NotImplementedError
+
+
+class _PicklePipe(_Sender):
+    def __init__(self, named: dict[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], dtype: str):
+        self.named = named
+
+    def send(self, version: int, conns: Sequence[Connection]) -> None:
+        data = pickle.dumps((version, self.named), protocol=pickle.HIGHEST_PROTOCOL)
+        self.packet_nbytes = len(data)
+        for conn in conns:
+            conn.send_bytes(data)
+
+
+class _TorchMP(_Sender):
+    def __init__(self, named: dict[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], dtype: str):
+        self.named = named
+
+    def send(self, version: int, conns: Sequence[Connection]) -> None:
+        # One pickle per worker: each shared file descriptor is handed out once.
+        for conn in conns:
+            data = multiprocessing.reduction.ForkingPickler.dumps((version, self.named))
+            self.packet_nbytes = len(data)
+            conn.send_bytes(data)
+
+
+class _BareShm(_Sender):
+    def __init__(self, named: dict[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], dtype: str):
+        _, nbytes = _layout(shapes, itemsize(dtype))
+        self.payload = torch.zeros(nbytes, dtype=torch.uint8).share_memory_()
+        self.packet_nbytes = nbytes
+        views = _views(self.payload, shapes, dtype)
+        self.pairs = [(views[name], named[name]) for name in sorted(named)]
+
+    def send(self, version: int, conns: Sequence[Connection]) -> None:
+        with torch.no_grad():
+            for target, source in self.pairs:
+                target.copy_(source)
+        message = _VERSION.pack(version)
+        for conn in conns:
+            conn.send_bytes(message)
+
+
+_SENDERS: dict[str, Callable[[dict[str, torch.Tensor], Mapping[str, tuple[int, ...]], str], _Sender]] = {
+    "pickle-pipe": _PicklePipe,
+    "torch-mp": _TorchMP,
+    "bare-shm": _BareShm,
+}
+
+
+def _await_acks(conns: Sequence[Connection], version: int, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    expected = _VERSION.pack(version)
+    for slot, conn in enumerate(conns):
+        try:
+            if not conn.poll(max(deadline - time.monotonic(), 0)):
+                raise BenchError(f"{what}: worker {slot} did not reply to round {version} in {timeout:g} s")
+            reply = conn.recv_bytes()
+        except (EOFError, OSError) as exc:
+            raise BenchError(f"{what}: worker {slot} closed its pipe ({exc!r})") from exc
+        if reply != expected:
+            raise BenchError(f"{what}: worker {slot} replied {reply!r} to round {version}")
+
+
+def run_alternative(
+    pool: WorkerPool, index: int, config: BenchConfig, shapes: dict[str, tuple[int, ...]], result: CaseResult
+) -> None:
+    """Time and verify the rounds of alternative case ``index`` into
+    ``result``. Blocks for the whole case; the workers' side is closed before
+    it returns or raises.
+
+    :raises VerificationError: a worker's weights differ from the trainer's.
+    :raises BenchError: a worker failed, died or timed out.
+    """
+    case = pool.cases[index]
+    what = f"{case.scheme} round of {case.size_mib:g} MiB to {case.workers} worker(s)"
+    model = GeneratedMLP(shapes, fill="pattern", dtype=case.dtype)
+    named = dict(sorted(model.state_dict().items()))
+    names = list(named)
+    tensors = list(named.values())
+    conns = pool.pipes(index)
+    sender = _SENDERS[case.scheme](named, shapes, case.dtype)
+    try:
+        pool.start_alternative(index, case.scheme, shapes, sender.payload)
+        for step in range(config.warmup + config.repeats):
+            change_model(tensors, step)
+            version = step + 1
+            start = time.perf_counter()
+            sender.send(version, conns)
+            _await_acks(conns, version, config.timeout, what)
+            elapsed = time.perf_counter() - start
+            pool.verify(version, names, tensor_checksums(named))
+            if step >= config.warmup:
+                result.send_s.append(elapsed)
+        result.packet_nbytes = sender.packet_nbytes
+    finally:
+        try:
+            for conn in conns:
+                with suppress(OSError):
+                    conn.send_bytes(_STOP)
+            pool.end_case()
+        finally:
+            pool.close_pipes(index)
+
+
+# -- the worker's side -------------------------------------------------------------
+
+
+def _applier(
+    name: str, model: nn.Module, shapes: Mapping[str, tuple[int, ...]], dtype: str, payload: Any
+) -> Callable[[bytes], int]:
+    """How a worker applies one round's message; returns the version."""
+    if name in ("pickle-pipe", "torch-mp"):
+
+        def load(data: bytes) -> int:
+            version, state = pickle.loads(data)  # torch's rebuild functions map shared fds
+            model.load_state_dict(state)
+            return int(version)
+
+        return load
+    if name == "bare-shm":
+        sources = _views(payload, shapes, dtype)
+        named = model.state_dict()
+        pairs = [(named[key], sources[key]) for key in sorted(named)]
+
+        def copy_out(data: bytes) -> int:
+            with torch.no_grad():
+                for target, source in pairs:
+                    target.copy_(source)
+            return int(_VERSION.unpack(data)[0])
+
+        return copy_out
+    raise ValueError(f"no worker side for alternative {name!r}")
+
+
+def serve_alternative(
+    ctrl: Connection,
+    pipe: Connection,
+    name: str,
+    shapes: dict[str, tuple[int, ...]],
+    dtype: str,
+    payload: Any,
+    corrupt: bool,
+) -> None:
+    """A bench worker's side of alternative ``name``: apply each round from
+    ``pipe``, reply, then report checksums over ``ctrl`` (as for a scheme)."""
+    model = GeneratedMLP(shapes, dtype=dtype)
+    try:
+        apply = _applier(name, model, shapes, dtype, payload)
+        ctrl.send(("ready",))
+        while True:
+            try:
+                data = pipe.recv_bytes()
+            except EOFError:
+                return
+            if data == _STOP:
+                return
+            version = apply(data)
+            pipe.send_bytes(_VERSION.pack(version))
+            tensors = model.state_dict()
+            if corrupt:
+                corrupt_model(tensors)
+            ctrl.send(("applied", version, tensor_checksums(tensors)))
+    finally:
+        ctrl.send(("ended",))

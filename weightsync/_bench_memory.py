@@ -1,0 +1,89 @@
+"""Peak extra memory of processes during a bench case, from Linux's RSS
+high-water mark.
+
+Method (``METHOD``): before the case, each process's peak RSS is reset
+(``5`` written to ``/proc/<pid>/clear_refs``, Linux 4.0 on) and its current
+RSS (``VmRSS``) read; after the case, its peak (``VmHWM``) is read. The extra
+memory is ``VmHWM after - VmRSS before``. RSS counts every resident page the
+process maps, shared-memory pages included, so a page shared by several
+processes counts once in each. Where the reset is refused, the figure is the
+growth of the lifetime peak (``method`` says ``vmhwm-lifetime``), which
+understates a case that stayed under an earlier one's peak; where ``/proc``
+is missing, the figures are ``None``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["METHOD", "PeakMemory", "PeakMemoryProbe"]
+
+METHOD = "VmHWM after the case minus VmRSS before it, peak reset via /proc/<pid>/clear_refs"
+
+
+def _status_kib(pid: int, key: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _reset_peak(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w", encoding="ascii") as refs:
+            refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
+@dataclass
+class PeakMemory:
+    """Extra bytes at the peak, per process, and how they were measured."""
+
+    method: str  # "vmhwm-reset", "vmhwm-lifetime" or "unavailable"
+    trainer_bytes: int | None
+    worker_bytes: list[int | None] = field(default_factory=list)
+
+    def total_bytes(self) -> int | None:
+        """Trainer and workers together; None if any figure is missing."""
+        parts = [self.trainer_bytes, *self.worker_bytes]
+        if any(p is None for p in parts):
+            return None
+        return sum(p for p in parts if p is not None)
+
+
+class PeakMemoryProbe:
+    """``start()`` before a case, ``stop()`` after it. ``pids[0]`` is the
+    trainer, the rest its workers."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.pids = list(pids)
+        self._before: list[int | None] = []
+        self._reset = True
+
+    def start(self) -> None:
+        self._reset = all([_reset_peak(pid) for pid in self.pids])
+        self._before = []
+        for pid in self.pids:
+            rss = _status_kib(pid, "VmRSS")
+            if not self._reset:
+                hwm = _status_kib(pid, "VmHWM")
+                rss = None if rss is None or hwm is None else max(rss, hwm)
+            self._before.append(rss)
+
+    def stop(self) -> PeakMemory:
+        extra: list[int | None] = []
+        for pid, before in zip(self.pids, self._before, strict=True):
+            peak = _status_kib(pid, "VmHWM")
+            extra.append(None if peak is None or before is None else max(peak - before, 0) * 1024)
+        if all(e is None for e in extra):
+            method = "unavailable"
+        else:
+            method = "vmhwm-reset" if self._reset else "vmhwm-lifetime"
+        return PeakMemory(method, extra[0], extra[1:])
