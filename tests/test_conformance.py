@@ -68,8 +68,9 @@ def test_unknown_worker_id_is_rejected_before_sending(cluster: Cluster) -> None:
     cluster.sender.send()
     before = cluster.expected()
     cluster.bump()
-    with pytest.raises(ws.UnknownWorkerError, match="7"):
+    with pytest.raises(ws.UnknownWorkerError, match="7") as info:
         cluster.sender.send(worker_ids=[0, 7])
+    assert info.value.unknown_ids == (7,)
     for i in range(3):
         cluster.assert_has(i, before)
 

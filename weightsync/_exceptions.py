@@ -67,7 +67,16 @@ class InvalidWeightsError(WeightSyncError, ValueError):
 
 
 class UnknownWorkerError(WeightSyncError, ValueError):
-    """A worker id that the sender does not know. Raised before anything is sent."""
+    """A worker id that the sender does not know. Raised before anything is sent.
+
+    ``unknown_ids`` lists the ids that were not known.
+    """
+
+    def __init__(
+        self, message: str, *, model_id: str | None = None, unknown_ids: tuple[object, ...] = ()
+    ) -> None:
+        super().__init__(message, model_id=model_id)
+        self.unknown_ids = unknown_ids
 
 
 class SenderLostError(WeightSyncError):

@@ -127,7 +127,9 @@ class RemoteWeightUpdaterBase:
         wanted = list(worker_ids) if isinstance(worker_ids, list | tuple) else [worker_ids]
         unknown = [w for w in wanted if w not in known]
         if unknown:
-            raise UnknownWorkerError(f"unknown worker id(s) {unknown!r}; this updater knows {known!r}")
+            raise UnknownWorkerError(
+                f"unknown worker id(s) {unknown!r}; this updater knows {known!r}", unknown_ids=tuple(unknown)
+            )
         targets: list[Any] = []
         for w in wanted:  # each worker once, in the order asked
             if w not in targets:
@@ -246,7 +248,8 @@ class MultiProcessedRemoteWeightUpdate(RemoteWeightUpdaterBase):
         """
         if worker_id not in self._policy_weights:
             raise UnknownWorkerError(
-                f"worker {worker_id!r} has no buffer in policy_weights; known: {self.all_worker_ids()!r}"
+                f"worker {worker_id!r} has no buffer in policy_weights; known: {self.all_worker_ids()!r}",
+                unknown_ids=(worker_id,),
             )
         targets, sources = self._plan(worker_id, server_weights)
         with torch.no_grad():

@@ -81,6 +81,7 @@ class AsyncWeightSender:
                 f"unknown worker id(s) {unknown} for model {self.model_id!r}; "
                 f"known: {sorted(self.transports)}",
                 model_id=self.model_id,
+                unknown_ids=tuple(unknown),
             )
         return list(dict.fromkeys(ids))
 
