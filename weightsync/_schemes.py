@@ -321,18 +321,14 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
     ) -> None:
         super().__init__(strategy, timeout=timeout)
 
+    # The pipe-based schemes differ only in these three classes.
+    _shared_class: type[StagingArea] | type[SlotStore] = StagingArea
+    _channel_class: type[MPSenderTransport] = MPSenderTransport
+    _endpoint_class: type[MPReceiverTransport] = MPReceiverTransport
+
     def _sender_side(
         self, context: Any, kwargs: dict[str, Any]
     ) -> tuple[dict[int, SenderTransport], SharedTransport | None]:
-        pipes = self._pipes(context, kwargs)
-        staging = StagingArea()
-        self._shared_transport = staging
-        transports: dict[int, SenderTransport] = {
-            i: MPSenderTransport(pipe, i, staging, self._model_id) for i, pipe in enumerate(pipes)
-        }
-        return transports, staging
-
-    def _pipes(self, context: Any, kwargs: dict[str, Any]) -> list[Any]:
         pipes: Sequence[Any] | None = _from(context, kwargs, "pipes")
         if pipes is None:
             raise ValueError(f"{type(self).__name__}.init_on_sender needs pipes=[...]")
@@ -340,18 +336,26 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
         num_workers = _from(context, kwargs, "num_workers") or len(pipes)
         if num_workers != len(pipes):
             raise ValueError(f"num_workers={num_workers} but {len(pipes)} pipes were given")
-        return pipes
+        shared = self._shared_class()
+        self._shared_transport = shared
+        transports: dict[int, SenderTransport] = {
+            i: self._channel_class(pipe, i, shared, self._model_id) for i, pipe in enumerate(pipes)
+        }
+        return transports, shared
 
     def create_transport(self, pipe: Any) -> MPSenderTransport:
-        """Legacy: a sender channel over ``pipe`` sharing this scheme's staging area."""
-        staging = self._shared_transport if isinstance(self._shared_transport, StagingArea) else StagingArea()
-        return MPSenderTransport(pipe, len(self._sender_transports), staging, self._model_id)
+        """Legacy: a sender channel over ``pipe``, sharing this scheme's
+        staging memory once ``init_on_sender`` has run."""
+        shared = self._shared_transport
+        if not isinstance(shared, self._shared_class):
+            shared = self._shared_class()
+        return self._channel_class(pipe, len(self._sender_transports), shared, self._model_id)
 
     def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> ReceiverTransport:
         pipe = _from(context, kwargs, "pipe")
         if pipe is None:
-            raise ValueError("MultiProcessWeightSyncScheme.init_on_worker needs pipe=...")
-        return MPReceiverTransport(pipe, self._model_id)
+            raise ValueError(f"{type(self).__name__}.init_on_worker needs pipe=...")
+        return self._endpoint_class(pipe, self._model_id)
 
 
 class SharedMemWeightSyncScheme(MultiProcessWeightSyncScheme):
@@ -382,27 +386,9 @@ class SharedMemWeightSyncScheme(MultiProcessWeightSyncScheme):
     ) -> None:
         super().__init__(strategy, timeout=timeout)
 
-    def _sender_side(
-        self, context: Any, kwargs: dict[str, Any]
-    ) -> tuple[dict[int, SenderTransport], SharedTransport | None]:
-        pipes = self._pipes(context, kwargs)
-        store = SlotStore()
-        self._shared_transport = store
-        transports: dict[int, SenderTransport] = {
-            i: ShmSenderTransport(pipe, i, store, self._model_id) for i, pipe in enumerate(pipes)
-        }
-        return transports, store
-
-    def create_transport(self, pipe: Any) -> ShmSenderTransport:
-        """Legacy: a sender channel over ``pipe`` sharing this scheme's slots."""
-        store = self._shared_transport if isinstance(self._shared_transport, SlotStore) else SlotStore()
-        return ShmSenderTransport(pipe, len(self._sender_transports), store, self._model_id)
-
-    def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> ReceiverTransport:
-        pipe = _from(context, kwargs, "pipe")
-        if pipe is None:
-            raise ValueError("SharedMemWeightSyncScheme.init_on_worker needs pipe=...")
-        return ShmReceiverTransport(pipe, self._model_id)
+    _shared_class = SlotStore
+    _channel_class = ShmSenderTransport
+    _endpoint_class = ShmReceiverTransport
 
 
 class NoWeightSyncScheme(WeightSyncScheme):
