@@ -29,6 +29,15 @@ SCHEMES: dict[str, Callable[[], ws.WeightSyncScheme]] = {
 KEEPS_DATA_PTR = {"multiprocess": True, "shared": False}
 
 
+def reap(procs: list[Any], timeout: float = 20.0) -> None:
+    """Join worker processes; kill any that did not exit in time."""
+    for proc in procs:
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
 class Cluster:
     """One trainer-side scheme (in the test process) and N worker processes."""
 
@@ -121,11 +130,8 @@ class Cluster:
             if proc.is_alive():
                 with contextlib.suppress(OSError):
                     self.ctrls[i].send("stop")
+        reap(self.procs)
         for proc in self.procs:
-            proc.join(20)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
             proc.close()
         self.scheme.shutdown()
         for conn in self.ctrls + self.pipes:

@@ -11,6 +11,7 @@ import _probe
 import pytest
 import torch
 from _workers import build_model
+from conftest import reap
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
@@ -427,11 +428,7 @@ def test_workers_read_the_buffer_while_it_is_overwritten() -> None:
             updater.update_weights()
         reports = _probe.stop(conns)
     finally:
-        for proc in procs:
-            proc.join(20)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+        reap(procs)
         for conn in conns:
             conn.close()
     assert _probe.classify(buffer) == "consistent" and _probe.span(buffer) == (version, version)

@@ -10,7 +10,7 @@ import time
 
 import _probe
 import torch
-from conftest import SCHEMES, SPAWN
+from conftest import SCHEMES, SPAWN, reap
 from tensordict import TensorDict
 
 SHAPES = {f"w{i}": 4 * 1024 * 1024 for i in range(4)}  # 4 x 16 MiB of float32
@@ -46,11 +46,7 @@ def test_workers_never_see_a_mix_of_versions(scheme_name: str) -> None:
             scheme.send(timeout=30)
         reports = _probe.stop(conns)
     finally:
-        for proc in procs:
-            proc.join(20)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+        reap(procs)
         scheme.shutdown()
         for conn in conns + pipes:
             conn.close()

@@ -297,6 +297,13 @@ def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
     """Seconds of each of ``repeats`` single-threaded ``copy_`` of ``nbytes``
     between two preallocated ``uint8`` tensors (after one untimed copy).
     Blocks for the copies; allocates ``2 * nbytes`` for the duration."""
+    return _timed_copies(nbytes, 1, repeats)
+
+
+def _timed_copies(nbytes: int, copies: int, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ``copies`` single-threaded
+    ``copy_`` of ``nbytes`` between two preallocated tensors (after one
+    untimed copy)."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
     times = []
@@ -304,7 +311,8 @@ def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
         dst.copy_(src)
         for _ in range(repeats):
             start = time.perf_counter()
-            dst.copy_(src)
+            for _ in range(copies):
+                dst.copy_(src)
             times.append(time.perf_counter() - start)
     return times
 
@@ -347,17 +355,7 @@ def floor_seconds(
     ``threads`` threads (:func:`memcpy_floor_seconds`). Returns both sample
     lists; the floor is the smaller median, because handing a small buffer to
     a second thread costs more than copying it. Blocks for the copies."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
-    serial = []
-    with _torch_threads(1):
-        dst.copy_(src)
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(copies):
-                dst.copy_(src)
-            serial.append(time.perf_counter() - start)
-    del src, dst
+    serial = _timed_copies(nbytes, copies, repeats)
     return serial, memcpy_floor_seconds(nbytes, copies, repeats, threads)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -75,11 +76,14 @@ class AsyncWeightReceiver:
         self._layout = (manifest.layout_id, manifest, targets)
         return self._layout
 
-    def _repoint_plan(self, update: Update) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The model's tensors and the slot's views they will point at, checked.
+    def _apply_for(self, update: Update) -> Callable[[int], None]:
+        """How to apply ``update`` (given a number of copy threads), checked
+        against the model before anything is written.
 
         :raises WeightMismatchError: the update does not fit the model.
         """
+        if not self.transport.zero_copy:
+            return self._plan_for(update).run
         _, manifest, targets = self._layout_for(update)
         sources = self.transport.sources(update, manifest)
         if any(t.shape != s.shape or t.dtype != s.dtype for t, s in zip(targets, sources, strict=True)):
@@ -88,7 +92,14 @@ class AsyncWeightReceiver:
             self._layout = None
             _, manifest, targets = self._layout_for(update)
             sources = self.transport.sources(update, manifest)
-        return targets, sources
+
+        def repoint(threads: int) -> None:
+            # The sender leaves this memory unchanged until we ack a newer
+            # version: re-pointing is the whole update, no byte copied.
+            for target, source in zip(targets, sources, strict=True):
+                target.data = source
+
+        return repoint
 
     def _plan_for(self, update: Update) -> CopyPlan:
         """The copy from the update's data into the model, checked first.
@@ -139,29 +150,14 @@ class AsyncWeightReceiver:
                         model_id=self.model_id,
                     )
                 return None
-            if getattr(self.transport, "zero_copy", False):
-                try:
-                    targets, sources = self._repoint_plan(update)
-                except WeightMismatchError as exc:
-                    await self.transport.reject(update.version, str(exc))
-                    return None
-                if not self.transport.is_current(update):
-                    continue  # superseded: the newer update is queued or coming
-                # The slot is the sender's to keep unchanged until we ack a
-                # newer one: re-pointing is the whole update, no byte copied.
-                for target, source in zip(targets, sources, strict=True):
-                    target.data = source
-                self.version = update.version
-                await self.transport.ack(update.version)
-                return update.version
             try:
-                plan = self._plan_for(update)
+                apply = self._apply_for(update)
             except WeightMismatchError as exc:
                 await self.transport.reject(update.version, str(exc))
                 return None
             if not self.transport.is_current(update):
-                continue  # superseded before the copy: the newer update is queued or coming
-            plan.run(update.copy_threads)
+                continue  # superseded before we began: the newer update is queued or coming
+            apply(update.copy_threads)
             if not self.transport.is_current(update):
                 # The sender began the next version during the copy: the model
                 # holds a mix now and must be overwritten before returning.

@@ -162,12 +162,12 @@ class AsyncWeightSender:
 
         # Every target's layout must be known before anything is staged, so a
         # mismatch is rejected with no worker touched.
-        pending = [w for w in targets if getattr(self.transports[w], "layout", None) is None]
+        pending = [w for w in targets if self.transports[w].layout is None]
         if pending:
             await self._fan_out(pending, lambda t: t.connect(), deadline, failures, "announce itself")
         reachable = [w for w in targets if w not in failures]
         for wid in reachable:
-            layout = getattr(self.transports[wid], "layout", None)
+            layout = self.transports[wid].layout
             if layout is not None:
                 packet.manifest.check_matches(
                     layout, model_id=self.model_id, where=f"the model of worker {wid}"

@@ -55,6 +55,9 @@ class SenderTransport(Protocol):
     """The sender's channel to one worker."""
 
     worker_id: int
+    #: The worker's model layout once it announced itself (None before, or
+    #: when the transport cannot tell).
+    layout: Manifest | None
 
     async def connect(self) -> Manifest | None:
         """Wait until the worker is known, and return its model's layout
@@ -89,6 +92,10 @@ class SenderTransport(Protocol):
 @runtime_checkable
 class ReceiverTransport(Protocol):
     """A worker's endpoint."""
+
+    #: True when an update is applied by re-pointing the model's tensors to
+    #: the transport's memory instead of copying into them.
+    zero_copy: bool
 
     async def announce(self, manifest: Manifest) -> None:
         """Tell the sender this worker exists and what its model looks like."""

@@ -201,6 +201,8 @@ class MPSenderTransport:
 class MPReceiverTransport:
     """A worker's endpoint over its pipe, reading from the sender's staging segment."""
 
+    zero_copy = False
+
     def __init__(self, pipe: Connection, model_id: str | None) -> None:
         self.model_id = model_id
         self._channel = PipeChannel(pipe, self._lost)

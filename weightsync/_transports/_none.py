@@ -14,6 +14,7 @@ class NoTransport:
     """A sender channel that accepts every packet and moves nothing."""
 
     worker_id = 0
+    layout: Manifest | None = None
 
     async def connect(self) -> Manifest | None:
         return None
@@ -30,6 +31,8 @@ class NoTransport:
 
 class NoReceiverTransport:
     """A worker endpoint that never has an update."""
+
+    zero_copy = False
 
     async def announce(self, manifest: Manifest) -> None:
         return None
