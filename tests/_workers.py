@@ -149,3 +149,76 @@ def trainer_then_die(scheme: ws.WeightSyncScheme, model_id: str, pipe: Connectio
 
 def describe(obj: Any) -> str:
     return f"{type(obj).__name__}: {obj}"
+
+
+class RayWorker:
+    """A Ray actor for the tests (made remote by the conftest), reused across
+    tests: ``setup`` gives it a fresh model and scheme each time.
+
+    Updates run in the default concurrency group (one at a time, between
+    method calls); ``state``, ``wait_held`` and ``release`` run in the
+    ``ctrl`` group, so the test can look at or free a held actor.
+    """
+
+    def __init__(self) -> None:
+        import threading
+
+        self.scheme: ws.WeightSyncScheme | None = None
+        self.held = threading.Event()
+        self.released = threading.Event()
+
+    def setup(self, scheme: ws.WeightSyncScheme, model_id: str, kind: str) -> int:
+        self.teardown()
+        self.model = build_model(kind, seed=1000 + os.getpid())
+        tensors = dict(self.model.state_dict(keep_vars=True))
+        self.ids = {k: id(v) for k, v in tensors.items()}
+        self.ptrs = {k: v.data_ptr() for k, v in tensors.items()}
+        self.applied: list[int] = []
+        self.scheme = scheme
+        scheme.init_on_worker(model_id, model=self.model, on_update=self.applied.append)
+        return os.getpid()
+
+    def teardown(self) -> None:
+        if self.scheme is not None:
+            self.scheme.shutdown()
+            self.scheme = None
+
+    def hold(self, limit: float = 60.0) -> None:
+        """Keep the actor busy (no update can run) until released."""
+        self.released.clear()
+        self.held.set()
+        self.released.wait(limit)
+        self.held.clear()
+
+    def wait_held(self, limit: float = 30.0) -> bool:
+        return self.held.wait(limit)
+
+    def release(self) -> None:
+        self.released.set()
+
+    def repoint(self) -> str:
+        self.model.out.weight.data = torch.zeros_like(self.model.out.weight)
+        self.ptrs["out.weight"] = self.model.out.weight.data_ptr()
+        return "ok"
+
+    def reshape(self) -> str:
+        self.model.out.weight.data = torch.zeros(5, 16)
+        self.ptrs["out.weight"] = self.model.out.weight.data_ptr()
+        return "ok"
+
+    def state(self) -> dict[str, Any]:
+        now = dict(self.model.state_dict(keep_vars=True))
+        received = self.scheme.receive() if self.scheme is not None else None
+        return {
+            "weights": snapshot(self.model),
+            "applied": list(self.applied),
+            "received": received,
+            "same_identity": all(id(now[k]) == self.ids[k] for k in self.ids),
+            "same_ptr": all(now[k].data_ptr() == self.ptrs[k] for k in self.ids),
+            "errors": [],
+        }
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()

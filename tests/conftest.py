@@ -1,4 +1,4 @@
-"""Shared fixtures: real worker processes (spawn), real pipes, real shared memory."""
+"""Shared fixtures: real worker processes, real pipes, real shared memory, a real Ray cluster."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,17 +17,25 @@ from _workers import build_model, worker_main
 
 import weightsync as ws
 
-SPAWN = mp.get_context("spawn")
+# Worker processes are forked from multiprocessing's fork server, which has
+# imported torch and weightsync once: a spawned interpreter spends 1-2 s of a
+# core importing torch, per worker, and that would be most of the suite's time.
+# The workers are still fresh processes that share nothing with the test.
+PROCS = mp.get_context("forkserver")
+PROCS.set_forkserver_preload(["torch", "tensordict", "weightsync", "_workers", "_probe"])
 READY_TIMEOUT = 90.0
 
 # The conformance suite runs over every scheme listed here.
 SCHEMES: dict[str, Callable[[], ws.WeightSyncScheme]] = {
     "multiprocess": lambda: ws.MultiProcessWeightSyncScheme(timeout=30),
     "shared": lambda: ws.SharedMemWeightSyncScheme(timeout=30),
+    "ray": lambda: ws.RayWeightSyncScheme(timeout=30),
 }
+# The schemes whose workers are processes joined by the user's pipes.
+PIPE_SCHEMES = ["multiprocess", "shared"]
 # Whether a worker's tensors keep their data_ptr() across updates (identity
 # is kept by every scheme).
-KEEPS_DATA_PTR = {"multiprocess": True, "shared": False}
+KEEPS_DATA_PTR = {"multiprocess": True, "shared": False, "ray": True}
 
 
 def reap(procs: list[Any], timeout: float = 20.0) -> None:
@@ -54,9 +63,9 @@ class Cluster:
         self.pids: list[int] = []
         try:
             for kind in kinds:
-                ours, theirs = SPAWN.Pipe()
-                ctrl, ctrl_child = SPAWN.Pipe()
-                proc = SPAWN.Process(
+                ours, theirs = PROCS.Pipe()
+                ctrl, ctrl_child = PROCS.Pipe()
+                proc = PROCS.Process(
                     target=worker_main,
                     args=(self.scheme, model_id, theirs, ctrl_child, kind),
                     daemon=True,
@@ -138,6 +147,152 @@ class Cluster:
             conn.close()
 
 
+class RayRuntime:
+    """The test session's Ray: a two-node cluster on this machine (Ray's own
+    ``ray.cluster_utils.Cluster``), and a pool of worker actors reused from
+    test to test (an actor costs seconds to start: it imports torch)."""
+
+    def __init__(self) -> None:
+        import ray
+        from _workers import RayWorker
+        from ray.cluster_utils import Cluster as RayTestCluster
+
+        node = {"num_cpus": 1, "object_store_memory": 256 << 20}
+        self.nodes = RayTestCluster(
+            initialize_head=True, head_node_args={**node, "resources": {"head_node": 1}}
+        )
+        self.nodes.add_node(**node, resources={"second_node": 1})
+        tests_dir = os.path.dirname(os.path.abspath(__file__))
+        ray.init(
+            address=self.nodes.address,
+            runtime_env={"env_vars": {"PYTHONPATH": tests_dir}},
+            log_to_driver=False,
+        )
+        # No CPU is reserved per actor: tests start more actors than cores.
+        self.actor_class = ray.remote(num_cpus=0, concurrency_groups={"ctrl": 1})(RayWorker)
+        self.idle: list[Any] = []
+
+    def actor(self, **options: Any) -> Any:
+        """A fresh actor (``options`` as for ``.options()``, e.g. placement)."""
+        return self.actor_class.options(**options).remote()
+
+    def take(self, n: int) -> list[Any]:
+        taken = self.idle[:n]
+        del self.idle[:n]
+        return taken + [self.actor() for _ in range(n - len(taken))]
+
+    def give_back(self, actors: list[Any]) -> None:
+        self.idle.extend(actors)
+
+    def close(self) -> None:
+        import ray
+
+        ray.shutdown()
+        self.nodes.shutdown()
+
+
+_RAY: RayRuntime | None = None
+
+
+@pytest.fixture(scope="session")
+def ray_runtime() -> Iterator[RayRuntime]:
+    """One Ray instance for the whole session, started on first use."""
+    pytest.importorskip("ray")
+    global _RAY
+    _RAY = RayRuntime()
+    yield _RAY
+    _RAY.close()
+    _RAY = None
+
+
+class RayCluster(Cluster):
+    """The same harness over Ray actors: the trainer (this process) is the
+    Ray driver, each worker an actor; commands are actor calls."""
+
+    def __init__(
+        self,
+        runtime: RayRuntime,
+        kinds: list[str],
+        model_id: str = "policy",
+        trainer_kind: str = "net",
+        actors: list[Any] | None = None,
+    ) -> None:
+        import ray
+
+        self.scheme_name = "ray"
+        self.model_id = model_id
+        self.runtime = runtime
+        self.scheme = SCHEMES["ray"]()
+        self.model = build_model(trainer_kind, seed=7)
+        self.actors = actors if actors is not None else runtime.take(len(kinds))
+        self.dead: set[int] = set()
+        self.holds: dict[int, Any] = {}
+        try:
+            self.pids = ray.get(
+                [
+                    a.setup.remote(SCHEMES["ray"](), model_id, kind)
+                    for a, kind in zip(self.actors, kinds, strict=True)
+                ],
+                timeout=READY_TIMEOUT,
+            )
+            self.scheme.init_on_sender(model_id, remote_collectors=self.actors, model=self.model)
+        except BaseException:
+            self.close()
+            raise
+
+    def command(self, i: int, cmd: str, timeout: float = 30.0) -> Any:
+        import ray
+
+        actor = self.actors[i]
+        if cmd == "pause":
+            self.holds[i] = actor.hold.remote()
+            return "ok" if ray.get(self._ctrl(i, "wait_held"), timeout=timeout) else "not held"
+        if cmd == "resume":
+            ray.get(self._ctrl(i, "release"), timeout=timeout)
+            ray.get(self.holds.pop(i), timeout=timeout)
+            return "ok"
+        if cmd == "state":
+            return ray.get(self._ctrl(i, "state"), timeout=timeout)
+        return ray.get(getattr(actor, cmd).remote(), timeout=timeout)
+
+    def _ctrl(self, i: int, method: str) -> Any:
+        """Call ``method`` in the actor's ``ctrl`` group, beside any update."""
+        return getattr(self.actors[i], method).options(concurrency_group="ctrl").remote()
+
+    def kill(self, i: int) -> None:
+        os.kill(self.pids[i], signal.SIGKILL)
+        self.dead.add(i)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{self.pids[i]}") and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        import ray
+
+        self.scheme.shutdown()
+        healthy = []
+        for i, actor in enumerate(self.actors):
+            if i in self.dead:
+                continue
+            with contextlib.suppress(Exception):
+                ray.get(self._ctrl(i, "release"), timeout=10)
+                ray.get(actor.teardown.remote(), timeout=30)
+                healthy.append(actor)
+        self.runtime.give_back(healthy)
+
+
+def new_cluster(
+    request: pytest.FixtureRequest,
+    scheme_name: str,
+    kinds: list[str],
+    model_id: str = "policy",
+    trainer_kind: str = "net",
+) -> Cluster:
+    if scheme_name == "ray":
+        return RayCluster(request.getfixturevalue("ray_runtime"), kinds, model_id, trainer_kind)
+    return Cluster(scheme_name, kinds, model_id, trainer_kind)
+
+
 @pytest.fixture(params=list(SCHEMES))
 def scheme_name(request: pytest.FixtureRequest) -> str:
     return request.param
@@ -146,18 +301,18 @@ def scheme_name(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module", params=list(SCHEMES))
 def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     """Three healthy workers shared by the non-destructive tests of a module."""
-    c = Cluster(request.param, ["net", "net", "net"])
+    c = new_cluster(request, request.param, ["net", "net", "net"])
     yield c
     c.close()
 
 
 @pytest.fixture
-def make_cluster(scheme_name: str) -> Iterator[Callable[..., Cluster]]:
+def make_cluster(request: pytest.FixtureRequest, scheme_name: str) -> Iterator[Callable[..., Cluster]]:
     """A factory of clusters for tests that kill, pause or break workers."""
     made: list[Cluster] = []
 
     def make(kinds: list[str], model_id: str = "policy", trainer_kind: str = "net") -> Cluster:
-        c = Cluster(scheme_name, kinds, model_id, trainer_kind)
+        c = new_cluster(request, scheme_name, kinds, model_id, trainer_kind)
         made.append(c)
         return c
 
@@ -194,14 +349,15 @@ def fd_baseline() -> set[int]:
     """Open descriptors once the loop machinery has run once in this process.
 
     uvloop keeps two process-wide descriptors from its first loop on (not one
-    per loop), and multiprocessing's spawn keeps one pipe to its resource
-    tracker; neither is weightsync's to close.
+    per loop), and multiprocessing keeps one pipe to its resource tracker and
+    one socket to its fork server; none is weightsync's to close.
     """
-    from multiprocessing import resource_tracker
+    from multiprocessing import forkserver, resource_tracker
 
     import anyio
 
     resource_tracker.ensure_running()
+    forkserver.ensure_running()
 
     from weightsync._facade import LOOP
 

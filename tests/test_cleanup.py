@@ -7,9 +7,16 @@ import time
 
 import pytest
 from _workers import build_model, trainer_then_die
-from conftest import SCHEMES, Cluster, fd_baseline, open_fds, shm_entries, weightsync_threads
+from conftest import PIPE_SCHEMES, SCHEMES, Cluster, fd_baseline, open_fds, shm_entries, weightsync_threads
 
 import weightsync as ws
+
+
+@pytest.fixture(params=PIPE_SCHEMES)
+def scheme_name(request: pytest.FixtureRequest) -> str:
+    """The pipe-based schemes: their memory, descriptors and processes are
+    weightsync's to clean up."""
+    return request.param
 
 
 def _wait_for(predicate, timeout: float = 10.0) -> bool:

@@ -1,6 +1,6 @@
 """The conformance suite: every behaviour of a scheme, over every scheme.
 
-Real worker processes (spawn), real pipes and real shared memory.
+Real worker processes, real pipes, real shared memory and a real Ray cluster.
 """
 
 from __future__ import annotations

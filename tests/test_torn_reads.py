@@ -9,23 +9,25 @@ from __future__ import annotations
 import time
 
 import _probe
+import pytest
 import torch
-from conftest import SCHEMES, SPAWN, reap
+from conftest import PIPE_SCHEMES, PROCS, SCHEMES, reap
 from tensordict import TensorDict
 
 SHAPES = {f"w{i}": 4 * 1024 * 1024 for i in range(4)}  # 4 x 16 MiB of float32
 SEND_SECONDS = 2.0
 
 
+@pytest.mark.parametrize("scheme_name", PIPE_SCHEMES)
 def test_workers_never_see_a_mix_of_versions(scheme_name: str) -> None:
     scheme = SCHEMES[scheme_name]()
     trainer = TensorDict({name: torch.zeros(numel) for name, numel in SHAPES.items()}, batch_size=[])
     conns, pipes, procs = [], [], []
     try:
         for _ in range(2):
-            ours, theirs = SPAWN.Pipe()
-            ctrl, ctrl_child = SPAWN.Pipe()
-            proc = SPAWN.Process(
+            ours, theirs = PROCS.Pipe()
+            ctrl, ctrl_child = PROCS.Pipe()
+            proc = PROCS.Process(
                 target=_probe.scheme_probe,
                 args=(scheme, "policy", theirs, ctrl_child, SHAPES, 60.0),
                 daemon=True,

@@ -34,6 +34,7 @@ from ._receiver import AsyncWeightReceiver
 from ._schemes import (
     MultiProcessWeightSyncScheme,
     NoWeightSyncScheme,
+    RayWeightSyncScheme,
     SharedMemWeightSyncScheme,
     WeightSyncScheme,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "MultiProcessedRemoteWeightUpdate",
     "NoWeightSyncScheme",
     "Packet",
+    "RayWeightSyncScheme",
     "RemoteWeightUpdaterBase",
     "SendReport",
     "SenderLostError",

@@ -321,17 +321,22 @@ class WeightReceiver:
     def receive(self, timeout: float | None = None) -> int | None:
         """Apply the newest pending update, if any; see :meth:`AsyncWeightReceiver.receive`.
 
-        Blocks at most ``timeout`` seconds (None: does not wait).
+        Blocks at most ``timeout`` seconds (None: does not wait). On a Ray
+        actor, where updates are applied as they arrive, it never blocks and
+        returns the newest version applied since the previous call, or None.
         """
         if self._closed:
             raise WeightSyncStateError(
                 f"the receiver of model {self._receiver.model_id!r} is shut down",
                 model_id=self._receiver.model_id,
             )
+        transport = self._receiver.transport
+        if transport.applies_on_arrival:
+            # Updates were applied as they came (Ray actors): only report.
+            return self._receiver.take_applied()
         # Wait on this thread, outside any event loop, until something may be
         # pending: a poll that finds nothing never enters the loop, and one
         # that does runs the coroutine without it ever suspending.
-        transport = self._receiver.transport
         deadline = time.monotonic() + (timeout or 0.0)
         while True:
             if transport.wait_ready(max(deadline - time.monotonic(), 0.0)):

@@ -39,11 +39,17 @@ class AsyncWeightReceiver:
         self._plan: tuple[list[torch.Tensor], list[torch.Tensor], CopyPlan] | None = None
         self._closed = False
         self._announced = False
+        # The newest version receive() has returned (push transports only).
+        self._reported = 0
 
     def _manifest(self) -> tuple[Manifest, list[torch.Tensor]]:
         tensors = model_tensors(self.model, model_id=self.model_id)
         manifest = Manifest.of(tensors)
         return manifest, manifest.ordered(tensors)
+
+    def manifest(self) -> Manifest:
+        """The layout of the model as it is now."""
+        return self._manifest()[0]
 
     async def announce(self) -> None:
         """Tell the sender this worker exists and what its model looks like."""
@@ -76,14 +82,12 @@ class AsyncWeightReceiver:
         self._layout = (manifest.layout_id, manifest, targets)
         return self._layout
 
-    def _apply_for(self, update: Update) -> Callable[[int], None]:
-        """How to apply ``update`` (given a number of copy threads), checked
-        against the model before anything is written.
+    def _targets_and_sources(self, update: Update) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The model's tensors and the update's, pairwise of the same shape
+        and dtype.
 
         :raises WeightMismatchError: the update does not fit the model.
         """
-        if not self.transport.zero_copy:
-            return self._plan_for(update).run
         _, manifest, targets = self._layout_for(update)
         sources = self.transport.sources(update, manifest)
         if any(t.shape != s.shape or t.dtype != s.dtype for t, s in zip(targets, sources, strict=True)):
@@ -92,6 +96,17 @@ class AsyncWeightReceiver:
             self._layout = None
             _, manifest, targets = self._layout_for(update)
             sources = self.transport.sources(update, manifest)
+        return targets, sources
+
+    def _apply_for(self, update: Update) -> Callable[[int], None]:
+        """How to apply ``update`` (given a number of copy threads), checked
+        against the model before anything is written.
+
+        :raises WeightMismatchError: the update does not fit the model.
+        """
+        targets, sources = self._targets_and_sources(update)
+        if not self.transport.zero_copy:
+            return self._plan_for(targets, sources).run
 
         def repoint(threads: int) -> None:
             # The sender leaves this memory unchanged until we ack a newer
@@ -101,24 +116,38 @@ class AsyncWeightReceiver:
 
         return repoint
 
-    def _plan_for(self, update: Update) -> CopyPlan:
-        """The copy from the update's data into the model, checked first.
-
-        :raises WeightMismatchError: the update does not fit the model.
-        """
-        _, manifest, targets = self._layout_for(update)
-        sources = self.transport.sources(update, manifest)
+    def _plan_for(self, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> CopyPlan:
+        """The copy of ``sources`` into ``targets``, kept while both lists and
+        the targets' memory stay the same (a routine update of a pipe scheme)."""
         plan = self._plan
-        if plan is not None and plan[0] is targets and plan[1] is sources:
-            if plan[2].still_valid():
-                return plan[2]
-            # The model's tensors were re-pointed (``param.data = ...``):
-            # look the model up again, and check it, before writing anything.
-            self._layout = None
-            _, manifest, targets = self._layout_for(update)
-            sources = self.transport.sources(update, manifest)
+        if plan is not None and plan[0] is targets and plan[1] is sources and plan[2].still_valid():
+            return plan[2]
+        # New sources, or a tensor of the model was re-pointed
+        # (``param.data = ...``) to memory of the same shape: plan again.
         self._plan = (targets, sources, CopyPlan(targets, sources))
         return self._plan[2]
+
+    def apply_update(self, update: Update) -> int:
+        """Apply ``update`` now, on the calling thread, and return its version.
+
+        For transports that apply updates as they arrive (Ray actors); the
+        update's data must not change while this runs.
+
+        :raises WeightMismatchError: the update does not fit the model
+            (nothing was written).
+        """
+        apply = self._apply_for(update)
+        apply(update.copy_threads)
+        self.version = update.version
+        return update.version
+
+    def take_applied(self) -> int | None:
+        """The newest version applied since the previous call, or None (for
+        transports that apply updates as they arrive). Never blocks."""
+        if self.version > self._reported:
+            self._reported = self.version
+            return self.version
+        return None
 
     async def receive(self, timeout: float | None = None) -> int | None:
         """Apply the newest pending update, if any, and ack it.
@@ -129,6 +158,10 @@ class AsyncWeightReceiver:
         here, and only with one complete version; an update that does not fit
         the model is reported to the sender and leaves the model untouched.
 
+        On a transport that applies updates as they arrive (Ray actors), this
+        does not wait and applies nothing: it returns the newest version
+        applied since the previous call, or None.
+
         :raises SenderLostError: the sender died or shut down.
         :raises WeightSyncStateError: the receiver is shut down.
         """
@@ -138,6 +171,9 @@ class AsyncWeightReceiver:
             )
         if not self._announced:
             await self.announce()
+        if self.transport.applies_on_arrival:
+            await self.transport.next_update(0.0)  # raises once the endpoint is closed
+            return self.take_applied()
         wait = timeout or 0.0
         torn = False
         while True:

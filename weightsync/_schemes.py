@@ -26,6 +26,7 @@ from ._transports._shm import ShmReceiverTransport, ShmSenderTransport, SlotStor
 __all__ = [
     "MultiProcessWeightSyncScheme",
     "NoWeightSyncScheme",
+    "RayWeightSyncScheme",
     "SharedMemWeightSyncScheme",
     "WeightSyncScheme",
 ]
@@ -203,7 +204,11 @@ class WeightSyncScheme:
         self._receiver = WeightReceiver(
             AsyncWeightReceiver(model_id=self._model_id, model=self._model, transport=transport)
         )
-        self._receiver.announce()
+        self._announce(self._receiver)
+
+    def _announce(self, receiver: WeightReceiver) -> None:
+        """Make a new worker known to the sender."""
+        receiver.announce()
 
     def init_on_worker(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
         """Alias of :meth:`init_on_receiver`."""
@@ -389,6 +394,98 @@ class SharedMemWeightSyncScheme(MultiProcessWeightSyncScheme):
     _shared_class = SlotStore
     _channel_class = ShmSenderTransport
     _endpoint_class = ShmReceiverTransport
+
+
+class RayWeightSyncScheme(WeightSyncScheme):
+    """Weights to Ray actors through Ray's object store, on one machine or a cluster.
+
+    Sender (the trainer, a Ray driver or actor):
+    ``init_on_sender(model_id, remote_collectors=[actor, ...], model=...)``
+    (``source_model=`` is an alias of ``model=``; a context with
+    ``remote_collectors`` works too). Worker ``i`` is ``remote_collectors[i]``.
+    Each send puts the bytes into the object store once, as numpy buffers
+    (no torch pickling), then calls every targeted actor; each actor's node
+    holds one copy, which the actors there read in place.
+
+    Worker (inside any Ray actor, typically its ``__init__``):
+    ``init_on_worker(model_id, model=..., on_update=None)``. No base class or
+    method is needed on the actor: the sender reaches it through Ray's
+    ``__ray_call__``. Each update is copied into the model in place (every
+    tensor keeps its identity and ``data_ptr()``) and acked when the call
+    returns:
+
+    - a plain actor applies it between two of its method calls;
+    - an async actor applies it on its event loop, between two awaits;
+    - a threaded actor (``max_concurrency > 1``) applies it on a thread of
+      its own, concurrently with the methods running then.
+
+    ``on_update(version)``, if given, runs on the actor after each update.
+    ``receive()`` never waits: it returns the newest version applied since
+    its previous call, or None.
+
+    Errors are weightsync's: a dead or unreachable actor is a
+    :class:`WorkerLostError` naming the worker; no Ray exception reaches the
+    caller. Ray must be initialised (``ray.init``) before ``init_on_sender``.
+    """
+
+    def __init__(
+        self,
+        strategy: Literal["state_dict", "tensordict"] = "state_dict",
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__(strategy, timeout=timeout)
+
+    def _sender_side(
+        self, context: Any, kwargs: dict[str, Any]
+    ) -> tuple[dict[int, SenderTransport], SharedTransport | None]:
+        from ._transports._ray import RaySenderTransport, RayStaging
+
+        actors: Sequence[Any] | None = _from(context, kwargs, "remote_collectors")
+        if actors is None:
+            raise ValueError(f"{type(self).__name__}.init_on_sender needs remote_collectors=[actor, ...]")
+        shared = RayStaging()
+        self._shared_transport = shared
+        transports: dict[int, SenderTransport] = {
+            i: RaySenderTransport(actor, i, shared, self._model_id) for i, actor in enumerate(actors)
+        }
+        return transports, shared
+
+    def init_on_sender(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
+        """Initialise the sender side; see the class docstring. Does not block.
+
+        :raises RuntimeError: this scheme is already initialised here.
+        :raises ValueError: no ``remote_collectors`` were given.
+        """
+        if "source_model" in kwargs and kwargs.get("model") is None:
+            kwargs["model"] = kwargs.pop("source_model")
+        super().init_on_sender(model_id, context, **kwargs)
+
+    def create_transport(self, actor: Any) -> SenderTransport:
+        """Legacy: a sender channel to one Ray actor, sharing this scheme's
+        object-store staging once ``init_on_sender`` has run."""
+        from ._transports._ray import RaySenderTransport, RayStaging
+
+        shared = self._shared_transport
+        if not isinstance(shared, RayStaging):
+            shared = RayStaging()
+        return RaySenderTransport(actor, len(self._sender_transports), shared, self._model_id)
+
+    def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> ReceiverTransport:
+        from ._transports._ray import RayReceiverTransport
+
+        return RayReceiverTransport(self._model_id, on_update=_from(context, kwargs, "on_update"))
+
+    def _announce(self, receiver: WeightReceiver) -> None:
+        # Registering is all a Ray worker does: the sender asks the actor for
+        # its layout through Ray. No event loop is involved, so this also
+        # works inside an async actor's running loop.
+        from ._transports._ray import RayReceiverTransport
+
+        transport = receiver.async_receiver.transport
+        assert isinstance(transport, RayReceiverTransport)
+        core = receiver.async_receiver
+        transport.register(core.apply_update, core.manifest())
 
 
 class NoWeightSyncScheme(WeightSyncScheme):

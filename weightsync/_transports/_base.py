@@ -96,6 +96,10 @@ class ReceiverTransport(Protocol):
     #: True when an update is applied by re-pointing the model's tensors to
     #: the transport's memory instead of copying into them.
     zero_copy: bool
+    #: True when updates are applied as they arrive, by the sender calling
+    #: into the worker (Ray actors), instead of in ``receive()``: ``receive()``
+    #: then only reports the newest version applied since its last call.
+    applies_on_arrival: bool
 
     async def announce(self, manifest: Manifest) -> None:
         """Tell the sender this worker exists and what its model looks like."""

@@ -202,6 +202,7 @@ class MPReceiverTransport:
     """A worker's endpoint over its pipe, reading from the sender's staging segment."""
 
     zero_copy = False
+    applies_on_arrival = False
 
     def __init__(self, pipe: Connection, model_id: str | None) -> None:
         self.model_id = model_id

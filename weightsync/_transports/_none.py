@@ -33,6 +33,7 @@ class NoReceiverTransport:
     """A worker endpoint that never has an update."""
 
     zero_copy = False
+    applies_on_arrival = False
 
     async def announce(self, manifest: Manifest) -> None:
         return None

@@ -129,6 +129,7 @@ class ShmReceiverTransport(MPReceiverTransport):
     """A worker's endpoint: maps the sender's slots read-only, one per token."""
 
     zero_copy = True
+    applies_on_arrival = False
 
     def __init__(self, pipe: Any, model_id: str | None) -> None:
         super().__init__(pipe, model_id)

@@ -1,0 +1,352 @@
+"""The Ray transport: one object-store put per send, one actor call per worker.
+
+Sender side: :class:`RayStaging` puts the packet's bytes into Ray's object
+store once per send, as numpy byte arrays (Ray stores those without pickling
+and hands them to actors on the same node as read-only views of shared
+memory; actors on other nodes get one copy per node, pulled by Ray).
+:class:`RaySenderTransport` then calls each actor through Ray's
+``__ray_call__``, so the user's actor class needs no weightsync method or base
+class, and awaits that call's ObjectRef as the ack.
+
+Worker side: :class:`RayReceiverTransport` registers the actor's model under
+its ``model_id`` in this process. The call from the sender copies the bytes
+into the model in place:
+
+- on a plain actor, the call is one more method call, so it runs between the
+  actor's other method calls;
+- on an async actor, Ray runs ``__ray_call__`` on a thread of its own; the
+  copy is handed to the actor's event loop, so it runs between two awaits of
+  the actor's coroutines, never during one of its steps.
+
+Replies travel as small tuples::
+
+    ("ack", version)          applied (or a newer version was already there)
+    ("error", version, msg)   not applied, and why (the model is untouched)
+    ("absent", msg)           nothing registered under that model id
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import numpy as np
+import ray
+import ray.exceptions
+import torch
+
+from .._exceptions import SenderLostError, WeightMismatchError, WorkerApplyError, WorkerLostError
+from .._packet import Manifest, Packet, Signature, usable_cores
+from ._base import Update, caller_is_blocked
+
+__all__ = ["RayReceiverTransport", "RaySenderTransport", "RayStaging"]
+
+# Below this size ray.put runs inline on the sender's loop: a thread hop would
+# cost more than the copy into the object store.
+_INLINE_PUT_BYTES = 1 << 20
+
+# How long connect() waits between asking an actor whether its model is
+# registered yet (it doubles up to the maximum).
+_CONNECT_POLL = (0.02, 0.5)
+
+
+def _byte_view(tensor: torch.Tensor) -> np.ndarray:
+    """``tensor``'s bytes as a flat numpy array, without a copy when it is a
+    plain contiguous CPU tensor."""
+    t = tensor.detach()
+    if not (t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()):
+        t = t.cpu().resolve_conj().resolve_neg().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _tensor_view(array: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A typed tensor over a (read-only) byte array, without a copy."""
+    with warnings.catch_warnings():
+        # The array is a read-only view of the object store; it is only ever
+        # read from, which torch cannot know.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.from_numpy(array)
+    return flat.view(dtype).view(shape)
+
+
+class RayStaging:
+    """Puts each send's bytes into the object store, once for all actors."""
+
+    def __init__(self) -> None:
+        self.ref: ray.ObjectRef | None = None
+        self.version = 0
+
+    def _put(self, packet: Packet) -> None:
+        self.ref = None  # let the previous send's object go first
+        self.ref = ray.put(tuple(_byte_view(t) for t in packet.tensors))
+        self.version = packet.version
+
+    async def stage(self, packet: Packet) -> None:
+        if packet.nbytes <= _INLINE_PUT_BYTES or caller_is_blocked.get():
+            self._put(packet)
+        else:
+            # A put is one memcpy into shared memory: not cancellable halfway.
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._put, packet)
+
+    async def aclose(self) -> None:
+        self.ref = None
+
+
+async def _result(ref: ray.ObjectRef) -> Any:
+    """Await an actor call's result (any Ray error propagates)."""
+    return await asyncio.wrap_future(ref.future())
+
+
+class RaySenderTransport:
+    """The sender's channel to one Ray actor."""
+
+    def __init__(self, actor: Any, worker_id: int, staging: RayStaging, model_id: str | None) -> None:
+        self.actor = actor
+        self.worker_id = worker_id
+        self.model_id = model_id
+        self._staging = staging
+        self.layout: Manifest | None = None
+        self._posted: tuple[int, ray.ObjectRef] | None = None
+        self._closed = False
+
+    def _lost(self, reason: str) -> WorkerLostError:
+        return WorkerLostError(
+            f"worker {self.worker_id} (model {self.model_id!r}) is gone: {reason}",
+            worker_id=self.worker_id,
+            model_id=self.model_id,
+        )
+
+    def _failed(self, version: int, message: str) -> WorkerApplyError:
+        return WorkerApplyError(
+            f"worker {self.worker_id} (model {self.model_id!r}) failed to apply version {version}: {message}",
+            worker_id=self.worker_id,
+            model_id=self.model_id,
+            version=version,
+            worker_message=message,
+        )
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> ray.ObjectRef:
+        if self._closed:
+            raise self._lost("the sender shut down this channel")
+        try:
+            return self.actor.__ray_call__.remote(fn, *args)
+        except ray.exceptions.RayError as exc:
+            raise self._lost(f"{type(exc).__name__}: {exc}") from exc
+
+    async def _await(self, ref: ray.ObjectRef, version: int | None) -> Any:
+        """The call's result, with every Ray error turned into weightsync's."""
+        try:
+            return await _result(ref)
+        except ray.exceptions.RayActorError as exc:
+            # The actor died, was killed, or cannot be reached.
+            raise self._lost(f"the Ray actor died ({type(exc).__name__})") from exc
+        except ray.exceptions.RayTaskError as exc:
+            raise self._failed(version or 0, f"{type(exc.cause).__name__}: {exc.cause}") from exc
+        except ray.exceptions.RayError as exc:
+            raise self._failed(version or 0, f"{type(exc).__name__}: {exc}") from exc
+
+    async def connect(self) -> Manifest | None:
+        if self.layout is not None:
+            return self.layout
+        pause, most = _CONNECT_POLL
+        while True:
+            signature = await self._await(self._call(_describe_on_actor, self.model_id), None)
+            if signature is not None:
+                self.layout = Manifest.from_signature(signature)
+                return self.layout
+            # The actor exists but has not registered its model yet (its
+            # init_on_worker has not run): ask again until the deadline.
+            await anyio.sleep(pause)
+            pause = min(pause * 2, most)
+
+    def post(self, packet: Packet) -> bool:
+        ref = self._staging.ref
+        assert ref is not None and self._staging.version == packet.version, "stage() comes first"
+        threads = max(1, usable_cores() // packet.fanout)
+        # The ObjectRef is a top-level argument, so Ray resolves it on the
+        # actor's node before the call runs: the actor sees numpy views.
+        call = self._call(
+            _apply_on_actor, self.model_id, packet.version, packet.manifest.layout_id, threads, ref
+        )
+        self._posted = (packet.version, call)
+        return True
+
+    async def deliver(self, packet: Packet) -> None:
+        if self._posted is None or self._posted[0] != packet.version:
+            self.post(packet)
+        assert self._posted is not None
+        call = self._posted[1]
+        reply = await self._await(call, packet.version)
+        self._posted = None
+        kind = reply[0]
+        if kind == "ack":
+            # The version applied, or a newer one that was already there
+            # (calls of one sender run in order, so only a late, abandoned
+            # call of an older send can find a newer version).
+            return
+        if kind == "error":
+            raise self._failed(packet.version, reply[2])
+        if kind == "absent":
+            raise self._lost(reply[1])
+        raise self._failed(packet.version, f"unexpected reply {reply!r}")
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._posted = None
+
+
+# -- the worker side -------------------------------------------------------
+
+# The endpoints of this process (a Ray actor), by model id.
+_ENDPOINTS: dict[str | None, RayReceiverTransport] = {}
+_ENDPOINTS_LOCK = threading.Lock()
+
+
+def _describe_on_actor(actor: Any, model_id: str | None) -> Signature | None:
+    """Runs on the actor: the registered model's layout, or None."""
+    endpoint = _ENDPOINTS.get(model_id)
+    return None if endpoint is None else endpoint.signature()
+
+
+def _apply_on_actor(
+    actor: Any,
+    model_id: str | None,
+    version: int,
+    layout_id: str,
+    threads: int,
+    arrays: Sequence[np.ndarray],
+) -> tuple[Any, ...]:
+    """Runs on the actor: apply one update to the registered model."""
+    endpoint = _ENDPOINTS.get(model_id)
+    if endpoint is None:
+        return (
+            "absent",
+            f"no model {model_id!r} is registered in this actor: call "
+            f"RayWeightSyncScheme.init_on_worker({model_id!r}, model=...) inside the actor",
+        )
+    return endpoint.run(Update(version, layout_id, threads), arrays)
+
+
+class RayReceiverTransport:
+    """A Ray actor's endpoint for one model: applies each update as it arrives.
+
+    ``on_update``, if given, is called on the actor with each version right
+    after it is applied.
+    """
+
+    zero_copy = False
+    applies_on_arrival = True
+
+    def __init__(self, model_id: str | None, on_update: Callable[[int], Any] | None = None) -> None:
+        self.model_id = model_id
+        self.on_update = on_update
+        self._apply: Callable[[Update], int] | None = None
+        self._signature: Signature | None = None
+        self._arrays: Sequence[np.ndarray] | None = None
+        self._version = 0
+        self._closed = False
+        # On an async actor, updates are applied on its event loop.
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._loop_thread = threading.get_ident()
+
+    def register(self, apply: Callable[[Update], int], manifest: Manifest) -> None:
+        """Make this endpoint the one the sender's calls reach, applying
+        updates with ``apply`` (which raises :class:`WeightMismatchError` when
+        an update does not fit)."""
+        self._apply = apply
+        self._signature = manifest.signature
+        with _ENDPOINTS_LOCK:
+            _ENDPOINTS[self.model_id] = self
+
+    def signature(self) -> Signature | None:
+        return self._signature
+
+    # -- called by the sender, through Ray ----------------------------------
+    def run(self, update: Update, arrays: Sequence[np.ndarray]) -> tuple[Any, ...]:
+        loop = self._loop
+        if loop is None or threading.get_ident() == self._loop_thread or loop.is_closed():
+            return self._run(update, arrays)
+        done: concurrent.futures.Future[tuple[Any, ...]] = concurrent.futures.Future()
+
+        def step() -> None:
+            try:
+                done.set_result(self._run(update, arrays))
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        try:
+            loop.call_soon_threadsafe(step)
+        except RuntimeError:  # the loop closed meanwhile
+            return self._run(update, arrays)
+        return done.result()
+
+    def _run(self, update: Update, arrays: Sequence[np.ndarray]) -> tuple[Any, ...]:
+        if self._closed or self._apply is None:
+            return ("absent", f"the receiver of model {self.model_id!r} on this actor is shut down")
+        if update.version <= self._version:
+            return ("ack", self._version)
+        self._arrays = arrays
+        try:
+            self._apply(update)
+        except WeightMismatchError as exc:
+            return ("error", update.version, str(exc))
+        finally:
+            self._arrays = None
+        self._version = update.version
+        if self.on_update is not None:
+            try:
+                self.on_update(update.version)
+            except Exception as exc:
+                return (
+                    "error",
+                    update.version,
+                    f"version {update.version} was applied, but on_update raised {type(exc).__name__}: {exc}",
+                )
+        return ("ack", update.version)
+
+    # -- the ReceiverTransport interface ----------------------------------------
+    async def announce(self, manifest: Manifest) -> None:
+        self._signature = manifest.signature
+
+    def wait_ready(self, timeout: float) -> bool:
+        return False
+
+    async def next_update(self, timeout: float) -> Update | None:
+        if self._closed:
+            raise SenderLostError(f"the receiver of model {self.model_id!r} is shut down")
+        return None
+
+    def sources(self, update: Update, manifest: Manifest) -> list[torch.Tensor]:
+        arrays = self._arrays
+        if arrays is None or len(arrays) != len(manifest.specs):
+            raise WeightMismatchError(
+                f"version {update.version} carries {0 if arrays is None else len(arrays)} tensors, "
+                f"the model has {len(manifest.specs)}",
+                model_id=self.model_id,
+            )
+        return [_tensor_view(a, s.dtype, s.shape) for a, s in zip(arrays, manifest.specs, strict=True)]
+
+    def is_current(self, update: Update) -> bool:
+        # Objects in Ray's store never change once put.
+        return True
+
+    async def ack(self, version: int) -> None:
+        return None
+
+    async def reject(self, version: int, message: str) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        self._closed = True
+        with _ENDPOINTS_LOCK:
+            if _ENDPOINTS.get(self.model_id) is self:
+                del _ENDPOINTS[self.model_id]
