@@ -222,3 +222,75 @@ class RayWorker:
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+
+def probe_weights() -> dict[str, torch.Tensor]:
+    """4 x 4 MiB of float32: big enough that a copy takes a while."""
+    return {f"w{i}": torch.zeros(1 << 20) for i in range(4)}
+
+
+class RayProbe:
+    """A Ray actor whose methods read the weights while updates arrive.
+
+    ``rollout`` (a plain method) reads them at its start and its end;
+    ``scan`` (the async variant, in AsyncRayProbe) reads them again and
+    again, awaiting in between. Each read is classified as in ``_probe``.
+    """
+
+    def __init__(self, scheme: ws.WeightSyncScheme) -> None:
+        self.weights = probe_weights()
+        self.scheme = scheme
+        self.versions: list[int] = []
+        scheme.init_on_worker("probe", model=self.weights, on_update=self.versions.append)
+
+    def rollout(self, seconds: float) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
+        import _probe
+
+        first = _probe.span(self.weights)
+        time.sleep(seconds)
+        return first, _probe.span(self.weights)
+
+    def applied(self) -> list[int]:
+        return list(self.versions)
+
+
+class AsyncRayProbe(RayProbe):
+    async def scan(self, seconds: float) -> dict[str, Any]:
+        import asyncio
+
+        import _probe
+
+        verdicts = {"consistent": 0, "mixed": 0}
+        seen = set()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            verdicts[_probe.classify(self.weights)] += 1
+            seen.add(float(self.weights["w0"][0]))
+            await asyncio.sleep(0)
+        return {**verdicts, "values": sorted(seen)}
+
+
+class MixinRayWorker(ws.RayWeightSyncMixin):
+    """A plain actor that uses the optional mixin."""
+
+    def __init__(self, scheme: ws.WeightSyncScheme) -> None:
+        self.model = build_model("net", seed=3)
+        self.scheme = scheme
+        scheme.init_on_worker("policy", model=self.model)
+
+    def state(self) -> tuple[dict[str, torch.Tensor], int | None]:
+        return snapshot(self.model), self.scheme.receive()
+
+
+class LateRayWorker:
+    """An actor that registers its model only when told to."""
+
+    def __init__(self) -> None:
+        self.model = build_model("net", seed=4)
+
+    def register(self, scheme: ws.WeightSyncScheme) -> None:
+        self.scheme = scheme
+        scheme.init_on_worker("policy", model=self.model)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return snapshot(self.model)

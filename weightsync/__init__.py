@@ -34,6 +34,7 @@ from ._receiver import AsyncWeightReceiver
 from ._schemes import (
     MultiProcessWeightSyncScheme,
     NoWeightSyncScheme,
+    RayWeightSyncMixin,
     RayWeightSyncScheme,
     SharedMemWeightSyncScheme,
     WeightSyncScheme,
@@ -56,6 +57,7 @@ __all__ = [
     "MultiProcessedRemoteWeightUpdate",
     "NoWeightSyncScheme",
     "Packet",
+    "RayWeightSyncMixin",
     "RayWeightSyncScheme",
     "RemoteWeightUpdaterBase",
     "SendReport",

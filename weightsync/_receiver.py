@@ -39,7 +39,9 @@ class AsyncWeightReceiver:
         self._plan: tuple[list[torch.Tensor], list[torch.Tensor], CopyPlan] | None = None
         self._closed = False
         self._announced = False
-        # The newest version receive() has returned (push transports only).
+        # Updates applied so far, and how many of them receive() reported
+        # (push transports only; versions restart with a new sender).
+        self._applied = 0
         self._reported = 0
 
     def _manifest(self) -> tuple[Manifest, list[torch.Tensor]]:
@@ -139,13 +141,14 @@ class AsyncWeightReceiver:
         apply = self._apply_for(update)
         apply(update.copy_threads)
         self.version = update.version
+        self._applied += 1
         return update.version
 
     def take_applied(self) -> int | None:
         """The newest version applied since the previous call, or None (for
         transports that apply updates as they arrive). Never blocks."""
-        if self.version > self._reported:
-            self._reported = self.version
+        if self._applied != self._reported:
+            self._reported = self._applied
             return self.version
         return None
 

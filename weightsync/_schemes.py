@@ -26,6 +26,7 @@ from ._transports._shm import ShmReceiverTransport, ShmSenderTransport, SlotStor
 __all__ = [
     "MultiProcessWeightSyncScheme",
     "NoWeightSyncScheme",
+    "RayWeightSyncMixin",
     "RayWeightSyncScheme",
     "SharedMemWeightSyncScheme",
     "WeightSyncScheme",
@@ -410,7 +411,9 @@ class RayWeightSyncScheme(WeightSyncScheme):
     Worker (inside any Ray actor, typically its ``__init__``):
     ``init_on_worker(model_id, model=..., on_update=None)``. No base class or
     method is needed on the actor: the sender reaches it through Ray's
-    ``__ray_call__``. Each update is copied into the model in place (every
+    ``__ray_call__`` (or, slightly faster, through the method of
+    :class:`RayWeightSyncMixin` when the actor's class has it). Each update
+    is copied into the model in place (every
     tensor keeps its identity and ``data_ptr()``) and acked when the call
     returns:
 
@@ -439,12 +442,22 @@ class RayWeightSyncScheme(WeightSyncScheme):
     def _sender_side(
         self, context: Any, kwargs: dict[str, Any]
     ) -> tuple[dict[int, SenderTransport], SharedTransport | None]:
+        import ray
+
         from ._transports._ray import RaySenderTransport, RayStaging
 
         actors: Sequence[Any] | None = _from(context, kwargs, "remote_collectors")
         if actors is None:
             raise ValueError(f"{type(self).__name__}.init_on_sender needs remote_collectors=[actor, ...]")
-        shared = RayStaging()
+        if not ray.is_initialized():
+            # Otherwise the first send's ray.put would quietly start a new,
+            # empty local Ray instance that none of the actors live in.
+            raise WeightSyncStateError(
+                f"{type(self).__name__}.init_on_sender: Ray is not initialised; call ray.init() "
+                "(and create the actors) first",
+                model_id=self._model_id,
+            )
+        shared = RayStaging(self._model_id)
         self._shared_transport = shared
         transports: dict[int, SenderTransport] = {
             i: RaySenderTransport(actor, i, shared, self._model_id) for i, actor in enumerate(actors)
@@ -454,7 +467,8 @@ class RayWeightSyncScheme(WeightSyncScheme):
     def init_on_sender(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
         """Initialise the sender side; see the class docstring. Does not block.
 
-        :raises RuntimeError: this scheme is already initialised here.
+        :raises RuntimeError: this scheme is already initialised here, or Ray
+            is not initialised.
         :raises ValueError: no ``remote_collectors`` were given.
         """
         if "source_model" in kwargs and kwargs.get("model") is None:
@@ -468,7 +482,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
 
         shared = self._shared_transport
         if not isinstance(shared, RayStaging):
-            shared = RayStaging()
+            shared = RayStaging(self._model_id)
         return RaySenderTransport(actor, len(self._sender_transports), shared, self._model_id)
 
     def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> ReceiverTransport:
@@ -486,6 +500,26 @@ class RayWeightSyncScheme(WeightSyncScheme):
         assert isinstance(transport, RayReceiverTransport)
         core = receiver.async_receiver
         transport.register(core.apply_update, core.manifest())
+
+
+class RayWeightSyncMixin:
+    """Optional base class for Ray actors synchronised by
+    :class:`RayWeightSyncScheme`.
+
+    Not needed: without it the sender reaches the actor through Ray's
+    ``__ray_call__``. With it, each update is a call of the actor's own
+    :meth:`weightsync_apply` method, which saves Ray from serialising a
+    function with every call (about 0.1 ms of the trainer's time per actor
+    and update, measured on a 2-core machine). Behaviour is otherwise the
+    same.
+    """
+
+    def weightsync_apply(self, update: Any) -> Any:
+        """Apply one update sent by a :class:`RayWeightSyncScheme` sender
+        (called by the sender through Ray; not for user code)."""
+        from ._transports._ray import apply_on_actor
+
+        return apply_on_actor(self, update)
 
 
 class NoWeightSyncScheme(WeightSyncScheme):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -44,7 +45,7 @@ from .._exceptions import SenderLostError, WeightMismatchError, WorkerApplyError
 from .._packet import Manifest, Packet, Signature, usable_cores
 from ._base import Update, caller_is_blocked
 
-__all__ = ["RayReceiverTransport", "RaySenderTransport", "RayStaging"]
+__all__ = ["RayReceiverTransport", "RaySenderTransport", "RayStaging", "apply_on_actor"]
 
 # Below this size ray.put runs inline on the sender's loop: a thread hop would
 # cost more than the copy into the object store.
@@ -75,32 +76,91 @@ def _tensor_view(array: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) 
 
 
 class RayStaging:
-    """Puts each send's bytes into the object store, once for all actors."""
+    """Puts each send's bytes into the object store, once for all actors, and
+    keeps the calls of the send in flight."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_id: str | None) -> None:
+        self.model_id = model_id
         self.ref: ray.ObjectRef | None = None
         self.version = 0
+        # Names this sender's versions on the actors: a new sender (a
+        # restarted trainer) starts again at version 1 and must not be
+        # taken for an old, late one.
+        self.token = os.urandom(8).hex()
+        # The actor calls of the current send, and the replies collected
+        # by wait_all(), by worker id.
+        self.calls: dict[int, ray.ObjectRef] = {}
+        self.replies: dict[int, Any] = {}
 
-    def _put(self, packet: Packet) -> None:
+    def _put(self, packet: Packet, model_id: str | None) -> None:
         self.ref = None  # let the previous send's object go first
-        self.ref = ray.put(tuple(_byte_view(t) for t in packet.tensors))
+        self.calls, self.replies = {}, {}
+        threads = max(1, usable_cores() // packet.fanout)
+        # Everything an actor needs is in the one stored object, the same for
+        # all actors: each call then has just two arguments (the function
+        # and this), and Ray's cost per call grows with each argument.
+        header = (model_id, self.token, packet.version, packet.manifest.layout_id, threads)
+        self.ref = ray.put((header, tuple(_byte_view(t) for t in packet.tensors)))
         self.version = packet.version
 
     async def stage(self, packet: Packet) -> None:
         if packet.nbytes <= _INLINE_PUT_BYTES or caller_is_blocked.get():
-            self._put(packet)
+            self._put(packet, self.model_id)
         else:
             # A put is one memcpy into shared memory: not cancellable halfway.
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._put, packet)
+                await anyio.to_thread.run_sync(self._put, packet, self.model_id)
+
+    def wait_all(self) -> None:
+        """Block until every call of the current send returned, or until the
+        caller's deadline (the enclosing cancel scope's), and collect the
+        replies of those that returned without an error.
+
+        Only for a caller that is blocked anyway: one ``ray.wait`` and one
+        ``ray.get`` for all the actors cost far less than one asyncio future
+        per actor, and a dead actor's call returns at once, so deaths are
+        still seen promptly.
+        """
+        pending = [w for w in self.calls if w not in self.replies]
+        if not pending:
+            return
+        deadline = anyio.current_effective_deadline()
+        timeout = None if deadline == float("inf") else max(deadline - anyio.current_time(), 0.0)
+        refs = [self.calls[w] for w in pending]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
+        done = set(ready)
+        returned = [w for w in pending if self.calls[w] in done]
+        try:
+            values = ray.get([self.calls[w] for w in returned])
+        except ray.exceptions.RayError:
+            return  # one of them failed: each caller gets its own result
+        self.replies.update(zip(returned, values, strict=True))
 
     async def aclose(self) -> None:
         self.ref = None
+        self.calls, self.replies = {}, {}
 
 
-async def _result(ref: ray.ObjectRef) -> Any:
-    """Await an actor call's result (any Ray error propagates)."""
-    return await asyncio.wrap_future(ref.future())
+def _describe_on_actor(actor: Any, model_id: str | None) -> Signature | None:
+    """Runs on the actor (through ``__ray_call__``): the layout of the model
+    registered under ``model_id``, or None."""
+    endpoint = _ENDPOINTS.get(model_id)
+    return None if endpoint is None else endpoint.signature()
+
+
+def apply_on_actor(actor: Any, update: tuple[tuple[Any, ...], Sequence[np.ndarray]]) -> tuple[Any, ...]:
+    """Runs on the actor (through ``__ray_call__``): apply one update, given
+    as (header, byte arrays), to the model registered under the header's
+    model id."""
+    (model_id, sender, version, layout_id, threads), arrays = update
+    endpoint = _ENDPOINTS.get(model_id)
+    if endpoint is None:
+        return (
+            "absent",
+            f"no model {model_id!r} is registered in this actor: call "
+            f"RayWeightSyncScheme.init_on_worker({model_id!r}, model=...) inside the actor",
+        )
+    return endpoint.run(sender, Update(version, layout_id, threads), arrays)
 
 
 class RaySenderTransport:
@@ -112,7 +172,8 @@ class RaySenderTransport:
         self.model_id = model_id
         self._staging = staging
         self.layout: Manifest | None = None
-        self._posted: tuple[int, ray.ObjectRef] | None = None
+        # Whether the actor's class has RayWeightSyncMixin's method.
+        self._has_method: bool | None = None
         self._closed = False
 
     def _lost(self, reason: str) -> WorkerLostError:
@@ -139,24 +200,37 @@ class RaySenderTransport:
         except ray.exceptions.RayError as exc:
             raise self._lost(f"{type(exc).__name__}: {exc}") from exc
 
-    async def _await(self, ref: ray.ObjectRef, version: int | None) -> Any:
+    def _apply_call(self, payload: ray.ObjectRef) -> ray.ObjectRef:
+        if self._closed:
+            raise self._lost("the sender shut down this channel")
+        if self._has_method is None:
+            # An actor handle lists the methods of its class.
+            self._has_method = hasattr(self.actor, "weightsync_apply")
+        if not self._has_method:
+            return self._call(apply_on_actor, payload)
+        try:
+            return self.actor.weightsync_apply.remote(payload)
+        except ray.exceptions.RayError as exc:
+            raise self._lost(f"{type(exc).__name__}: {exc}") from exc
+
+    async def _await(self, ref: ray.ObjectRef, version: int) -> Any:
         """The call's result, with every Ray error turned into weightsync's."""
         try:
-            return await _result(ref)
+            return await asyncio.wrap_future(ref.future())
         except ray.exceptions.RayActorError as exc:
             # The actor died, was killed, or cannot be reached.
-            raise self._lost(f"the Ray actor died ({type(exc).__name__})") from exc
+            raise self._lost(f"the Ray actor died ({type(exc).__name__}: {_first_line(exc)})") from exc
         except ray.exceptions.RayTaskError as exc:
-            raise self._failed(version or 0, f"{type(exc.cause).__name__}: {exc.cause}") from exc
+            raise self._failed(version, f"{type(exc.cause).__name__}: {exc.cause}") from exc
         except ray.exceptions.RayError as exc:
-            raise self._failed(version or 0, f"{type(exc).__name__}: {exc}") from exc
+            raise self._failed(version, f"{type(exc).__name__}: {_first_line(exc)}") from exc
 
     async def connect(self) -> Manifest | None:
         if self.layout is not None:
             return self.layout
         pause, most = _CONNECT_POLL
         while True:
-            signature = await self._await(self._call(_describe_on_actor, self.model_id), None)
+            signature = await self._await(self._call(_describe_on_actor, self.model_id), 0)
             if signature is not None:
                 self.layout = Manifest.from_signature(signature)
                 return self.layout
@@ -166,29 +240,28 @@ class RaySenderTransport:
             pause = min(pause * 2, most)
 
     def post(self, packet: Packet) -> bool:
-        ref = self._staging.ref
-        assert ref is not None and self._staging.version == packet.version, "stage() comes first"
-        threads = max(1, usable_cores() // packet.fanout)
+        staging = self._staging
+        assert staging.ref is not None and staging.version == packet.version, "stage() comes first"
         # The ObjectRef is a top-level argument, so Ray resolves it on the
         # actor's node before the call runs: the actor sees numpy views.
-        call = self._call(
-            _apply_on_actor, self.model_id, packet.version, packet.manifest.layout_id, threads, ref
-        )
-        self._posted = (packet.version, call)
+        staging.calls[self.worker_id] = self._apply_call(staging.ref)
         return True
 
     async def deliver(self, packet: Packet) -> None:
-        if self._posted is None or self._posted[0] != packet.version:
+        staging = self._staging
+        if self.worker_id not in staging.calls:
             self.post(packet)
-        assert self._posted is not None
-        call = self._posted[1]
-        reply = await self._await(call, packet.version)
-        self._posted = None
+        call = staging.calls[self.worker_id]
+        if caller_is_blocked.get():
+            staging.wait_all()
+        reply = staging.replies.get(self.worker_id)
+        if reply is None:
+            reply = await self._await(call, packet.version)
         kind = reply[0]
         if kind == "ack":
-            # The version applied, or a newer one that was already there
-            # (calls of one sender run in order, so only a late, abandoned
-            # call of an older send can find a newer version).
+            # The version applied, or a newer one of the same sender that
+            # was already there (only a late call of an abandoned send can
+            # find that).
             return
         if kind == "error":
             raise self._failed(packet.version, reply[2])
@@ -198,7 +271,11 @@ class RaySenderTransport:
 
     async def aclose(self) -> None:
         self._closed = True
-        self._posted = None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # -- the worker side -------------------------------------------------------
@@ -206,31 +283,6 @@ class RaySenderTransport:
 # The endpoints of this process (a Ray actor), by model id.
 _ENDPOINTS: dict[str | None, RayReceiverTransport] = {}
 _ENDPOINTS_LOCK = threading.Lock()
-
-
-def _describe_on_actor(actor: Any, model_id: str | None) -> Signature | None:
-    """Runs on the actor: the registered model's layout, or None."""
-    endpoint = _ENDPOINTS.get(model_id)
-    return None if endpoint is None else endpoint.signature()
-
-
-def _apply_on_actor(
-    actor: Any,
-    model_id: str | None,
-    version: int,
-    layout_id: str,
-    threads: int,
-    arrays: Sequence[np.ndarray],
-) -> tuple[Any, ...]:
-    """Runs on the actor: apply one update to the registered model."""
-    endpoint = _ENDPOINTS.get(model_id)
-    if endpoint is None:
-        return (
-            "absent",
-            f"no model {model_id!r} is registered in this actor: call "
-            f"RayWeightSyncScheme.init_on_worker({model_id!r}, model=...) inside the actor",
-        )
-    return endpoint.run(Update(version, layout_id, threads), arrays)
 
 
 class RayReceiverTransport:
@@ -249,6 +301,8 @@ class RayReceiverTransport:
         self._apply: Callable[[Update], int] | None = None
         self._signature: Signature | None = None
         self._arrays: Sequence[np.ndarray] | None = None
+        # The newest (sender, version) applied.
+        self._sender = ""
         self._version = 0
         self._closed = False
         # On an async actor, updates are applied on its event loop.
@@ -271,28 +325,30 @@ class RayReceiverTransport:
         return self._signature
 
     # -- called by the sender, through Ray ----------------------------------
-    def run(self, update: Update, arrays: Sequence[np.ndarray]) -> tuple[Any, ...]:
+    def run(self, sender: str, update: Update, arrays: Sequence[np.ndarray]) -> tuple[Any, ...]:
+        """Apply ``update`` of ``sender`` (a token naming the sending
+        scheme) with the bytes in ``arrays``; the reply for the sender."""
         loop = self._loop
         if loop is None or threading.get_ident() == self._loop_thread or loop.is_closed():
-            return self._run(update, arrays)
+            return self._run(sender, update, arrays)
         done: concurrent.futures.Future[tuple[Any, ...]] = concurrent.futures.Future()
 
         def step() -> None:
             try:
-                done.set_result(self._run(update, arrays))
+                done.set_result(self._run(sender, update, arrays))
             except BaseException as exc:
                 done.set_exception(exc)
 
         try:
             loop.call_soon_threadsafe(step)
         except RuntimeError:  # the loop closed meanwhile
-            return self._run(update, arrays)
+            return self._run(sender, update, arrays)
         return done.result()
 
-    def _run(self, update: Update, arrays: Sequence[np.ndarray]) -> tuple[Any, ...]:
+    def _run(self, sender: str, update: Update, arrays: Sequence[np.ndarray]) -> tuple[Any, ...]:
         if self._closed or self._apply is None:
             return ("absent", f"the receiver of model {self.model_id!r} on this actor is shut down")
-        if update.version <= self._version:
+        if sender == self._sender and update.version <= self._version:
             return ("ack", self._version)
         self._arrays = arrays
         try:
@@ -301,7 +357,7 @@ class RayReceiverTransport:
             return ("error", update.version, str(exc))
         finally:
             self._arrays = None
-        self._version = update.version
+        self._sender, self._version = sender, update.version
         if self.on_update is not None:
             try:
                 self.on_update(update.version)

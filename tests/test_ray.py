@@ -1,0 +1,156 @@
+"""What only the Ray scheme does: several nodes, when an actor applies an
+update, async actors, the optional mixin, actors that register late.
+
+The conformance suite covers the rest of the Ray scheme (test_conformance.py).
+All tests share the session's two-node Ray test cluster.
+"""
+
+from __future__ import annotations
+
+import time
+
+import _probe
+import pytest
+import torch
+from _workers import AsyncRayProbe, LateRayWorker, MixinRayWorker, RayProbe, probe_weights
+from conftest import RayCluster, RayRuntime
+
+import weightsync as ws
+
+ray = pytest.importorskip("ray")
+
+
+def _sender(actors: list, model: object, model_id: str = "probe") -> ws.RayWeightSyncScheme:
+    scheme = ws.RayWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model_id, remote_collectors=actors, model=model)
+    return scheme
+
+
+def test_actors_on_two_nodes_get_every_update(ray_runtime: RayRuntime) -> None:
+    remote = ray.remote(num_cpus=0)(RayProbe)
+    actors = [
+        remote.options(resources={"head_node": 0.01}).remote(ws.RayWeightSyncScheme()),
+        remote.options(resources={"second_node": 0.01}).remote(ws.RayWeightSyncScheme()),
+    ]
+    weights = probe_weights()
+    scheme = _sender(actors, weights)
+    try:
+        nodes = ray.get(
+            [a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for a in actors]
+        )
+        assert nodes[0] != nodes[1], "the actors must run on different nodes"
+        for version in (1, 2, 3):
+            _probe.fill(weights, version)
+            report = scheme.send()
+            assert report.version == version
+            # 16 MiB crossed to the second node's object store each time.
+            spans = ray.get([a.rollout.remote(0.0) for a in actors])
+            assert all(first == last == (version, version) for first, last in spans)
+        assert ray.get([a.applied.remote() for a in actors]) == [[1, 2, 3], [1, 2, 3]]
+    finally:
+        scheme.shutdown()
+        for actor in actors:
+            ray.kill(actor)
+
+
+def test_a_plain_actor_applies_an_update_between_its_method_calls(ray_runtime: RayRuntime) -> None:
+    actor = ray.remote(num_cpus=0)(RayProbe).remote(ws.RayWeightSyncScheme())
+    weights = probe_weights()
+    scheme = _sender([actor], weights)
+    try:
+        _probe.fill(weights, 1)
+        scheme.send()
+        rollout = actor.rollout.remote(1.0)
+        time.sleep(0.3)  # the rollout is running
+        _probe.fill(weights, 2)
+        started = time.monotonic()
+        scheme.send()
+        waited = time.monotonic() - started
+        first, last = ray.get(rollout)
+        assert first == last == (1, 1), "the weights changed during a method call"
+        assert waited > 0.4, "the update did not wait for the running method"
+        assert ray.get(actor.rollout.remote(0.0))[0] == (2, 2)
+    finally:
+        scheme.shutdown()
+        ray.kill(actor)
+
+
+def test_an_async_actor_applies_updates_between_awaits(ray_runtime: RayRuntime) -> None:
+    actor = ray.remote(num_cpus=0)(AsyncRayProbe).remote(ws.RayWeightSyncScheme())
+    weights = probe_weights()
+    scheme = _sender([actor], weights)
+    try:
+        _probe.fill(weights, 1)
+        scheme.send()
+        scan = actor.scan.remote(2.5)
+        sends = 1
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            sends += 1
+            _probe.fill(weights, sends)
+            scheme.send()
+        report = ray.get(scan)
+        assert report["mixed"] == 0, report
+        # The scan went on while updates were applied: it saw several versions.
+        assert len(report["values"]) >= 3, report
+        assert ray.get(actor.applied.remote())[-1] == sends
+    finally:
+        scheme.shutdown()
+        ray.kill(actor)
+
+
+def test_a_new_sender_is_not_mistaken_for_a_late_one(ray_runtime: RayRuntime) -> None:
+    cluster = RayCluster(ray_runtime, ["net"])
+    try:
+        for _ in range(3):
+            cluster.bump()
+            cluster.sender.send()
+        cluster.scheme.shutdown()
+        # A restarted trainer: a new scheme whose versions start at 1 again.
+        trainer = cluster.model
+        with torch.no_grad():
+            trainer.out.weight.fill_(-5.0)
+        cluster.scheme = _sender(cluster.actors, trainer, model_id="policy")
+        assert cluster.sender.send().version == 1
+        cluster.assert_has(0, cluster.expected())
+    finally:
+        cluster.close()
+
+
+def test_an_actor_with_the_mixin_is_updated_through_its_method(ray_runtime: RayRuntime) -> None:
+    actor = ray.remote(num_cpus=0)(MixinRayWorker).remote(ws.RayWeightSyncScheme())
+    model = _probe_net()
+    scheme = _sender([actor], model, model_id="policy")
+    try:
+        assert ray.get(actor.state.remote())[1] is None  # nothing applied yet
+        report = scheme.send()
+        weights, received = ray.get(actor.state.remote())
+        assert received == report.version
+        assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+        assert ray.get(actor.state.remote())[1] is None  # reported once
+    finally:
+        scheme.shutdown()
+        ray.kill(actor)
+
+
+def test_an_actor_that_registers_late_is_waited_for_until_the_deadline(ray_runtime: RayRuntime) -> None:
+    actor = ray.remote(num_cpus=0)(LateRayWorker).remote()
+    model = _probe_net()
+    scheme = _sender([actor], model, model_id="policy")
+    try:
+        with pytest.raises(ws.AckTimeoutError, match="worker 0") as info:
+            scheme.send(timeout=1.0)
+        assert "announce" in str(info.value)
+        ray.get(actor.register.remote(ws.RayWeightSyncScheme()))
+        scheme.send()
+        weights = ray.get(actor.weights.remote())
+        assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    finally:
+        scheme.shutdown()
+        ray.kill(actor)
+
+
+def _probe_net() -> torch.nn.Module:
+    from _workers import build_model
+
+    return build_model("net", seed=11)
