@@ -294,3 +294,16 @@ class LateRayWorker:
 
     def weights(self) -> dict[str, torch.Tensor]:
         return snapshot(self.model)
+
+
+class TwoModelRayWorker:
+    """An actor holding two models, each synchronised by its own scheme."""
+
+    def __init__(self, policy_scheme: ws.WeightSyncScheme, value_scheme: ws.WeightSyncScheme) -> None:
+        self.models = {"policy": build_model("net", seed=5), "value": build_model("wide", seed=6)}
+        policy_scheme.init_on_worker("policy", model=self.models["policy"])
+        value_scheme.init_on_worker("value", model=self.models["value"])
+        self.schemes = (policy_scheme, value_scheme)
+
+    def weights(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {name: snapshot(model) for name, model in self.models.items()}

@@ -12,7 +12,15 @@ import time
 import _probe
 import pytest
 import torch
-from _workers import AsyncRayProbe, LateRayWorker, MixinRayWorker, RayProbe, probe_weights
+from _workers import (
+    AsyncRayProbe,
+    LateRayWorker,
+    MixinRayWorker,
+    RayProbe,
+    TwoModelRayWorker,
+    build_model,
+    probe_weights,
+)
 from conftest import RayCluster, RayRuntime
 
 import weightsync as ws
@@ -150,7 +158,26 @@ def test_an_actor_that_registers_late_is_waited_for_until_the_deadline(ray_runti
         ray.kill(actor)
 
 
-def _probe_net() -> torch.nn.Module:
-    from _workers import build_model
+def test_two_models_on_the_same_actors_are_kept_apart(ray_runtime: RayRuntime) -> None:
+    remote = ray.remote(num_cpus=0)(TwoModelRayWorker)
+    actors = [remote.remote(ws.RayWeightSyncScheme(), ws.RayWeightSyncScheme()) for _ in range(2)]
+    trainers = {"policy": build_model("net", seed=21), "value": build_model("wide", seed=22)}
+    schemes = {name: _sender(actors, model, model_id=name) for name, model in trainers.items()}
+    try:
+        for _ in range(3):
+            for name in ("value", "policy"):
+                with torch.no_grad():
+                    trainers[name].out.bias.add_(1)
+                schemes[name].send()
+        for got in ray.get([a.weights.remote() for a in actors]):
+            for name, model in trainers.items():
+                assert all(torch.equal(got[name][k], v) for k, v in model.state_dict().items())
+    finally:
+        for scheme in schemes.values():
+            scheme.shutdown()
+        for actor in actors:
+            ray.kill(actor)
 
+
+def _probe_net() -> torch.nn.Module:
     return build_model("net", seed=11)

@@ -6,7 +6,11 @@ and hands them to actors on the same node as read-only views of shared
 memory; actors on other nodes get one copy per node, pulled by Ray).
 :class:`RaySenderTransport` then calls each actor through Ray's
 ``__ray_call__``, so the user's actor class needs no weightsync method or base
-class, and awaits that call's ObjectRef as the ack.
+class (or through the method of ``RayWeightSyncMixin``, when the class has
+it), and the call's result is the ack. The stored object is
+``(header, arrays)``: the header (model id, sender token, version, layout,
+copy threads) is the same for every actor, so each call carries only the
+function and the object's reference.
 
 Worker side: :class:`RayReceiverTransport` registers the actor's model under
 its ``model_id`` in this process. The call from the sender copies the bytes
@@ -141,28 +145,6 @@ class RayStaging:
         self.calls, self.replies = {}, {}
 
 
-def _describe_on_actor(actor: Any, model_id: str | None) -> Signature | None:
-    """Runs on the actor (through ``__ray_call__``): the layout of the model
-    registered under ``model_id``, or None."""
-    endpoint = _ENDPOINTS.get(model_id)
-    return None if endpoint is None else endpoint.signature()
-
-
-def apply_on_actor(actor: Any, update: tuple[tuple[Any, ...], Sequence[np.ndarray]]) -> tuple[Any, ...]:
-    """Runs on the actor (through ``__ray_call__``): apply one update, given
-    as (header, byte arrays), to the model registered under the header's
-    model id."""
-    (model_id, sender, version, layout_id, threads), arrays = update
-    endpoint = _ENDPOINTS.get(model_id)
-    if endpoint is None:
-        return (
-            "absent",
-            f"no model {model_id!r} is registered in this actor: call "
-            f"RayWeightSyncScheme.init_on_worker({model_id!r}, model=...) inside the actor",
-        )
-    return endpoint.run(sender, Update(version, layout_id, threads), arrays)
-
-
 class RaySenderTransport:
     """The sender's channel to one Ray actor."""
 
@@ -283,6 +265,28 @@ def _first_line(exc: BaseException) -> str:
 # The endpoints of this process (a Ray actor), by model id.
 _ENDPOINTS: dict[str | None, RayReceiverTransport] = {}
 _ENDPOINTS_LOCK = threading.Lock()
+
+
+def _describe_on_actor(actor: Any, model_id: str | None) -> Signature | None:
+    """Runs on the actor (through ``__ray_call__``): the layout of the model
+    registered under ``model_id``, or None."""
+    endpoint = _ENDPOINTS.get(model_id)
+    return None if endpoint is None else endpoint.signature()
+
+
+def apply_on_actor(actor: Any, update: tuple[tuple[Any, ...], Sequence[np.ndarray]]) -> tuple[Any, ...]:
+    """Runs on the actor (through ``__ray_call__``): apply one update, given
+    as (header, byte arrays), to the model registered under the header's
+    model id."""
+    (model_id, sender, version, layout_id, threads), arrays = update
+    endpoint = _ENDPOINTS.get(model_id)
+    if endpoint is None:
+        return (
+            "absent",
+            f"no model {model_id!r} is registered in this actor: call "
+            f"RayWeightSyncScheme.init_on_worker({model_id!r}, model=...) inside the actor",
+        )
+    return endpoint.run(sender, Update(version, layout_id, threads), arrays)
 
 
 class RayReceiverTransport:
