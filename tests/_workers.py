@@ -47,8 +47,20 @@ class MixedNet(nn.Module):
         self.register_buffer("phase", torch.randn(2, dtype=torch.complex64))
 
 
+class BigNet(nn.Module):
+    """64 MiB of float32 in four buffers: a copy takes long enough to be
+    interrupted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for i in range(4):
+            self.register_buffer(f"b{i}", torch.full((1 << 22,), float(i)))
+
+
 def build_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
+    if kind == "big":
+        return BigNet()
     if kind == "mixed":
         return MixedNet()
     if kind == "net":
