@@ -22,6 +22,17 @@ class Net(nn.Module):
         self.norm = nn.BatchNorm1d(hidden)
         self.out = nn.Linear(hidden, 4)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.inp(x)))
+
+
+def train_step(model: nn.Module) -> None:
+    """Worker code that writes into the model's buffers: a forward pass in
+    train mode updates BatchNorm's running statistics in place."""
+    model.train()
+    with torch.no_grad():
+        model(torch.randn(8, 8))
+
 
 class OverlapNet(Net):
     """Same names, shapes and dtypes as Net, but one buffer is a broadcast
@@ -111,6 +122,8 @@ def worker_main(
                 elif cmd == "reshape":  # new storage of another shape: updates must be refused
                     model.out.weight.data = torch.zeros(5, 16)
                     ptrs["out.weight"] = model.out.weight.data_ptr()
+                elif cmd == "train_step":
+                    train_step(model)
                 elif cmd == "pause":
                     receiving = False
                 elif cmd == "resume":
@@ -216,6 +229,10 @@ class RayWorker:
     def reshape(self) -> str:
         self.model.out.weight.data = torch.zeros(5, 16)
         self.ptrs["out.weight"] = self.model.out.weight.data_ptr()
+        return "ok"
+
+    def train_step(self) -> str:
+        train_step(self.model)
         return "ok"
 
     def state(self) -> dict[str, Any]:

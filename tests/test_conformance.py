@@ -231,3 +231,18 @@ def test_a_worker_that_repoints_its_parameters_still_gets_exact_updates(make_clu
     with pytest.raises(ws.WorkerApplyError, match="layout"):
         c.sender.send()
     assert c.state(0)["weights"]["out.weight"].shape == (5, 16)
+
+
+def test_a_worker_writing_its_own_buffers_keeps_running_and_touches_no_other(make_cluster) -> None:
+    c = make_cluster(["net", "net"])
+    c.sender.send()
+    before = c.expected()
+    assert c.command(0, "train_step") == "ok"  # BatchNorm in train mode writes its statistics
+    mine = c.state(0)["weights"]
+    assert not torch.equal(mine["norm.running_mean"], before["norm.running_mean"])
+    assert mine["norm.num_batches_tracked"] == before["norm.num_batches_tracked"] + 1
+    c.assert_has(1, before)  # the other worker reads what the trainer sent, unchanged
+    c.bump()
+    c.sender.send()  # the next update replaces the worker's own statistics
+    c.assert_has(0, c.expected())
+    c.assert_has(1, c.expected())

@@ -109,11 +109,30 @@ class AsyncWeightReceiver:
         targets, sources = self._targets_and_sources(update)
         if not self.transport.zero_copy:
             return self._plan_for(targets, sources).run
+        # A module's buffers (BatchNorm statistics, counters) are copied into
+        # the worker's own memory instead: worker code writes into them (a
+        # forward pass in train mode), and the shared memory is read-only.
+        # Everything else is re-pointed to the shared memory.
+        if isinstance(self.model, torch.nn.Module):
+            own = [not isinstance(t, torch.nn.Parameter) for t in targets]
+        else:
+            own = [False] * len(targets)
+        plan = (
+            CopyPlan(
+                [t for t, o in zip(targets, own, strict=True) if o],
+                [s for s, o in zip(sources, own, strict=True) if o],
+            )
+            if any(own)
+            else None
+        )
+        shared = [(t, s) for t, s, o in zip(targets, sources, own, strict=True) if not o]
 
         def repoint(threads: int) -> None:
             # The sender leaves this memory unchanged until we ack a newer
-            # version: re-pointing is the whole update, no byte copied.
-            for target, source in zip(targets, sources, strict=True):
+            # version: re-pointing is the update, no byte copied.
+            if plan is not None:
+                plan.run(threads)
+            for target, source in shared:
                 target.data = source
 
         return repoint

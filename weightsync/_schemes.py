@@ -380,8 +380,13 @@ class SharedMemWeightSyncScheme(MultiProcessWeightSyncScheme):
     stay fixed (CUDA graphs, compiled code holding addresses), use
     :class:`MultiProcessWeightSyncScheme`.
 
-    Slots are mapped read-only by the workers: worker code must not write
-    into synchronised tensors (put BatchNorm in eval mode); a write faults.
+    Slots are mapped read-only by the workers, so no worker can change what
+    another reads. For an ``nn.Module``, only parameters run on shared
+    memory: buffers (BatchNorm statistics, counters) are copied into the
+    worker's own memory at each update, so worker code may write into them
+    (BatchNorm in train mode) and the next update replaces them. Writing
+    into a parameter in place faults (a SIGSEGV of that worker); a worker
+    that trains its own copy needs :class:`MultiProcessWeightSyncScheme`.
     """
 
     def __init__(

@@ -11,8 +11,10 @@ which frees the slot it left. So nothing a worker reads between two
 (plus one per unanswered update) is in use.
 
 Workers map the slots read-only: a worker whose own code writes into a
-synchronised tensor (e.g. BatchNorm statistics in train mode) faults at once
-instead of corrupting what the other workers run on.
+re-pointed tensor faults at once instead of corrupting what the other workers
+run on. The receiver re-points only a module's parameters; its buffers, which
+worker code does write (BatchNorm statistics in train mode), are copied into
+the worker's own memory (see ``AsyncWeightReceiver._apply_for``).
 
 Messages: as the multiprocess transport, except that every update carries its
 slot's descriptor and every ack its slot's token:
