@@ -336,3 +336,28 @@ class TwoModelRayWorker:
 
     def weights(self) -> dict[str, dict[str, torch.Tensor]]:
         return {name: snapshot(model) for name, model in self.models.items()}
+
+
+def two_model_worker(
+    schemes: dict[str, ws.WeightSyncScheme], pipes: dict[str, Connection], ctrl: Connection
+) -> None:
+    """A worker process holding two models, each synchronised by its own
+    scheme over its own pipe; it receives both in one loop."""
+    models = {"policy": build_model("net", seed=5), "value": build_model("wide", seed=6)}
+    applied: dict[str, list[int]] = {name: [] for name in models}
+    for name, scheme in schemes.items():
+        scheme.init_on_worker(name, pipe=pipes[name], model=models[name])
+    ctrl.send(("ready", os.getpid()))
+    try:
+        while True:
+            if ctrl.poll():
+                if ctrl.recv() == "stop":
+                    break
+                ctrl.send({"weights": {n: snapshot(m) for n, m in models.items()}, "applied": applied})
+            for name, scheme in schemes.items():
+                version = scheme.receive(timeout=0.005)
+                if version:
+                    applied[name].append(version)
+    finally:
+        for scheme in schemes.values():
+            scheme.shutdown()
