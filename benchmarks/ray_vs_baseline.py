@@ -123,7 +123,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--mixin", action="store_true", help="actors subclass weightsync.RayWeightSyncMixin")
     args = parser.parse_args()
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    # address="local": a new instance, even while another one (a test cluster) runs.
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     try:
         print(f"{'MiB':>5} {'actors':>6} {'weightsync ms':>14} {'baseline ms':>12} {'ratio':>6}")
         for size in args.size:

@@ -170,7 +170,8 @@ def main() -> None:
     if TorchRLRayWeightSyncScheme is None:
         print("torchrl is not installed; this comparison needs it", file=sys.stderr)
         sys.exit(2)
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    # address="local": a new instance, even while another one (a test cluster) runs.
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     try:
         print(f"{'MiB':>5} {'actors':>6} {'weightsync ms':>14} {'torchrl ms':>11} {'speed-up':>9}")
         for size in args.size:

@@ -114,9 +114,13 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_all_schemes_with_alternatives_writes_json_and_plot(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("matplotlib")
+    # A Ray case would start Ray in this process, beside the session's: Ray
+    # cases run in a subprocess (test_bench_ray_scheme_and_ray_put_on_ray_actors).
+    # Without ray, all leaves the ray scheme out, with a note.
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     shm_before = _shm()
     args = [
@@ -141,6 +145,7 @@ def test_bench_all_schemes_with_alternatives_writes_json_and_plot(
     code = main(["bench", *args])
     printed = capsys.readouterr()
     assert code == 0, printed.err
+    assert "weightsync bench: skipping ray: ray is not importable" in printed.err
     lines = printed.out.splitlines()
     header = next(line for line in lines if line.startswith("scheme"))
     for column in ("copy", "torn", "p10 ms", "max ms", "GB/s all", "+MiB T/W"):
@@ -161,6 +166,7 @@ def test_bench_all_schemes_with_alternatives_writes_json_and_plot(
     cases = {case["scheme"]: case for case in report["cases"]}
     assert set(cases) == {"multiprocess", "shared", "pickle-pipe", "bare-shm"}
     assert report["config"]["compare"] == ["pickle-pipe", "bare-shm"]
+    assert list(report["skipped"]) == ["ray"]
     for name, case in cases.items():
         assert case["kind"] == ("scheme" if name in ("multiprocess", "shared") else "alternative")
         assert case["torn"] == "no"
@@ -231,3 +237,71 @@ def test_an_alternative_whose_package_is_missing_is_skipped_with_a_note() -> Non
     missing = AlternativeInfo("x", "needs a package that is not installed", requires="no_such_package_here")
     assert "no_such_package_here" in (missing.unavailable() or "")
     assert AlternativeInfo("y", "needs nothing").unavailable() is None
+
+
+def _bench_subprocess(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m weightsync bench ARGS``: a process of its own, so a Ray case
+    starts (and stops) its own local Ray, apart from this session's."""
+    return subprocess.run(
+        [sys.executable, "-m", "weightsync", "bench", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_bench_ray_scheme_and_ray_put_on_ray_actors(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    out = tmp_path / "bench.json"
+    proc = _bench_subprocess(
+        *("--scheme", "ray", "--compare", "ray-put", "--size", "1", "--workers", "2"),
+        *("--repeats", "3", "--warmup", "1", "--json", str(out)),
+    )
+    # Exit 0: every send of both cases passed verification.
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("ray")]
+    assert [(row[0], row[2], row[4], row[5]) for row in rows] == [
+        ("ray", "2", "private", "no"),
+        ("ray-put", "2", "private", "no"),
+    ]
+
+    report = json.loads(out.read_text())
+    assert report["skipped"] == {}
+    assert report["machine"]["ray"]
+    cases = {case["scheme"]: case for case in report["cases"]}
+    assert set(cases) == {"ray", "ray-put"}
+    for name, case in cases.items():
+        assert case["kind"] == ("scheme" if name == "ray" else "alternative")
+        assert case["workers"] == 2
+        assert case["packet_nbytes"] >= case["nbytes"] > 0
+        assert len(case["samples"]["send_s"]) == 3
+        assert all(s > 0 for s in case["samples"]["send_s"])
+        assert case["samples"]["memcpy_s"] and case["samples"]["floor_split_s"]
+        assert case["floor_copies"] == 3
+        # The actors are processes of this machine: their memory is measured.
+        assert len(case["peak_memory"]["worker_extra_bytes"]) == 2
+    assert len(cases["ray"]["samples"]["report_s"]) == 3
+
+
+def test_bench_fails_when_a_ray_actor_holds_other_weights() -> None:
+    pytest.importorskip("ray")
+    proc = _bench_subprocess(
+        *("--scheme", "ray", "--size", "0.25", "--workers", "1"),
+        *("--repeats", "2", "--warmup", "0", "--corrupt-worker", "0"),
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "verification failed" in proc.stderr
+    assert "worker 0 does not hold the trainer's weights after version 1" in proc.stderr
+
+
+def test_bench_ray_without_ray_exits_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    # Named on the command line: a one-line error, and nothing runs.
+    assert main(["bench", "--scheme", "ray", "--size", "0.25", "--workers", "1"]) == 2
+    printed = capsys.readouterr()
+    assert printed.err.startswith("weightsync bench: --scheme ray cannot run here: ray is not importable")
+    assert len(printed.err.splitlines()) == 1
+    assert printed.out == ""
+    # An alternative is skipped with a note, as when it needs any other package.
+    from weightsync._bench_compare import resolve
+
+    assert resolve(["ray-put", "bare-shm"])[0] == ["bare-shm"]

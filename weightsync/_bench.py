@@ -4,7 +4,10 @@ measure memcpy references of the same bytes in the same run.
 A run starts one pool of worker processes (spawn) and reuses it for every
 case: starting a process that imports torch costs seconds on a small machine,
 more than most cases. Each case still gets its own scheme, its own pipes and
-freshly built models, so no weightsync state crosses cases.
+freshly built models, so no weightsync state crosses cases. Ray cases (the
+``ray`` scheme, the ``ray-put`` alternative) run the same way on a pool of
+Ray actors instead (:mod:`weightsync._bench_ray`), started only when the run
+has a Ray case.
 
 For each case the trainer
 
@@ -23,7 +26,7 @@ For each case the trainer
 Alternatives to weightsync (``--compare``, :mod:`weightsync._bench_compare`)
 run in the same pool with the same model and sizes, timed and verified the
 same way. During each case the peak extra memory of the trainer and of each
-worker is measured (:mod:`weightsync._bench_memory`).
+worker (process or Ray actor) is measured (:mod:`weightsync._bench_memory`).
 
 Worker processes run torch single-threaded by default (``worker_threads``):
 several workers share the cores, and oversubscribed OpenMP threads measure the
@@ -32,6 +35,8 @@ scheduler rather than the transport.
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import itertools
 import json
 import math
@@ -49,7 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -57,7 +62,15 @@ from torch import nn
 from ._bench_memory import METHOD as MEMORY_METHOD
 from ._bench_memory import PeakMemory, PeakMemoryProbe
 from ._exceptions import SenderLostError, WeightSyncError
-from ._schemes import MultiProcessWeightSyncScheme, SharedMemWeightSyncScheme, WeightSyncScheme
+from ._schemes import (
+    MultiProcessWeightSyncScheme,
+    RayWeightSyncScheme,
+    SharedMemWeightSyncScheme,
+    WeightSyncScheme,
+)
+
+if TYPE_CHECKING:
+    from ._bench_compare import AlternativeInfo
 
 __all__ = [
     "DTYPES",
@@ -68,10 +81,12 @@ __all__ = [
     "Case",
     "CaseResult",
     "GeneratedMLP",
+    "Pool",
     "SchemeInfo",
     "VerificationError",
     "WorkerPool",
     "change_model",
+    "check_applied",
     "corrupt_model",
     "itemsize",
     "labels",
@@ -84,10 +99,12 @@ __all__ = [
     "memcpy_seconds",
     "mlp_shapes",
     "model_nbytes",
+    "pool_of",
     "run_bench",
     "run_case",
     "table_header",
     "tensor_checksums",
+    "unavailable",
 ]
 
 MIB = 1 << 20
@@ -102,19 +119,42 @@ _STARTUP_TIMEOUT = 120.0
 # -- schemes ------------------------------------------------------------------
 
 
+def unavailable(module: str | None) -> str | None:
+    """Why ``module`` (a package a scheme or alternative needs) cannot be
+    imported here, or None if it can (or ``module`` is None)."""
+    if module is not None:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            return f"{module} is not importable ({exc})"
+    return None
+
+
 @dataclass(frozen=True)
 class SchemeInfo:
     """A scheme the bench knows: its name on the command line, a one-line
     summary for ``--help``, how to build it with a send deadline, and what it
     guarantees: ``copy`` is ``"private"`` (each worker holds its own copy) or
     ``"shared"`` (workers read one shared buffer); ``torn`` says whether a
-    worker can read a mix of two versions (``"no"`` or ``"yes"``)."""
+    worker can read a mix of two versions (``"no"`` or ``"yes"``).
+
+    ``pool`` is what its workers are: ``"processes"`` (:class:`WorkerPool`;
+    ``pipes=`` on the trainer, ``pipe=`` on a worker) or ``"ray"``
+    (:class:`weightsync._bench_ray.RayActorPool`; ``remote_collectors=`` on
+    the trainer, ``init_on_worker`` inside each actor). ``requires`` names
+    the module it needs that may be missing, if any."""
 
     name: str
     summary: str
     factory: Callable[[float], WeightSyncScheme]
     copy: str = "private"
     torn: str = "no"
+    pool: str = "processes"
+    requires: str | None = None
+
+    def unavailable(self) -> str | None:
+        """Why it cannot run here, or None if it can."""
+        return unavailable(self.requires)
 
 
 def _multiprocess(timeout: float) -> WeightSyncScheme:
@@ -125,9 +165,14 @@ def _shared(timeout: float) -> WeightSyncScheme:
     return SharedMemWeightSyncScheme(timeout=timeout)
 
 
-# A new scheme joins the bench here. Every scheme is initialised the same way
-# (``pipes=`` on the trainer, ``pipe=`` on a worker); one that needs more
-# should grow this record rather than special-case the engine.
+def _ray(timeout: float) -> WeightSyncScheme:
+    return RayWeightSyncScheme(timeout=timeout)
+
+
+# A new scheme joins the bench here. Its ``pool`` says how it is initialised
+# (``pipes=`` / ``pipe=`` in processes, ``remote_collectors=`` / inside the
+# actor on Ray); one that needs more should grow this record rather than
+# special-case the engine.
 SCHEMES: dict[str, SchemeInfo] = {
     "multiprocess": SchemeInfo(
         "multiprocess",
@@ -139,6 +184,16 @@ SCHEMES: dict[str, SchemeInfo] = {
         "SharedMemWeightSyncScheme: zero-copy, workers re-point to versioned shared-memory slots",
         _shared,
         copy="shared",
+    ),
+    # An actor applies each update between its method calls, from an
+    # immutable object in Ray's store, into its own model: a private copy,
+    # never torn.
+    "ray": SchemeInfo(
+        "ray",
+        "RayWeightSyncScheme: one object-store put per send, one call per Ray actor, copied in place",
+        _ray,
+        pool="ray",
+        requires="ray",
     ),
 }
 
@@ -449,13 +504,24 @@ def _p90(samples: Sequence[float]) -> float:
     return _percentile(samples, 0.9)
 
 
+def _info(name: str) -> SchemeInfo | AlternativeInfo:
+    """The :class:`SchemeInfo` or ``AlternativeInfo`` of ``name``."""
+    from ._bench_compare import ALTERNATIVES
+
+    return SCHEMES.get(name) or ALTERNATIVES[name]
+
+
 def labels(name: str) -> tuple[str, str]:
     """What scheme or alternative ``name`` guarantees: (copy, torn), as in
     :class:`SchemeInfo`."""
-    from ._bench_compare import ALTERNATIVES
-
-    info = SCHEMES.get(name) or ALTERNATIVES[name]
+    info = _info(name)
     return info.copy, info.torn
+
+
+def pool_of(name: str) -> str:
+    """Which pool runs scheme or alternative ``name``: ``"processes"`` or
+    ``"ray"``, as in :class:`SchemeInfo`."""
+    return _info(name).pool
 
 
 @dataclass
@@ -557,7 +623,7 @@ class BenchRun:
     machine: dict[str, Any]
     results: list[CaseResult] = field(default_factory=list)
     seconds: float = 0.0
-    skipped: dict[str, str] = field(default_factory=dict)  # alternative -> why it did not run
+    skipped: dict[str, str] = field(default_factory=dict)  # scheme or alternative -> why it did not run
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -612,6 +678,14 @@ def _uvloop_installed() -> bool:
     return True
 
 
+def _installed_version(distribution: str) -> str | None:
+    """The installed version of ``distribution``, or None; without importing it."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def machine_facts() -> dict[str, Any]:
     """What the numbers depend on: CPU, cores, memory, versions, and the load
     when called (other processes on the machine skew every timing)."""
@@ -634,12 +708,70 @@ def machine_facts() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "weightsync": __version__,
+        "ray": _installed_version("ray"),
         "torch_threads": torch.get_num_threads(),
         # Which event loop runs a send depends on these; the facade decides.
         "uvloop_installed": _uvloop_installed(),
         "weightsync_env": {k: v for k, v in os.environ.items() if k.startswith("WEIGHTSYNC_")},
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+
+
+# -- pools of workers -------------------------------------------------------------
+
+
+class Pool(Protocol):
+    """What running a case needs of the workers: :class:`WorkerPool`
+    (processes joined by pipes) or :class:`weightsync._bench_ray.RayActorPool`
+    (Ray actors). ``cases`` is the whole run's, so a case's index is the same
+    in every pool; a pool starts workers only for the cases it runs
+    (:func:`pool_of`)."""
+
+    cases: list[Case]
+
+    def worker_pids(self, count: int) -> Sequence[int | None]:
+        """Process ids of the first ``count`` workers (None: not on this machine)."""
+        ...
+
+    def sender_args(self, index: int) -> dict[str, Any]:
+        """What ``init_on_sender`` needs, besides the model, to reach case ``index``'s workers."""
+        ...
+
+    def start_case(self, index: int, scheme: WeightSyncScheme, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Have the case's workers build their models and initialise ``scheme``."""
+        ...
+
+    def verify(self, version: int, names: Sequence[str], expected: Sequence[int]) -> None:
+        """Compare every worker's checksums after ``version`` with ``expected``."""
+        ...
+
+    def end_case(self, index: int) -> None:
+        """After the trainer's scheme is shut down: end the workers' side of the case."""
+        ...
+
+
+def check_applied(
+    slot: int,
+    version: int,
+    got_version: int | None,
+    got: Sequence[int],
+    names: Sequence[str],
+    expected: Sequence[int],
+) -> None:
+    """Check what worker ``slot`` reported after send ``version``: the
+    version it applied and its checksums, against the trainer's ``expected``.
+
+    :raises VerificationError: it holds other weights, or another version.
+    """
+    if got_version != version:
+        raise VerificationError(f"worker {slot} reported applying version {got_version} after send {version}")
+    if list(got) != list(expected):
+        wrong = [n for n, a, b in zip(names, got, expected, strict=True) if a != b]
+        raise VerificationError(
+            f"worker {slot} does not hold the trainer's weights after version {version}: "
+            f"{len(wrong)} of {len(names)} tensors differ (first: {wrong[0]!r}, "
+            f"crc32 {got[names.index(wrong[0])]:#010x} != {expected[names.index(wrong[0])]:#010x})"
+        )
 
 
 # -- worker processes -----------------------------------------------------------
@@ -723,7 +855,9 @@ def corrupt_model(tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 class WorkerPool:
-    """The bench's worker processes, started once and reused by every case.
+    """The bench's worker processes, started once and reused by every case
+    of ``cases`` that runs in processes (:func:`pool_of`); none are started
+    if no case does.
 
     Each case gets its own pipes, created with the pool (a spawned process
     receives pipes only at start). Use as a context manager: leaving it stops
@@ -743,7 +877,8 @@ class WorkerPool:
         self.timeout = timeout
         self.worker_threads = worker_threads
         self.corrupt_worker = corrupt_worker
-        self.size = max(case.workers for case in self.cases)
+        self._mine = [i for i, case in enumerate(self.cases) if pool_of(case.scheme) == "processes"]
+        self.size = max((self.cases[i].workers for i in self._mine), default=0)
         self._ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
         self._ctrls: list[Connection] = []
@@ -768,9 +903,9 @@ class WorkerPool:
         :raises BenchError: a worker died or did not start in time.
         """
         theirs: list[dict[int, Connection]] = [{} for _ in range(self.size)]
-        for index, case in enumerate(self.cases):
+        for index in self._mine:
             ours = []
-            for slot in range(case.workers):
+            for slot in range(self.cases[index].workers):
                 mine, other = self._ctx.Pipe()
                 ours.append(mine)
                 theirs[slot][index] = other
@@ -802,6 +937,10 @@ class WorkerPool:
     def pipes(self, index: int) -> list[Connection]:
         """The trainer's ends of case ``index``'s pipes, one per worker."""
         return self._case_pipes[index]
+
+    def sender_args(self, index: int) -> dict[str, Any]:
+        """``pipes=``: the trainer's ends of case ``index``'s pipes."""
+        return {"pipes": self.pipes(index)}
 
     def _expect(self, slot: int, kind: str, deadline: float) -> tuple[Any, ...]:
         """The next message of ``kind`` from worker ``slot``, skipping older ones.
@@ -871,28 +1010,22 @@ class WorkerPool:
         deadline = time.monotonic() + self.timeout
         for slot in self._in_case:
             _, got_version, got = self._expect(slot, "applied", deadline)
-            if got_version != version:
-                raise VerificationError(
-                    f"worker {slot} reported applying version {got_version} after send {version}"
-                )
-            if list(got) != list(expected):
-                wrong = [n for n, a, b in zip(names, got, expected, strict=True) if a != b]
-                raise VerificationError(
-                    f"worker {slot} does not hold the trainer's weights after version {version}: "
-                    f"{len(wrong)} of {len(names)} tensors differ (first: {wrong[0]!r}, "
-                    f"crc32 {got[names.index(wrong[0])]:#010x} != {expected[names.index(wrong[0])]:#010x})"
-                )
+            check_applied(slot, version, got_version, got, names, expected)
 
-    def end_case(self) -> None:
+    def end_case(self, index: int) -> None:
         """After the trainer's scheme is shut down: block until the case's
-        workers closed their side, then close the case's pipes.
+        workers closed their side, then close the case's pipes (also when
+        that fails).
 
         :raises BenchError: a worker failed, died or did not end in time.
         """
         slots, self._in_case = self._in_case, []
         deadline = time.monotonic() + self.timeout
-        for slot in slots:
-            self._expect(slot, "ended", deadline)
+        try:
+            for slot in slots:
+                self._expect(slot, "ended", deadline)
+        finally:
+            self.close_pipes(index)
 
     def close_pipes(self, index: int) -> None:
         for conn in self._case_pipes.pop(index, []):
@@ -935,10 +1068,11 @@ def change_model(tensors: Sequence[torch.Tensor], step: int) -> None:
         tensors[step % len(tensors)].add_(1)
 
 
-def run_case(pool: WorkerPool, index: int, config: BenchConfig) -> CaseResult:
-    """Run case ``index`` of ``pool`` (see the module docstring). Blocks for
-    the whole case; the scheme is shut down and the workers' side closed
-    before it returns or raises.
+def run_case(pool: Pool, index: int, config: BenchConfig) -> CaseResult:
+    """Run case ``index`` on ``pool``, the pool its scheme or alternative
+    runs on (:func:`pool_of`; see the module docstring). Blocks for the whole
+    case; the scheme is shut down and the workers' side closed before it
+    returns or raises.
 
     :raises VerificationError: a worker's weights differ from the trainer's.
     :raises BenchError: a send failed, or a worker failed, died or timed out.
@@ -966,7 +1100,7 @@ def run_case(pool: WorkerPool, index: int, config: BenchConfig) -> CaseResult:
 
 
 def _run_scheme(
-    pool: WorkerPool,
+    pool: Pool,
     index: int,
     config: BenchConfig,
     shapes: dict[str, tuple[int, ...]],
@@ -979,7 +1113,7 @@ def _run_scheme(
     tensors = list(named.values())
     scheme = SCHEMES[case.scheme].factory(config.timeout)
     try:
-        scheme.init_on_sender(MODEL_ID, pipes=pool.pipes(index), model=model)
+        scheme.init_on_sender(MODEL_ID, model=model, **pool.sender_args(index))
         pool.start_case(index, scheme, shapes)
         sender = scheme.get_sender()
         sender.connect(timeout=config.timeout)
@@ -1001,10 +1135,7 @@ def _run_scheme(
         try:
             scheme.shutdown()
         finally:
-            try:
-                pool.end_case()
-            finally:
-                pool.close_pipes(index)
+            pool.end_case(index)
 
 
 def _measure_references(result: CaseResult, repeats: int) -> None:
@@ -1025,7 +1156,9 @@ def run_bench(
     on_start: Callable[[int, Case], None] | None = None,
     corrupt_worker: int | None = None,
 ) -> BenchRun:
-    """Run every case of ``config`` with one pool of workers. Blocks for the
+    """Run every case of ``config`` with one pool of worker processes and,
+    if a case runs on Ray, one pool of Ray actors (starting Ray if it is not
+    initialised, and shutting down only a Ray it started). Blocks for the
     whole run; every worker is joined and every scheme shut down before it
     returns or raises (Ctrl-C included).
 
@@ -1037,16 +1170,22 @@ def run_bench(
     :raises VerificationError: a worker's weights differ from the trainer's.
     :raises BenchError: a send failed, or a worker failed, died or timed out.
     """
+    from ._bench_ray import RayActorPool
+
     started = time.perf_counter()
     run = BenchRun(config, machine_facts())
     cases = config.cases()
-    with WorkerPool(
-        cases, timeout=config.timeout, worker_threads=config.worker_threads, corrupt_worker=corrupt_worker
-    ) as pool:
+    timeout, threads, corrupt = config.timeout, config.worker_threads, corrupt_worker
+    # Each pool starts workers only for its own cases, if it has any.
+    with (
+        WorkerPool(cases, timeout=timeout, worker_threads=threads, corrupt_worker=corrupt) as processes,
+        RayActorPool(cases, timeout=timeout, worker_threads=threads, corrupt_worker=corrupt) as actors,
+    ):
+        pools: dict[str, Pool] = {"processes": processes, "ray": actors}
         for index in range(len(cases)):
             if on_start is not None:
                 on_start(index, cases[index])
-            result = run_case(pool, index, config)
+            result = run_case(pools[pool_of(cases[index].scheme)], index, config)
             run.results.append(result)
             if on_result is not None:
                 on_result(result)
@@ -1131,6 +1270,7 @@ def describe_machine(facts: Mapping[str, Any]) -> str:
     return (
         f"{facts['cpu_model']}, {facts['cpus_usable']} cpus, {facts['memory_bytes'] / 2**30:.1f} GiB; "
         f"python {facts['python']}, torch {facts['torch']}, weightsync {facts['weightsync']}"
+        + (f", ray {facts['ray']}" if facts.get("ray") else "")
         + ("" if facts["uvloop_installed"] else ", no uvloop")
         + "".join(f", {k}={v}" for k, v in facts["weightsync_env"].items())
         + (f"; load {load[0]:.2f}" if load else "")

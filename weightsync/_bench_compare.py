@@ -1,5 +1,5 @@
 """Alternatives to weightsync that ``weightsync bench --compare`` runs in the
-same pool of workers, with the same model and sizes, timed and verified like
+same pools of workers, with the same model and sizes, timed and verified like
 the schemes.
 
 Each round is timed from the trainer's first action until every worker has
@@ -19,10 +19,16 @@ shared-buffer figure is never read as a private-copy one:
   trainer copies its tensors into one shared buffer and writes a version to
   each pipe; each worker copies them out into its model and echoes it.
   Private copy.
+- ``ray-put``: the hand-written zero-copy Ray broadcast, on the bench's Ray
+  actors (:mod:`weightsync._bench_ray`): one ``ray.put`` of the tensors'
+  bytes as numpy arrays, then one method call per actor that copies the
+  arrays (read-only views of the object store) into its model in place, and
+  one ``ray.get`` of the calls. Private copy; the stored object never
+  changes and an actor applies it between its method calls.
 
 An alternative that needs a package (``requires``) is skipped with a note
-where that package is not importable. Ray's object store and torchrl's
-schemes are not among the alternatives yet.
+where that package is not importable. torchrl's schemes are not among the
+alternatives yet.
 
 The trainer waits for every reply before it changes its weights again, so no
 alternative here lets a worker see two versions mixed (``torn``: no).
@@ -30,16 +36,16 @@ alternative here lets a worker see two versions mixed (``torn``: no).
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing.reduction
 import pickle
 import struct
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.multiprocessing  # registers torch's reductions on ForkingPickler
@@ -51,16 +57,24 @@ from ._bench import (
     BenchError,
     CaseResult,
     GeneratedMLP,
+    Pool,
+    WorkerPool,
     change_model,
     corrupt_model,
     itemsize,
     tensor_checksums,
+    unavailable,
 )
+from ._bench_ray import RayActorPool
 
-if TYPE_CHECKING:
-    from ._bench import WorkerPool
-
-__all__ = ["ALTERNATIVES", "AlternativeInfo", "resolve", "run_alternative", "serve_alternative"]
+__all__ = [
+    "ALTERNATIVES",
+    "AlternativeInfo",
+    "actor_applier",
+    "resolve",
+    "run_alternative",
+    "serve_alternative",
+]
 
 _VERSION = struct.Struct("<q")
 _ALIGN = 64
@@ -70,23 +84,20 @@ _STOP = b""
 @dataclass(frozen=True)
 class AlternativeInfo:
     """An alternative to weightsync: its name, a one-line summary, what it
-    guarantees (as :class:`weightsync._bench.SchemeInfo`), and, for one that
-    needs a package, that package's module."""
+    guarantees and which pool runs it (as
+    :class:`weightsync._bench.SchemeInfo`), and, for one that needs a
+    package, that package's module."""
 
     name: str
     summary: str
     copy: str = "private"
     torn: str = "no"
     requires: str | None = None
+    pool: str = "processes"
 
     def unavailable(self) -> str | None:
         """Why it cannot run here, or None if it can."""
-        if self.requires is not None:
-            try:
-                importlib.import_module(self.requires)
-            except ImportError as exc:
-                return f"{self.requires} is not importable ({exc})"
-        return None
+        return unavailable(self.requires)
 
 
 ALTERNATIVES: dict[str, AlternativeInfo] = {
@@ -97,6 +108,12 @@ ALTERNATIVES: dict[str, AlternativeInfo] = {
             "torch-mp", "torch.multiprocessing reductions: shared-memory fds over the pipe; worker copies"
         ),
         AlternativeInfo("bare-shm", "bare loop: copy into one shared buffer, notify, workers copy out"),
+        AlternativeInfo(
+            "ray-put",
+            "one ray.put of numpy arrays, one call per Ray actor copying them in; ray.get the calls",
+            requires="ray",
+            pool="ray",
+        ),
     )
 }
 
@@ -214,44 +231,107 @@ def _await_acks(conns: Sequence[Connection], version: int, timeout: float, what:
 
 
 def run_alternative(
-    pool: WorkerPool, index: int, config: BenchConfig, shapes: dict[str, tuple[int, ...]], result: CaseResult
+    pool: Pool, index: int, config: BenchConfig, shapes: dict[str, tuple[int, ...]], result: CaseResult
 ) -> None:
     """Time and verify the rounds of alternative case ``index`` into
-    ``result``. Blocks for the whole case; the workers' side is closed before
-    it returns or raises.
+    ``result``; ``pool`` is the pool of the alternative's ``pool``. Blocks for
+    the whole case; the workers' side is closed before it returns or raises.
 
     :raises VerificationError: a worker's weights differ from the trainer's.
     :raises BenchError: a worker failed, died or timed out.
     """
     case = pool.cases[index]
-    what = f"{case.scheme} round of {case.size_mib:g} MiB to {case.workers} worker(s)"
     model = GeneratedMLP(shapes, fill="pattern", dtype=case.dtype)
     named = dict(sorted(model.state_dict().items()))
+    if isinstance(pool, RayActorPool):
+        _run_on_actors(pool, index, config, shapes, named, result)
+    else:
+        assert isinstance(pool, WorkerPool), f"no pool runs {case.scheme!r}"
+        _run_over_pipes(pool, index, config, shapes, named, result)
+
+
+def _timed_rounds(
+    pool: Pool,
+    config: BenchConfig,
+    named: dict[str, torch.Tensor],
+    one_round: Callable[[int], None],
+    result: CaseResult,
+) -> None:
+    """Warm up, then time ``one_round(version)`` (which returns once every
+    worker applied the version) for each version, changing the model before
+    and verifying after each, outside the timing."""
     names = list(named)
     tensors = list(named.values())
+    for step in range(config.warmup + config.repeats):
+        change_model(tensors, step)
+        version = step + 1
+        start = time.perf_counter()
+        one_round(version)
+        elapsed = time.perf_counter() - start
+        pool.verify(version, names, tensor_checksums(named))
+        if step >= config.warmup:
+            result.send_s.append(elapsed)
+
+
+def _run_over_pipes(
+    pool: WorkerPool,
+    index: int,
+    config: BenchConfig,
+    shapes: dict[str, tuple[int, ...]],
+    named: dict[str, torch.Tensor],
+    result: CaseResult,
+) -> None:
+    case = pool.cases[index]
+    what = f"{case.scheme} round of {case.size_mib:g} MiB to {case.workers} worker(s)"
     conns = pool.pipes(index)
     sender = _SENDERS[case.scheme](named, shapes, case.dtype)
+
+    def one_round(version: int) -> None:
+        sender.send(version, conns)
+        _await_acks(conns, version, config.timeout, what)
+
     try:
         pool.start_alternative(index, case.scheme, shapes, sender.payload)
-        for step in range(config.warmup + config.repeats):
-            change_model(tensors, step)
-            version = step + 1
-            start = time.perf_counter()
-            sender.send(version, conns)
-            _await_acks(conns, version, config.timeout, what)
-            elapsed = time.perf_counter() - start
-            pool.verify(version, names, tensor_checksums(named))
-            if step >= config.warmup:
-                result.send_s.append(elapsed)
+        _timed_rounds(pool, config, named, one_round, result)
         result.packet_nbytes = sender.packet_nbytes
     finally:
         try:
             for conn in conns:
                 with suppress(OSError):
                     conn.send_bytes(_STOP)
-            pool.end_case()
         finally:
-            pool.close_pipes(index)
+            pool.end_case(index)
+
+
+def _run_on_actors(
+    pool: RayActorPool,
+    index: int,
+    config: BenchConfig,
+    shapes: dict[str, tuple[int, ...]],
+    named: dict[str, torch.Tensor],
+    result: CaseResult,
+) -> None:
+    """``ray-put``, the one alternative on Ray actors."""
+    import ray
+
+    case = pool.cases[index]
+    what = f"apply a {case.scheme} round of {case.size_mib:g} MiB"
+    actors = pool.actors(case.workers)
+    tensors = list(named.values())
+
+    def one_round(version: int) -> None:
+        # Raw bytes, so every dtype (bfloat16 too) has a numpy view. Ray
+        # stores numpy arrays without pickling them, and actors on this node
+        # get read-only views of the one stored object.
+        ref = ray.put([t.detach().reshape(-1).view(torch.uint8).numpy() for t in tensors])
+        pool.get([actor.apply.remote(version, ref) for actor in actors], what)
+
+    try:
+        pool.start_alternative(index, case.scheme, shapes)
+        _timed_rounds(pool, config, named, one_round, result)
+        result.packet_nbytes = sum(t.nbytes for t in tensors)
+    finally:
+        pool.end_case(index)
 
 
 # -- the worker's side -------------------------------------------------------------
@@ -282,6 +362,24 @@ def _applier(
 
         return copy_out
     raise ValueError(f"no worker side for alternative {name!r}")
+
+
+def actor_applier(name: str, model: nn.Module) -> Callable[[Any], None]:
+    """How a bench Ray actor applies one round of alternative ``name`` to
+    ``model`` (see :class:`weightsync._bench_ray.BenchActor`)."""
+    if name == "ray-put":
+        targets = [tensor for _, tensor in sorted(model.state_dict().items())]
+
+        def copy_in(arrays: Sequence[Any]) -> None:
+            with torch.no_grad(), warnings.catch_warnings():
+                # The arrays are read-only views of Ray's object store; they
+                # are only read from, which torch cannot know.
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+                for target, array in zip(targets, arrays, strict=True):
+                    target.copy_(torch.from_numpy(array).view(target.dtype).view(target.shape))
+
+        return copy_in
+    raise ValueError(f"no actor side for alternative {name!r}")
 
 
 def serve_alternative(

@@ -9,7 +9,8 @@ process maps, shared-memory pages included, so a page shared by several
 processes counts once in each. Where the reset is refused, the figure is the
 growth of the lifetime peak (``method`` says ``vmhwm-lifetime``), which
 understates a case that stayed under an earlier one's peak; where ``/proc``
-is missing, the figures are ``None``.
+is missing, or for a process on another machine (a Ray actor on another
+node), the figures are ``None``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ __all__ = ["METHOD", "PeakMemory", "PeakMemoryProbe"]
 METHOD = "VmHWM after the case minus VmRSS before it, peak reset via /proc/<pid>/clear_refs"
 
 
-def _status_kib(pid: int, key: str) -> int | None:
+def _status_kib(pid: int | None, key: str) -> int | None:
+    if pid is None:
+        return None
     try:
         with open(f"/proc/{pid}/status", encoding="ascii") as status:
             for line in status:
@@ -60,15 +63,15 @@ class PeakMemory:
 
 class PeakMemoryProbe:
     """``start()`` before a case, ``stop()`` after it. ``pids[0]`` is the
-    trainer, the rest its workers."""
+    trainer, the rest its workers; None for a worker not on this machine."""
 
-    def __init__(self, pids: Sequence[int]) -> None:
+    def __init__(self, pids: Sequence[int | None]) -> None:
         self.pids = list(pids)
         self._before: list[int | None] = []
         self._reset = True
 
     def start(self) -> None:
-        self._reset = all([_reset_peak(pid) for pid in self.pids])
+        self._reset = all([_reset_peak(pid) for pid in self.pids if pid is not None])
         self._before = []
         for pid in self.pids:
             rss = _status_kib(pid, "VmRSS")

@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=[*sorted(SCHEMES), "all"],
         default=list(_DEFAULTS.schemes),
         metavar="NAME",
-        help=f"schemes to run, or all (default: %(default)s; known: {', '.join(sorted(SCHEMES))})",
+        help=f"schemes to run, or all (default: %(default)s; known: {', '.join(sorted(SCHEMES))}; "
+        "all skips one that cannot run here, with a note)",
     )
     bench.add_argument(
         "--compare",
@@ -97,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=list(_DEFAULTS.workers),
         metavar="N",
-        help="numbers of worker processes (default: %(default)s)",
+        help="numbers of workers: processes, or Ray actors for ray and ray-put (default: %(default)s)",
     )
     bench.add_argument(
         "--tensors",
@@ -152,8 +153,21 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except PlotUnavailableError as exc:
             print(f"weightsync bench: {exc}", file=sys.stderr)
             return 2
-    schemes = sorted(SCHEMES) if "all" in args.scheme else list(dict.fromkeys(args.scheme))
-    compare, skipped = resolve(list(ALTERNATIVES) if "all" in args.compare else args.compare)
+    every = "all" in args.scheme
+    schemes: list[str] = []
+    skipped: dict[str, str] = {}
+    for name in sorted(SCHEMES) if every else dict.fromkeys(args.scheme):
+        why = SCHEMES[name].unavailable()
+        if why is None:
+            schemes.append(name)
+        elif every:
+            skipped[name] = why
+        else:
+            # Named on the command line: a run without it is not the run asked for.
+            print(f"weightsync bench: --scheme {name} cannot run here: {why}", file=sys.stderr)
+            return 2
+    compare, cannot = resolve(list(ALTERNATIVES) if "all" in args.compare else args.compare)
+    skipped.update(cannot)
     for name, why in skipped.items():
         print(f"weightsync bench: skipping {name}: {why}", file=sys.stderr)
     try:
@@ -235,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Blocks until the command is done and returns its exit status: 0 on
     success, 1 when a benchmark failed (a worker held other weights than the
     trainer, died or timed out), 2 when ``--plot`` is asked without
-    matplotlib installed, 130 after Ctrl-C.
+    matplotlib installed or ``--scheme`` names a scheme whose package is
+    missing (``ray``), 130 after Ctrl-C.
 
     :raises SystemExit: the arguments are invalid (status 2) or ``--help`` was asked.
     """

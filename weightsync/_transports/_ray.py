@@ -95,10 +95,11 @@ class RayStaging:
         # by wait_all(), by worker id.
         self.calls: dict[int, ray.ObjectRef] = {}
         self.replies: dict[int, Any] = {}
+        self._finished: set[int] = set()
 
     def _put(self, packet: Packet, model_id: str | None) -> None:
-        self.ref = None  # let the previous send's object go first
-        self.calls, self.replies = {}, {}
+        self.ref = None  # (if the previous send was abandoned)
+        self.calls, self.replies, self._finished = {}, {}, set()
         threads = max(1, usable_cores() // packet.fanout)
         # Everything an actor needs is in the one stored object, the same for
         # all actors: each call then has just two arguments (the function
@@ -140,9 +141,20 @@ class RayStaging:
             return  # one of them failed: each caller gets its own result
         self.replies.update(zip(returned, values, strict=True))
 
+    def finished(self, worker_id: int) -> None:
+        """Worker ``worker_id`` is done with the current send (acked, failed
+        or abandoned at the deadline). Once all are, the stored object is let
+        go at once: Ray frees it asynchronously, and an object still held
+        when the next send puts its own makes Ray take fresh memory for that
+        one (measured: 16 MiB to one actor, 23.4 ms a send and +321 MiB
+        resident, against 16.5 ms and +32 MiB when let go here)."""
+        self._finished.add(worker_id)
+        if self._finished >= self.calls.keys():
+            self.ref = None
+
     async def aclose(self) -> None:
         self.ref = None
-        self.calls, self.replies = {}, {}
+        self.calls, self.replies, self._finished = {}, {}, set()
 
 
 class RaySenderTransport:
@@ -231,14 +243,17 @@ class RaySenderTransport:
 
     async def deliver(self, packet: Packet) -> None:
         staging = self._staging
-        if self.worker_id not in staging.calls:
-            self.post(packet)
-        call = staging.calls[self.worker_id]
-        if caller_is_blocked.get():
-            staging.wait_all()
-        reply = staging.replies.get(self.worker_id)
-        if reply is None:
-            reply = await self._await(call, packet.version)
+        try:
+            if self.worker_id not in staging.calls:
+                self.post(packet)
+            call = staging.calls[self.worker_id]
+            if caller_is_blocked.get():
+                staging.wait_all()
+            reply = staging.replies.get(self.worker_id)
+            if reply is None:
+                reply = await self._await(call, packet.version)
+        finally:
+            staging.finished(self.worker_id)
         kind = reply[0]
         if kind == "ack":
             # The version applied, or a newer one of the same sender that

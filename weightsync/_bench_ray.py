@@ -1,0 +1,292 @@
+"""The Ray side of ``weightsync bench``: a pool of Ray actors that runs the
+Ray cases (the ``ray`` scheme, the ``ray-put`` alternative) as
+:class:`weightsync._bench.WorkerPool` runs the others.
+
+The pool is started once per run and reused by every Ray case; each case
+still builds a fresh model on the actors and a fresh scheme. Ray is started
+only when the run has a Ray case: if it is not initialised in this process,
+a new local instance with every core (shut down at the end of the run), even
+where another instance runs on the machine; otherwise the caller's, a
+cluster included, used as it is and left running. Actors reserve no CPU, so
+a run may have more of them than cores.
+
+The actors are plain (neither async nor threaded) Ray actors, whose class
+needs nothing of weightsync: the Ray scheme reaches them through Ray's
+``__ray_call__``, so each update runs between two of their method calls.
+After each send the trainer asks every actor for the version it applied and
+its CRC32 per tensor, outside the timing, as a process worker reports them.
+
+Memory: Ray's object store stays mapped in the trainer and in every actor
+for the whole run, and a page of it counts in a process's RSS from the first
+time the process touches it. A Ray case whose objects land on pages that an
+earlier case touched shows less extra memory than the same case run first.
+
+Importing this module never imports ray: it is imported inside the
+functions that need it, and :class:`BenchActor` is made a Ray actor class
+only when the pool starts. Actor processes unpickle the class by its module
+and name, so they need weightsync importable, as the trainer does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ._bench import (
+    _STARTUP_TIMEOUT,
+    MODEL_ID,
+    BenchError,
+    Case,
+    GeneratedMLP,
+    check_applied,
+    corrupt_model,
+    pool_of,
+    tensor_checksums,
+)
+from ._schemes import WeightSyncScheme
+
+__all__ = ["BenchActor", "RayActorPool"]
+
+
+class BenchActor:
+    """A bench worker as a Ray actor (made remote by :class:`RayActorPool`):
+    holds one case's model at a time, and the scheme or the alternative's
+    apply function that updates it. ``threads`` is torch's thread count in
+    the actor (None: torch's default), as for a worker process."""
+
+    def __init__(self, threads: int | None) -> None:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self._model: GeneratedMLP | None = None
+        self._scheme: WeightSyncScheme | None = None
+        self._apply: Callable[[Any], None] | None = None
+        self._applied: int | None = None  # the newest round of an alternative not yet reported
+        self._corrupt = False
+
+    def whereabouts(self) -> tuple[int, str]:
+        """This actor's process id and the id of its Ray node."""
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
+    def start_case(
+        self, scheme: WeightSyncScheme, shapes: dict[str, tuple[int, ...]], dtype: str, corrupt: bool
+    ) -> None:
+        """Build a model of zeros and initialise ``scheme`` on it; the
+        trainer's calls update it from then on. ``corrupt``: the testing
+        hook (:func:`weightsync._bench.corrupt_model` before each report)."""
+        self._model = GeneratedMLP(shapes, dtype=dtype)
+        self._corrupt = corrupt
+        self._scheme = scheme
+        scheme.init_on_worker(MODEL_ID, model=self._model)
+
+    def start_alternative(
+        self, name: str, shapes: dict[str, tuple[int, ...]], dtype: str, corrupt: bool
+    ) -> None:
+        """Build a model of zeros for alternative ``name``, applied by :meth:`apply`."""
+        from ._bench_compare import actor_applier
+
+        self._model = GeneratedMLP(shapes, dtype=dtype)
+        self._corrupt = corrupt
+        self._apply = actor_applier(name, self._model)
+
+    def apply(self, version: int, data: Any) -> int:
+        """Apply round ``version`` of the alternative; returns ``version``, the ack."""
+        assert self._apply is not None, "start_alternative() comes first"
+        self._apply(data)
+        self._applied = version
+        return version
+
+    def report(self) -> tuple[int | None, list[int]]:
+        """The newest version applied since the previous report (or None),
+        and the CRC32 of each tensor of the model."""
+        assert self._model is not None, "a case was started"
+        if self._scheme is not None:
+            version = self._scheme.receive()
+        else:
+            version, self._applied = self._applied, None
+        tensors = self._model.state_dict()
+        if self._corrupt:
+            corrupt_model(tensors)
+        return version, tensor_checksums(tensors)
+
+    def end_case(self) -> None:
+        """Shut the case's scheme down and drop its model."""
+        scheme = self._scheme
+        self._model = self._scheme = self._apply = self._applied = None
+        if scheme is not None:
+            scheme.shutdown()
+
+
+class RayActorPool:
+    """The bench's Ray actors, started once and reused by every case of
+    ``cases`` that runs on Ray (:func:`weightsync._bench.pool_of`); if no
+    case does, neither Ray nor any actor is started.
+
+    Use as a context manager: leaving it kills every actor, also after an
+    error or Ctrl-C, and shuts down Ray if the pool started it.
+    """
+
+    def __init__(
+        self,
+        cases: Sequence[Case],
+        *,
+        timeout: float,
+        worker_threads: int | None = 1,
+        corrupt_worker: int | None = None,
+    ) -> None:
+        self.cases = list(cases)
+        self.timeout = timeout
+        self.worker_threads = worker_threads
+        self.corrupt_worker = corrupt_worker
+        self.size = max((case.workers for case in self.cases if pool_of(case.scheme) == "ray"), default=0)
+        self._actors: list[Any] = []
+        self._pids: list[int | None] = []
+        self._in_case: list[Any] = []
+        self._started_ray = False
+
+    def __enter__(self) -> RayActorPool:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Start Ray if it is not initialised, start the actors and block
+        until each is up. Does nothing if no case runs on Ray.
+
+        :raises BenchError: Ray did not start, or an actor failed or did not
+            start in time.
+        """
+        if self.size == 0:
+            return
+        import ray
+
+        if not ray.is_initialized():
+            # "local": without it ray.init joins the newest Ray instance of
+            # this machine (RAY_ADDRESS, `ray start`, a test cluster), which
+            # refuses num_cpus, and the bench would run on another's Ray.
+            try:
+                ray.init(
+                    address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False
+                )
+            except (RuntimeError, ValueError, OSError) as exc:
+                raise BenchError(f"could not start Ray: {exc}") from exc
+            self._started_ray = True
+        # No CPU reserved per actor: a case may have more actors than cores.
+        actor_class = ray.remote(num_cpus=0)(BenchActor)
+        self._actors = [actor_class.remote(self.worker_threads) for _ in range(self.size)]
+        # Each actor imports torch first: allow for a slow start, as for a process.
+        places = self.get(
+            [actor.whereabouts.remote() for actor in self._actors],
+            "start",
+            max(self.timeout, _STARTUP_TIMEOUT),
+        )
+        here = ray.get_runtime_context().get_node_id()
+        # The memory probe reads /proc: a pid on another node is not this machine's.
+        self._pids = [pid if node == here else None for pid, node in places]
+
+    def get(self, refs: Sequence[Any], what: str, timeout: float | None = None) -> list[Any]:
+        """Block for the results of the actor calls ``refs`` (one ``ray.get``),
+        at most ``timeout`` seconds (None: the pool's).
+
+        :raises BenchError: an actor failed or died, or a call did not return
+            in time; ``what`` says what it was doing.
+        """
+        import ray
+        import ray.exceptions
+
+        limit = self.timeout if timeout is None else timeout
+        try:
+            return list(ray.get(list(refs), timeout=limit))
+        except ray.exceptions.GetTimeoutError as exc:
+            raise BenchError(f"a bench actor did not {what} within {limit:g} s") from exc
+        except ray.exceptions.RayError as exc:
+            raise BenchError(f"a bench actor failed to {what}:\n{exc}") from exc
+
+    def actors(self, count: int) -> list[Any]:
+        """Handles of the first ``count`` actors."""
+        return self._actors[:count]
+
+    def worker_pids(self, count: int) -> list[int | None]:
+        """Process ids of the first ``count`` actors (None: on another node)."""
+        return self._pids[:count]
+
+    def sender_args(self, index: int) -> dict[str, Any]:
+        """``remote_collectors=``: the handles of case ``index``'s actors."""
+        return {"remote_collectors": self.actors(self.cases[index].workers)}
+
+    def start_case(self, index: int, scheme: WeightSyncScheme, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Have the case's actors build their models and initialise
+        ``scheme`` (a copy of its configuration each); block until each is
+        ready.
+
+        :raises BenchError: an actor failed, died or did not get ready in time.
+        """
+        case = self.cases[index]
+        self._start(
+            index,
+            lambda actor, corrupt: actor.start_case.remote(scheme, shapes, case.dtype, corrupt),
+            "initialise the scheme",
+        )
+
+    def start_alternative(self, index: int, name: str, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Like :meth:`start_case`, for alternative ``name`` to weightsync."""
+        case = self.cases[index]
+        self._start(
+            index,
+            lambda actor, corrupt: actor.start_alternative.remote(name, shapes, case.dtype, corrupt),
+            f"start {name}",
+        )
+
+    def _start(self, index: int, call: Callable[[Any, bool], Any], what: str) -> None:
+        self._in_case = self.actors(self.cases[index].workers)
+        self.get(
+            [call(actor, slot == self.corrupt_worker) for slot, actor in enumerate(self._in_case)],
+            what,
+        )
+
+    def verify(self, version: int, names: Sequence[str], expected: Sequence[int]) -> None:
+        """Ask every actor of the case for the version it applied and its
+        checksums, and compare them with ``expected`` (the trainer's).
+        Blocks until each answered.
+
+        :raises VerificationError: an actor holds other weights, or another version.
+        :raises BenchError: an actor failed, died or did not answer in time.
+        """
+        reports = self.get([actor.report.remote() for actor in self._in_case], "report its weights")
+        for slot, (got_version, got) in enumerate(reports):
+            check_applied(slot, version, got_version, got, names, expected)
+
+    def end_case(self, index: int) -> None:
+        """After the trainer's scheme is shut down: block until the case's
+        actors shut theirs down.
+
+        :raises BenchError: an actor failed, died or did not end in time.
+        """
+        actors, self._in_case = self._in_case, []
+        self.get([actor.end_case.remote() for actor in actors], "end the case")
+
+    def close(self) -> None:
+        """Kill every actor, and shut Ray down if this pool started it.
+        Idempotent; does not wait for the actors to exit."""
+        if not self._actors and not self._started_ray:
+            return
+        import ray
+
+        actors, self._actors, self._in_case = self._actors, [], []
+        try:
+            for actor in actors:
+                ray.kill(actor)
+        finally:
+            if self._started_ray:
+                self._started_ray = False
+                ray.shutdown()
