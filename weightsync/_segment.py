@@ -60,6 +60,9 @@ class Segment:
         by this process only until a worker is told its descriptor."""
         fd = os.memfd_create("weightsync-staging", os.MFD_CLOEXEC)
         try:
+            # memfd starts out as mode 0777; only this user's workers, which
+            # open it through /proc, are meant to read it.
+            os.fchmod(fd, 0o600)
             size = HEADER_BYTES + max(nbytes, 1)
             os.ftruncate(fd, size)
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
