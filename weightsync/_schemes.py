@@ -423,7 +423,9 @@ class RayWeightSyncScheme(WeightSyncScheme):
     returns:
 
     - a plain actor applies it between two of its method calls;
-    - an async actor applies it on its event loop, between two awaits;
+    - an async actor applies it on its event loop, between two awaits (call
+      ``init_on_worker`` from ``__init__`` or an async method, where the
+      loop is running, so weightsync knows it);
     - a threaded actor (``max_concurrency > 1``) applies it on a thread of
       its own, concurrently with the methods running then.
 
