@@ -72,6 +72,8 @@ def build_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "big":
         return BigNet()
+    if kind == "empty":
+        return nn.Module()
     if kind == "mixed":
         return MixedNet()
     if kind == "net":
@@ -361,3 +363,23 @@ def two_model_worker(
     finally:
         for scheme in schemes.values():
             scheme.shutdown()
+
+
+def ray_trainer_then_die(address: str, name: str) -> None:
+    """A Ray driver that creates a named collector actor, sends it the
+    weights once, prints the actor's pid, then kills itself with SIGKILL."""
+    import signal
+
+    import ray
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    ray.init(
+        address=address, namespace="weightsync-tests", runtime_env={"env_vars": {"PYTHONPATH": tests_dir}}
+    )
+    actor = ray.remote(num_cpus=0)(RayWorker).options(name=name).remote()
+    pid = ray.get(actor.setup.remote(ws.RayWeightSyncScheme(), "policy", "net"))
+    scheme = ws.RayWeightSyncScheme(timeout=60)
+    scheme.init_on_sender("policy", remote_collectors=[actor], model=build_model("net", seed=7))
+    scheme.send()
+    print(pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)

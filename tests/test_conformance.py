@@ -212,11 +212,13 @@ def test_every_dtype_0d_and_empty_tensors_arrive_bit_exact(make_cluster) -> None
 
 
 def test_an_empty_model_sends_nothing_but_still_acks(make_cluster) -> None:
-    c = make_cluster(["net"])
-    with pytest.raises(ws.WeightMismatchError):
-        c.sender.send({})  # an empty mapping does not match a model with weights
-    report = c.sender.send()
+    c = make_cluster(["empty", "net"], trainer_kind="empty")
+    report = c.sender.send(worker_ids=[0])
+    assert report.nbytes == 0
     assert c.state(0)["applied"][-1] == report.version
+    assert c.sender.send({}, worker_ids=[0]).version == report.version + 1
+    with pytest.raises(ws.WeightMismatchError):
+        c.sender.send(worker_ids=[1])  # an empty model does not match one with weights
 
 
 def test_a_worker_that_repoints_its_parameters_still_gets_exact_updates(make_cluster) -> None:

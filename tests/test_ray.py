@@ -181,3 +181,30 @@ def test_two_models_on_the_same_actors_are_kept_apart(ray_runtime: RayRuntime) -
 
 def _probe_net() -> torch.nn.Module:
     return build_model("net", seed=11)
+
+
+def test_a_killed_trainer_takes_its_actors_with_it(ray_runtime: RayRuntime) -> None:
+    """Ray's fate-sharing: a collector never waits for a trainer that died."""
+    import os
+    import subprocess
+    import sys
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    address = ray_runtime.nodes.address
+    code = f"from _workers import ray_trainer_then_die; ray_trainer_then_die({address!r}, 'orphan')"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tests_dir,
+        env={**os.environ, "PYTHONPATH": tests_dir},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    actor_pid = int(proc.stdout.split()[-1])
+    deadline = time.monotonic() + 20
+    while os.path.exists(f"/proc/{actor_pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{actor_pid}"), "the collector outlived its trainer"
+    with pytest.raises(ValueError):
+        ray.get_actor("orphan", namespace="weightsync-tests")
