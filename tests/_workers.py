@@ -59,13 +59,13 @@ class MixedNet(nn.Module):
 
 
 class BigNet(nn.Module):
-    """64 MiB of float32 in four buffers: a copy takes long enough to be
+    """32 MiB of float32 in four buffers: a copy takes long enough to be
     interrupted."""
 
     def __init__(self) -> None:
         super().__init__()
         for i in range(4):
-            self.register_buffer(f"b{i}", torch.full((1 << 22,), float(i)))
+            self.register_buffer(f"b{i}", torch.full((1 << 21,), float(i)))
 
 
 def build_model(kind: str, seed: int = 0) -> nn.Module:

@@ -280,15 +280,16 @@ def test_bench_ray_scheme_and_ray_put_on_ray_actors(tmp_path: Path) -> None:
     assert len(cases["ray"]["samples"]["report_s"]) == 3
 
 
-def test_bench_fails_when_a_ray_actor_holds_other_weights() -> None:
-    pytest.importorskip("ray")
-    proc = _bench_subprocess(
-        *("--scheme", "ray", "--size", "0.25", "--workers", "1"),
-        *("--repeats", "2", "--warmup", "0", "--corrupt-worker", "0"),
-    )
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "verification failed" in proc.stderr
-    assert "worker 0 does not hold the trainer's weights after version 1" in proc.stderr
+def test_bench_fails_when_a_ray_actor_holds_other_weights(ray_runtime) -> None:
+    # In this process, on the session's Ray cluster (the bench uses a Ray
+    # that is already initialised, and leaves it running): the CLI path
+    # itself is covered by the test above.
+    from weightsync._bench import BenchConfig, VerificationError, run_bench
+
+    config = BenchConfig(schemes=("ray",), sizes_mib=(0.25,), workers=(1,), repeats=2, warmup=0)
+    wrong = "worker 0 does not hold the trainer's weights after version 1"
+    with pytest.raises(VerificationError, match=wrong):
+        run_bench(config, corrupt_worker=0)
 
 
 def test_bench_ray_without_ray_exits_2(

@@ -21,7 +21,7 @@ def test_a_worker_killed_during_a_send_is_reported_and_the_others_updated(make_c
     c.bump()
     started = time.monotonic()
     c.sender.send_async()
-    time.sleep(0.005)  # the send is in flight: staging, or the workers' copies of 64 MiB
+    time.sleep(0.005)  # the send is in flight: staging, or the workers' copies of 32 MiB
     c.kill(1)
     with pytest.raises(ws.WorkerLostError) as info:
         c.sender.wait_async()

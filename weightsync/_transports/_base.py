@@ -15,14 +15,42 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .._exceptions import WorkerApplyError, WorkerLostError
 from .._packet import Manifest, Packet
 
-__all__ = ["ReceiverTransport", "SenderTransport", "SharedTransport", "Update", "caller_is_blocked"]
+__all__ = [
+    "ReceiverTransport",
+    "SenderTransport",
+    "SharedTransport",
+    "Update",
+    "caller_is_blocked",
+    "worker_failed",
+    "worker_lost",
+]
 
 #: True while the coroutine runs on a private loop whose caller is blocked
 #: waiting for it: a transport may then do long copies inline instead of in a
 #: worker thread, since nothing else runs on that loop.
 caller_is_blocked: ContextVar[bool] = ContextVar("weightsync_caller_is_blocked", default=False)
+
+
+def worker_lost(worker_id: int, model_id: str | None, reason: str) -> WorkerLostError:
+    """The error of a sender transport whose worker died or whose channel closed."""
+    return WorkerLostError(
+        f"worker {worker_id} (model {model_id!r}) is gone: {reason}", worker_id=worker_id, model_id=model_id
+    )
+
+
+def worker_failed(worker_id: int, model_id: str | None, version: int, message: str) -> WorkerApplyError:
+    """The error of a sender transport whose worker reported ``message``
+    instead of applying ``version``."""
+    return WorkerApplyError(
+        f"worker {worker_id} (model {model_id!r}) failed to apply version {version}: {message}",
+        worker_id=worker_id,
+        model_id=model_id,
+        version=version,
+        worker_message=message,
+    )
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,10 @@ from typing import Any
 import anyio
 import torch
 
-from .._exceptions import SenderLostError, WorkerApplyError, WorkerLostError
+from .._exceptions import SenderLostError, WorkerLostError
 from .._packet import Manifest, Packet, copy_tensors, usable_cores
 from .._segment import Segment
-from ._base import Update, caller_is_blocked
+from ._base import Update, caller_is_blocked, worker_failed, worker_lost
 from ._pipe import PipeChannel
 
 __all__ = ["MPReceiverTransport", "MPSenderTransport", "StagingArea", "write_packet"]
@@ -111,11 +111,7 @@ class MPSenderTransport:
         self._closed = False
 
     def _lost(self, reason: str) -> WorkerLostError:
-        return WorkerLostError(
-            f"worker {self.worker_id} (model {self.model_id!r}) is gone: {reason}",
-            worker_id=self.worker_id,
-            model_id=self.model_id,
-        )
+        return worker_lost(self.worker_id, self.model_id, reason)
 
     def _handle_hello(self, message: tuple) -> None:
         _, _model_id, pid, signature = message
@@ -170,14 +166,7 @@ class MPSenderTransport:
                 if message[1] == packet.version:
                     return
             if kind == "error" and message[1] == packet.version:
-                raise WorkerApplyError(
-                    f"worker {self.worker_id} (model {self.model_id!r}) failed to apply "
-                    f"version {packet.version}: {message[2]}",
-                    worker_id=self.worker_id,
-                    model_id=self.model_id,
-                    version=packet.version,
-                    worker_message=message[2],
-                )
+                raise worker_failed(self.worker_id, self.model_id, packet.version, message[2])
             if kind == "hello":
                 # The worker re-initialised: tell it about the segment again.
                 self._handle_hello(message)

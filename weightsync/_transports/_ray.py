@@ -47,7 +47,7 @@ import torch
 
 from .._exceptions import SenderLostError, WeightMismatchError, WorkerApplyError, WorkerLostError
 from .._packet import Manifest, Packet, Signature, usable_cores
-from ._base import Update, caller_is_blocked
+from ._base import Update, caller_is_blocked, worker_failed, worker_lost
 
 __all__ = ["RayReceiverTransport", "RaySenderTransport", "RayStaging", "apply_on_actor"]
 
@@ -171,20 +171,10 @@ class RaySenderTransport:
         self._closed = False
 
     def _lost(self, reason: str) -> WorkerLostError:
-        return WorkerLostError(
-            f"worker {self.worker_id} (model {self.model_id!r}) is gone: {reason}",
-            worker_id=self.worker_id,
-            model_id=self.model_id,
-        )
+        return worker_lost(self.worker_id, self.model_id, reason)
 
     def _failed(self, version: int, message: str) -> WorkerApplyError:
-        return WorkerApplyError(
-            f"worker {self.worker_id} (model {self.model_id!r}) failed to apply version {version}: {message}",
-            worker_id=self.worker_id,
-            model_id=self.model_id,
-            version=version,
-            worker_message=message,
-        )
+        return worker_failed(self.worker_id, self.model_id, version, message)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> ray.ObjectRef:
         if self._closed:
