@@ -176,26 +176,22 @@ class RaySenderTransport:
     def _failed(self, version: int, message: str) -> WorkerApplyError:
         return worker_failed(self.worker_id, self.model_id, version, message)
 
-    def _call(self, fn: Callable[..., Any], *args: Any) -> ray.ObjectRef:
+    def _invoke(self, method: Any, *args: Any) -> ray.ObjectRef:
+        """Start ``method.remote(*args)`` on the actor, without waiting."""
         if self._closed:
             raise self._lost("the sender shut down this channel")
         try:
-            return self.actor.__ray_call__.remote(fn, *args)
+            return method.remote(*args)
         except ray.exceptions.RayError as exc:
             raise self._lost(f"{type(exc).__name__}: {exc}") from exc
 
     def _apply_call(self, payload: ray.ObjectRef) -> ray.ObjectRef:
-        if self._closed:
-            raise self._lost("the sender shut down this channel")
         if self._has_method is None:
             # An actor handle lists the methods of its class.
             self._has_method = hasattr(self.actor, "weightsync_apply")
-        if not self._has_method:
-            return self._call(apply_on_actor, payload)
-        try:
-            return self.actor.weightsync_apply.remote(payload)
-        except ray.exceptions.RayError as exc:
-            raise self._lost(f"{type(exc).__name__}: {exc}") from exc
+        if self._has_method:
+            return self._invoke(self.actor.weightsync_apply, payload)
+        return self._invoke(self.actor.__ray_call__, apply_on_actor, payload)
 
     async def _await(self, ref: ray.ObjectRef, version: int) -> Any:
         """The call's result, with every Ray error turned into weightsync's."""
@@ -214,7 +210,9 @@ class RaySenderTransport:
             return self.layout
         pause, most = _CONNECT_POLL
         while True:
-            signature = await self._await(self._call(_describe_on_actor, self.model_id), 0)
+            signature = await self._await(
+                self._invoke(self.actor.__ray_call__, _describe_on_actor, self.model_id), 0
+            )
             if signature is not None:
                 self.layout = Manifest.from_signature(signature)
                 return self.layout
