@@ -306,3 +306,28 @@ def test_bench_ray_without_ray_exits_2(
     from weightsync._bench_compare import resolve
 
     assert resolve(["ray-put", "bare-shm"])[0] == ["bare-shm"]
+
+
+def test_bench_compares_torchrls_schemes(tmp_path: Path) -> None:
+    # Only where torchrl is importable (not in the repository's own venv).
+    pytest.importorskip("torchrl")
+    pytest.importorskip("ray")
+    out = tmp_path / "bench.json"
+    proc = _bench_subprocess(
+        *("--compare", "torchrl-mp", "torchrl-shared", "torchrl-ray", "--scheme", "ray"),
+        *("--size", "1", "--workers", "2", "--repeats", "2", "--warmup", "1", "--json", str(out)),
+    )
+    # Exit 0: every send of every case passed verification.
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cases = {case["scheme"]: case for case in json.loads(out.read_text())["cases"]}
+    assert set(cases) == {"ray", "torchrl-mp", "torchrl-shared", "torchrl-ray"}
+    for name, case in cases.items():
+        assert case["kind"] == ("scheme" if name == "ray" else "alternative")
+        assert case["workers"] == 2
+        assert len(case["samples"]["send_s"]) == 2
+        assert all(s > 0 for s in case["samples"]["send_s"])
+    assert [cases[name]["copy"] for name in ("torchrl-mp", "torchrl-shared", "torchrl-ray")] == [
+        "shared",
+        "shared",
+        "private",
+    ]

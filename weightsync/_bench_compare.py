@@ -25,13 +25,32 @@ shared-buffer figure is never read as a private-copy one:
   arrays (read-only views of the object store) into its model in place, and
   one ``ray.get`` of the calls. Private copy; the stored object never
   changes and an actor applies it between its method calls.
+- ``torchrl-mp``, ``torchrl-shared``, ``torchrl-ray``: torchrl's own
+  ``MultiProcessWeightSyncScheme``, ``SharedMemWeightSyncScheme`` and
+  ``RayWeightSyncScheme`` with their defaults, set up as torchrl's
+  collectors set them up (:mod:`weightsync._bench_torchrl`), where torchrl
+  is importable.
+
+  ``torchrl-mp`` and ``torchrl-shared``: shared, torn. At ``connect()`` the
+  worker's model is re-pointed (``to_module``) at the tensors it received
+  through its queue, which torch's reductions share: the trainer's own
+  parameters, moved to shared memory. Each send then copies those tensors
+  onto themselves (mp: in each worker, from the tensors sent again through
+  the queue; shared: in the trainer, into the buffer), so every worker reads
+  the trainer's live parameters: no private copy, and a worker running while
+  the trainer steps its optimiser reads a mix of two versions.
+
+  ``torchrl-ray``: private, torn. Each actor receives over gloo, tensor by
+  tensor, straight into its live parameters, while the trainer streams
+  them: an actor's model is a mix of two versions until the last tensor is
+  in, and stays one if the trainer stops or a receive times out midway.
 
 An alternative that needs a package (``requires``) is skipped with a note
-where that package is not importable. torchrl's schemes are not among the
-alternatives yet.
+where that package is not importable.
 
 The trainer waits for every reply before it changes its weights again, so no
-alternative here lets a worker see two versions mixed (``torn``: no).
+check here sees two versions mixed; ``torn`` says what the alternative
+itself allows.
 """
 
 from __future__ import annotations
@@ -92,12 +111,17 @@ class AlternativeInfo:
     summary: str
     copy: str = "private"
     torn: str = "no"
-    requires: str | None = None
+    requires: str | tuple[str, ...] | None = None
     pool: str = "processes"
 
     def unavailable(self) -> str | None:
         """Why it cannot run here, or None if it can."""
-        return unavailable(self.requires)
+        modules = (self.requires,) if isinstance(self.requires, str) else self.requires or ()
+        for module in modules:
+            why = unavailable(module)
+            if why is not None:
+                return why
+        return None
 
 
 ALTERNATIVES: dict[str, AlternativeInfo] = {
@@ -112,6 +136,29 @@ ALTERNATIVES: dict[str, AlternativeInfo] = {
             "ray-put",
             "one ray.put of numpy arrays, one call per Ray actor copying them in; ray.get the calls",
             requires="ray",
+            pool="ray",
+        ),
+        AlternativeInfo(
+            "torchrl-mp",
+            "torchrl MultiProcessWeightSyncScheme: weights through an mp.Queue per worker; "
+            "workers alias the trainer's tensors",
+            copy="shared",
+            torn="yes",
+            requires="torchrl",
+        ),
+        AlternativeInfo(
+            "torchrl-shared",
+            "torchrl SharedMemWeightSyncScheme: in-place update of the trainer's shared tensors, "
+            "notify over mp.Queues",
+            copy="shared",
+            torn="yes",
+            requires="torchrl",
+        ),
+        AlternativeInfo(
+            "torchrl-ray",
+            "torchrl RayWeightSyncScheme: one call per Ray actor, tensors over gloo into its live parameters",
+            torn="yes",
+            requires=("torchrl", "ray"),
             pool="ray",
         ),
     )
@@ -243,7 +290,14 @@ def run_alternative(
     case = pool.cases[index]
     model = GeneratedMLP(shapes, fill="pattern", dtype=case.dtype)
     named = dict(sorted(model.state_dict().items()))
-    if isinstance(pool, RayActorPool):
+    if case.scheme.startswith("torchrl-"):
+        from . import _bench_torchrl
+
+        run = (
+            _bench_torchrl.run_on_actors if isinstance(pool, RayActorPool) else _bench_torchrl.run_over_pipes
+        )
+        run(pool, index, config, shapes, model, named, result, _timed_rounds)  # type: ignore[arg-type]
+    elif isinstance(pool, RayActorPool):
         _run_on_actors(pool, index, config, shapes, named, result)
     else:
         assert isinstance(pool, WorkerPool), f"no pool runs {case.scheme!r}"
@@ -256,10 +310,12 @@ def _timed_rounds(
     named: dict[str, torch.Tensor],
     one_round: Callable[[int], None],
     result: CaseResult,
+    before_verify: Callable[[int], None] | None = None,
 ) -> None:
     """Warm up, then time ``one_round(version)`` (which returns once every
     worker applied the version) for each version, changing the model before
-    and verifying after each, outside the timing."""
+    and verifying after each, outside the timing (after
+    ``before_verify(version)``, if given)."""
     names = list(named)
     tensors = list(named.values())
     for step in range(config.warmup + config.repeats):
@@ -268,7 +324,11 @@ def _timed_rounds(
         start = time.perf_counter()
         one_round(version)
         elapsed = time.perf_counter() - start
-        pool.verify(version, names, tensor_checksums(named))
+        # The trainer's checksums first: a worker may share its tensors (torchrl-mp, torchrl-shared).
+        expected = tensor_checksums(named)
+        if before_verify is not None:
+            before_verify(version)
+        pool.verify(version, names, expected)
         if step >= config.warmup:
             result.send_s.append(elapsed)
 
@@ -311,7 +371,7 @@ def _run_on_actors(
     named: dict[str, torch.Tensor],
     result: CaseResult,
 ) -> None:
-    """``ray-put``, the one alternative on Ray actors."""
+    """``ray-put`` on the bench's Ray actors."""
     import ray
 
     case = pool.cases[index]
@@ -393,6 +453,11 @@ def serve_alternative(
 ) -> None:
     """A bench worker's side of alternative ``name``: apply each round from
     ``pipe``, reply, then report checksums over ``ctrl`` (as for a scheme)."""
+    if name.startswith("torchrl-"):
+        from ._bench_torchrl import serve
+
+        serve(ctrl, pipe, shapes, dtype, payload, corrupt)
+        return
     model = GeneratedMLP(shapes, dtype=dtype)
     try:
         apply = _applier(name, model, shapes, dtype, payload)

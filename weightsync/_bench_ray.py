@@ -65,6 +65,12 @@ class BenchActor:
         self._apply: Callable[[Any], None] | None = None
         self._applied: int | None = None  # the newest round of an alternative not yet reported
         self._corrupt = False
+        # torchrl-ray: what torchrl's RayWeightSyncScheme reads from or calls
+        # on a collector (torchrl/collectors/_base.py).
+        self.worker_idx: int | None = None
+        self.policy: GeneratedMLP | None = None
+        self._receiver_schemes: dict[str, Any] = {}
+        self._received = 0
 
     def whereabouts(self) -> tuple[int, str]:
         """This actor's process id and the id of its Ray node."""
@@ -84,14 +90,42 @@ class BenchActor:
         scheme.init_on_worker(MODEL_ID, model=self._model)
 
     def start_alternative(
-        self, name: str, shapes: dict[str, tuple[int, ...]], dtype: str, corrupt: bool
+        self,
+        name: str,
+        shapes: dict[str, tuple[int, ...]],
+        dtype: str,
+        corrupt: bool,
+        worker_idx: int = 0,
+        payload: Any = None,
     ) -> None:
-        """Build a model of zeros for alternative ``name``, applied by :meth:`apply`."""
+        """Build a model of zeros for alternative ``name``, applied by
+        :meth:`apply`; for ``torchrl-ray``, initialise ``payload``, torchrl's
+        scheme, as a collector's receiver (worker ``worker_idx``), applied by
+        the calls torchrl's sender makes."""
         from ._bench_compare import actor_applier
 
         self._model = GeneratedMLP(shapes, dtype=dtype)
         self._corrupt = corrupt
-        self._apply = actor_applier(name, self._model)
+        if name == "torchrl-ray":
+            # As a collector's register_scheme_receiver(synchronize_weights=False).
+            self.worker_idx, self.policy, self._received = worker_idx, self._model, 0
+            payload.init_on_receiver(model_id="policy", context=self, worker_idx=worker_idx)
+            self._receiver_schemes = {"policy": payload}
+        else:
+            self._apply = actor_applier(name, self._model)
+
+    def _connect_weights_scheme(self, model_version: int | None = None) -> None:
+        """torchrl's: join the scheme's process group, receive the initial weights."""
+        for scheme in self._receiver_schemes.values():
+            if not scheme.synchronized_on_receiver:
+                scheme.connect(worker_idx=self.worker_idx)
+
+    def _receive_weights_scheme(self, model_version: int | None = None) -> None:
+        """torchrl's: receive one update; the n-th is round n."""
+        for scheme in self._receiver_schemes.values():
+            scheme.receive()
+        self._received += 1
+        self._applied = self._received
 
     def apply(self, version: int, data: Any) -> int:
         """Apply round ``version`` of the alternative; returns ``version``, the ack."""
@@ -116,9 +150,12 @@ class BenchActor:
     def end_case(self) -> None:
         """Shut the case's scheme down and drop its model."""
         scheme = self._scheme
-        self._model = self._scheme = self._apply = self._applied = None
+        self._model = self._scheme = self._apply = self._applied = self.policy = None
+        receivers, self._receiver_schemes = self._receiver_schemes, {}
         if scheme is not None:
             scheme.shutdown()
+        for receiver in receivers.values():
+            receiver.shutdown()
 
 
 class RayActorPool:
@@ -234,25 +271,29 @@ class RayActorPool:
         case = self.cases[index]
         self._start(
             index,
-            lambda actor, corrupt: actor.start_case.remote(scheme, shapes, case.dtype, corrupt),
+            lambda actor, slot: actor.start_case.remote(
+                scheme, shapes, case.dtype, slot == self.corrupt_worker
+            ),
             "initialise the scheme",
         )
 
-    def start_alternative(self, index: int, name: str, shapes: dict[str, tuple[int, ...]]) -> None:
-        """Like :meth:`start_case`, for alternative ``name`` to weightsync."""
+    def start_alternative(
+        self, index: int, name: str, shapes: dict[str, tuple[int, ...]], payload: Any = None
+    ) -> None:
+        """Like :meth:`start_case`, for alternative ``name`` to weightsync;
+        ``payload`` goes to every actor, with its slot."""
         case = self.cases[index]
         self._start(
             index,
-            lambda actor, corrupt: actor.start_alternative.remote(name, shapes, case.dtype, corrupt),
+            lambda actor, slot: actor.start_alternative.remote(
+                name, shapes, case.dtype, slot == self.corrupt_worker, slot, payload
+            ),
             f"start {name}",
         )
 
-    def _start(self, index: int, call: Callable[[Any, bool], Any], what: str) -> None:
+    def _start(self, index: int, call: Callable[[Any, int], Any], what: str) -> None:
         self._in_case = self.actors(self.cases[index].workers)
-        self.get(
-            [call(actor, slot == self.corrupt_worker) for slot, actor in enumerate(self._in_case)],
-            what,
-        )
+        self.get([call(actor, slot) for slot, actor in enumerate(self._in_case)], what)
 
     def verify(self, version: int, names: Sequence[str], expected: Sequence[int]) -> None:
         """Ask every actor of the case for the version it applied and its
