@@ -383,3 +383,23 @@ def ray_trainer_then_die(address: str, name: str) -> None:
     scheme.send()
     print(pid, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class AsyncActorRegisteringLate:
+    """An async actor whose model is registered off its event loop, through
+    Ray's ``__ray_call__`` (which runs on a thread of Ray's): weightsync
+    cannot find the actor's loop from there and must refuse."""
+
+    def __init__(self) -> None:
+        self.model = build_model("net", seed=8)
+
+    async def ping(self) -> bool:
+        return True
+
+
+def register_off_the_loop(actor: AsyncActorRegisteringLate) -> str:
+    try:
+        ws.RayWeightSyncScheme().init_on_worker("policy", model=actor.model)
+    except ws.WeightSyncStateError as exc:
+        return str(exc)
+    return "registered"

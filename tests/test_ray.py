@@ -13,6 +13,7 @@ import _probe
 import pytest
 import torch
 from _workers import (
+    AsyncActorRegisteringLate,
     AsyncRayProbe,
     LateRayWorker,
     MixinRayWorker,
@@ -20,6 +21,7 @@ from _workers import (
     TwoModelRayWorker,
     build_model,
     probe_weights,
+    register_off_the_loop,
 )
 from conftest import RayCluster, RayRuntime
 
@@ -208,3 +210,13 @@ def test_a_killed_trainer_takes_its_actors_with_it(ray_runtime: RayRuntime) -> N
     assert not os.path.exists(f"/proc/{actor_pid}"), "the collector outlived its trainer"
     with pytest.raises(ValueError):
         ray.get_actor("orphan", namespace="weightsync-tests")
+
+
+def test_an_async_actor_must_register_where_its_loop_runs(ray_runtime: RayRuntime) -> None:
+    actor = ray.remote(num_cpus=0)(AsyncActorRegisteringLate).remote()
+    try:
+        assert ray.get(actor.ping.remote())
+        refused = ray.get(actor.__ray_call__.remote(register_off_the_loop))
+        assert "call it from the actor's __init__ or one of its methods" in refused
+    finally:
+        ray.kill(actor)

@@ -424,8 +424,8 @@ class RayWeightSyncScheme(WeightSyncScheme):
 
     - a plain actor applies it between two of its method calls;
     - an async actor applies it on its event loop, between two awaits (call
-      ``init_on_worker`` from ``__init__`` or an async method, where the
-      loop is running, so weightsync knows it);
+      ``init_on_worker`` from ``__init__`` or a method, which run on that
+      loop, so weightsync knows it; off the loop it raises);
     - a threaded actor (``max_concurrency > 1``) applies it on a thread of
       its own, concurrently with the methods running then.
 

@@ -45,7 +45,13 @@ import ray
 import ray.exceptions
 import torch
 
-from .._exceptions import SenderLostError, WeightMismatchError, WorkerApplyError, WorkerLostError
+from .._exceptions import (
+    SenderLostError,
+    WeightMismatchError,
+    WeightSyncStateError,
+    WorkerApplyError,
+    WorkerLostError,
+)
 from .._packet import Manifest, Packet, Signature, usable_cores
 from ._base import Update, caller_is_blocked, worker_failed, worker_lost
 
@@ -258,6 +264,17 @@ class RaySenderTransport:
         self._closed = True
 
 
+def _in_async_actor() -> bool:
+    """Whether this process is an async Ray actor (False when unsure)."""
+    try:
+        # Not public API: Ray has used it internally since 1.x. Should it go,
+        # the check is skipped, never failed.
+        worker = ray._private.worker.global_worker
+        return bool(getattr(worker, "core_worker").current_actor_is_asyncio())  # noqa: B009
+    except Exception:
+        return False
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -317,6 +334,16 @@ class RayReceiverTransport:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None
+            if _in_async_actor():
+                # Called off the loop of an async actor (a thread of the
+                # user's, or ``__ray_call__``, which Ray runs on a thread of
+                # its own): the actor's loop cannot be found from here, and
+                # updates would be applied while its coroutines run.
+                raise WeightSyncStateError(
+                    "init_on_worker was called off the event loop of an async Ray actor; call it from "
+                    "the actor's __init__ or one of its methods, which run on that loop",
+                    model_id=model_id,
+                ) from None
         self._loop_thread = threading.get_ident()
 
     def register(self, apply: Callable[[Update], int], manifest: Manifest) -> None:
