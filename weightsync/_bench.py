@@ -54,7 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -720,14 +720,37 @@ def machine_facts() -> dict[str, Any]:
 # -- pools of workers -------------------------------------------------------------
 
 
+_PoolT = TypeVar("_PoolT", bound="Pool")
+
+
 class Pool(Protocol):
     """What running a case needs of the workers: :class:`WorkerPool`
     (processes joined by pipes) or :class:`weightsync._bench_ray.RayActorPool`
     (Ray actors). ``cases`` is the whole run's, so a case's index is the same
     in every pool; a pool starts workers only for the cases it runs
-    (:func:`pool_of`)."""
+    (:func:`pool_of`). Both pools subclass it: entering one starts it (and
+    closes what started if that fails), leaving closes it."""
 
     cases: list[Case]
+
+    def start(self) -> None:
+        """Start the workers; block until each is up."""
+        ...
+
+    def close(self) -> None:
+        """Stop every worker. Idempotent."""
+        ...
+
+    def __enter__(self: _PoolT) -> _PoolT:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def worker_pids(self, count: int) -> Sequence[int | None]:
         """Process ids of the first ``count`` workers (None: not on this machine)."""
@@ -854,7 +877,7 @@ def corrupt_model(tensors: Mapping[str, torch.Tensor]) -> None:
         next(iter(tensors.values())).view(-1)[0] += 1
 
 
-class WorkerPool:
+class WorkerPool(Pool):
     """The bench's worker processes, started once and reused by every case
     of ``cases`` that runs in processes (:func:`pool_of`); none are started
     if no case does.
@@ -885,17 +908,6 @@ class WorkerPool:
         self._case_pipes: dict[int, list[Connection]] = {}
         self._in_case: list[int] = []
         self._broken = False
-
-    def __enter__(self) -> WorkerPool:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def start(self) -> None:
         """Spawn the workers and block until each is up.

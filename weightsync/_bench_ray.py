@@ -41,6 +41,7 @@ from ._bench import (
     BenchError,
     Case,
     GeneratedMLP,
+    Pool,
     check_applied,
     corrupt_model,
     pool_of,
@@ -158,7 +159,7 @@ class BenchActor:
             receiver.shutdown()
 
 
-class RayActorPool:
+class RayActorPool(Pool):
     """The bench's Ray actors, started once and reused by every case of
     ``cases`` that runs on Ray (:func:`weightsync._bench.pool_of`); if no
     case does, neither Ray nor any actor is started.
@@ -184,17 +185,6 @@ class RayActorPool:
         self._pids: list[int | None] = []
         self._in_case: list[Any] = []
         self._started_ray = False
-
-    def __enter__(self) -> RayActorPool:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def start(self) -> None:
         """Start Ray if it is not initialised, start the actors and block

@@ -75,14 +75,16 @@ def _byte_view(tensor: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _tensor_view(array: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A typed tensor over a (read-only) byte array, without a copy."""
+def _tensor_views(arrays: Sequence[np.ndarray], manifest: Manifest) -> list[torch.Tensor]:
+    """Typed tensors over (read-only) byte arrays, in manifest order, without
+    a copy."""
     with warnings.catch_warnings():
-        # The array is a read-only view of the object store; it is only ever
-        # read from, which torch cannot know.
+        # The arrays are read-only views of the object store; they are only
+        # ever read from, which torch cannot know. (One filter per update:
+        # entering catch_warnings costs microseconds.)
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.from_numpy(array)
-    return flat.view(dtype).view(shape)
+        flat = [torch.from_numpy(array) for array in arrays]
+    return [t.view(spec.dtype).view(spec.shape) for t, spec in zip(flat, manifest.specs, strict=True)]
 
 
 class RayStaging:
@@ -423,7 +425,7 @@ class RayReceiverTransport:
                 f"the model has {len(manifest.specs)}",
                 model_id=self.model_id,
             )
-        return [_tensor_view(a, s.dtype, s.shape) for a, s in zip(arrays, manifest.specs, strict=True)]
+        return _tensor_views(arrays, manifest)
 
     def is_current(self, update: Update) -> bool:
         # Objects in Ray's store never change once put.
