@@ -343,7 +343,6 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
         if num_workers != len(pipes):
             raise ValueError(f"num_workers={num_workers} but {len(pipes)} pipes were given")
         shared = self._shared_class()
-        self._shared_transport = shared
         transports: dict[int, SenderTransport] = {
             i: self._channel_class(pipe, i, shared, self._model_id) for i, pipe in enumerate(pipes)
         }
@@ -465,7 +464,6 @@ class RayWeightSyncScheme(WeightSyncScheme):
                 model_id=self._model_id,
             )
         shared = RayStaging(self._model_id)
-        self._shared_transport = shared
         transports: dict[int, SenderTransport] = {
             i: RaySenderTransport(actor, i, shared, self._model_id) for i, actor in enumerate(actors)
         }
