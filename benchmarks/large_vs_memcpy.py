@@ -22,7 +22,7 @@ import argparse
 import statistics
 import sys
 
-from weightsync._bench import (
+from weightsync.bench import (
     MIB,
     BenchConfig,
     BenchError,

@@ -20,7 +20,7 @@ import argparse
 import statistics
 import sys
 
-from weightsync._bench import (
+from weightsync.bench import (
     BenchConfig,
     BenchError,
     VerificationError,

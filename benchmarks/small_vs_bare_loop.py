@@ -37,7 +37,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from weightsync._bench import (
+from weightsync.bench import (
     MIB,
     BenchConfig,
     BenchError,

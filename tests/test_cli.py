@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from weightsync._bench import MIB, mlp_shapes, model_nbytes
-from weightsync._cli import main
+from weightsync.bench import MIB, main, mlp_shapes, model_nbytes
 
 
 def _shm() -> set[str]:
@@ -232,7 +231,7 @@ def test_bench_plot_without_matplotlib_exits_2(
 
 
 def test_an_alternative_whose_package_is_missing_is_skipped_with_a_note() -> None:
-    from weightsync._bench_compare import AlternativeInfo
+    from weightsync.bench import AlternativeInfo
 
     missing = AlternativeInfo("x", "needs a package that is not installed", requires="no_such_package_here")
     assert "no_such_package_here" in (missing.unavailable() or "")
@@ -284,7 +283,7 @@ def test_bench_fails_when_a_ray_actor_holds_other_weights(ray_runtime) -> None:
     # In this process, on the session's Ray cluster (the bench uses a Ray
     # that is already initialised, and leaves it running): the CLI path
     # itself is covered by the test above.
-    from weightsync._bench import BenchConfig, VerificationError, run_bench
+    from weightsync.bench import BenchConfig, VerificationError, run_bench
 
     config = BenchConfig(schemes=("ray",), sizes_mib=(0.25,), workers=(1,), repeats=2, warmup=0)
     wrong = "worker 0 does not hold the trainer's weights after version 1"
@@ -303,7 +302,7 @@ def test_bench_ray_without_ray_exits_2(
     assert len(printed.err.splitlines()) == 1
     assert printed.out == ""
     # An alternative is skipped with a note, as when it needs any other package.
-    from weightsync._bench_compare import resolve
+    from weightsync.bench import resolve
 
     assert resolve(["ray-put", "bare-shm"])[0] == ["bare-shm"]
 

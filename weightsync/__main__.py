@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._cli import main
+from .bench import main
 
 # Spawned bench workers import this module again; only the real entry runs.
 if __name__ == "__main__":

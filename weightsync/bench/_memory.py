@@ -1,26 +1,25 @@
 """Peak extra memory of processes during a bench case, from Linux's RSS
 high-water mark.
 
-Method (``METHOD``): before the case, each process's peak RSS is reset
-(``5`` written to ``/proc/<pid>/clear_refs``, Linux 4.0 on) and its current
-RSS (``VmRSS``) read; after the case, its peak (``VmHWM``) is read. The extra
-memory is ``VmHWM after - VmRSS before``. RSS counts every resident page the
-process maps, shared-memory pages included, so a page shared by several
-processes counts once in each. Where the reset is refused, the figure is the
-growth of the lifetime peak (``method`` says ``vmhwm-lifetime``), which
-understates a case that stayed under an earlier one's peak; where ``/proc``
-is missing, or for a process on another machine (a Ray actor on another
-node), the figures are ``None``.
+Method (:data:`weightsync.bench._types.MEMORY_METHOD`): before the case,
+each process's peak RSS is reset (``5`` written to ``/proc/<pid>/clear_refs``,
+Linux 4.0 on) and its current RSS (``VmRSS``) read; after the case, its peak
+(``VmHWM``) is read. The extra memory is ``VmHWM after - VmRSS before``. RSS
+counts every resident page the process maps, shared-memory pages included,
+so a page shared by several processes counts once in each. Where the reset
+is refused, the figure is the growth of the lifetime peak (``method`` says
+``vmhwm-lifetime``), which understates a case that stayed under an earlier
+one's peak; where ``/proc`` is missing, or for a process on another machine
+(a Ray actor on another node), the figures are ``None``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-__all__ = ["METHOD", "PeakMemory", "PeakMemoryProbe"]
+from ._types import PeakMemory
 
-METHOD = "VmHWM after the case minus VmRSS before it, peak reset via /proc/<pid>/clear_refs"
+__all__ = ["PeakMemoryProbe"]
 
 
 def _status_kib(pid: int | None, key: str) -> int | None:
@@ -45,25 +44,10 @@ def _reset_peak(pid: int) -> bool:
     return True
 
 
-@dataclass
-class PeakMemory:
-    """Extra bytes at the peak, per process, and how they were measured."""
-
-    method: str  # "vmhwm-reset", "vmhwm-lifetime" or "unavailable"
-    trainer_bytes: int | None
-    worker_bytes: list[int | None] = field(default_factory=list)
-
-    def total_bytes(self) -> int | None:
-        """Trainer and workers together; None if any figure is missing."""
-        parts = [self.trainer_bytes, *self.worker_bytes]
-        if any(p is None for p in parts):
-            return None
-        return sum(p for p in parts if p is not None)
-
-
 class PeakMemoryProbe:
-    """``start()`` before a case, ``stop()`` after it. ``pids[0]`` is the
-    trainer, the rest its workers; None for a worker not on this machine."""
+    """``start()`` before a case, ``stop()`` after it, which returns the case's
+    :class:`PeakMemory`. ``pids[0]`` is the trainer, the rest its workers;
+    None for a worker not on this machine."""
 
     def __init__(self, pids: Sequence[int | None]) -> None:
         self.pids = list(pids)

@@ -20,7 +20,7 @@ shared-buffer figure is never read as a private-copy one:
   each pipe; each worker copies them out into its model and echoes it.
   Private copy.
 - ``ray-put``: the hand-written zero-copy Ray broadcast, on the bench's Ray
-  actors (:mod:`weightsync._bench_ray`): one ``ray.put`` of the tensors'
+  actors (:mod:`weightsync.bench._ray_pool`): one ``ray.put`` of the tensors'
   bytes as numpy arrays, then one method call per actor that copies the
   arrays (read-only views of the object store) into its model in place, and
   one ``ray.get`` of the calls. Private copy; the stored object never
@@ -28,7 +28,7 @@ shared-buffer figure is never read as a private-copy one:
 - ``torchrl-mp``, ``torchrl-shared``, ``torchrl-ray``: torchrl's own
   ``MultiProcessWeightSyncScheme``, ``SharedMemWeightSyncScheme`` and
   ``RayWeightSyncScheme`` with their defaults, set up as torchrl's
-  collectors set them up (:mod:`weightsync._bench_torchrl`), where torchrl
+  collectors set them up (:mod:`weightsync.bench._torchrl`), where torchrl
   is importable.
 
   ``torchrl-mp`` and ``torchrl-shared``: shared, torn. At ``connect()`` the
@@ -45,8 +45,10 @@ shared-buffer figure is never read as a private-copy one:
   them: an actor's model is a mix of two versions until the last tensor is
   in, and stays one if the trainer stops or a receive times out midway.
 
-An alternative that needs a package (``requires``) is skipped with a note
-where that package is not importable.
+An alternative that needs a package (``requires`` of its
+:class:`weightsync.bench.AlternativeInfo` in
+:data:`weightsync.bench.ALTERNATIVES`) is skipped with a note where that
+package is not importable.
 
 The trainer waits for every reply before it changes its weights again, so no
 check here sees two versions mixed; ``torn`` says what the alternative
@@ -59,10 +61,8 @@ import multiprocessing.reduction
 import pickle
 import struct
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -70,99 +70,18 @@ import torch
 import torch.multiprocessing  # registers torch's reductions on ForkingPickler
 from torch import nn
 
-from ._bench import (
-    DTYPES,
-    BenchConfig,
-    BenchError,
-    CaseResult,
-    GeneratedMLP,
-    Pool,
-    WorkerPool,
-    change_model,
-    corrupt_model,
-    itemsize,
-    tensor_checksums,
-    unavailable,
-)
-from ._bench_ray import RayActorPool
+from ._model import GeneratedMLP, corrupt_model, tensor_checksums
+from ._pools import Pool, WorkerPool, timed_rounds
+from ._ray_pool import RayActorPool
+from ._torchrl import run_on_actors as run_torchrl_on_actors
+from ._torchrl import run_over_pipes as run_torchrl_over_pipes
+from ._types import ALTERNATIVES, DTYPES, BenchConfig, BenchError, CaseResult, itemsize
 
-__all__ = [
-    "ALTERNATIVES",
-    "AlternativeInfo",
-    "actor_applier",
-    "resolve",
-    "run_alternative",
-    "serve_alternative",
-]
+__all__ = ["resolve", "run_alternative", "serve_alternative"]
 
 _VERSION = struct.Struct("<q")
 _ALIGN = 64
 _STOP = b""
-
-
-@dataclass(frozen=True)
-class AlternativeInfo:
-    """An alternative to weightsync: its name, a one-line summary, what it
-    guarantees and which pool runs it (as
-    :class:`weightsync._bench.SchemeInfo`), and, for one that needs a
-    package, that package's module."""
-
-    name: str
-    summary: str
-    copy: str = "private"
-    torn: str = "no"
-    requires: str | tuple[str, ...] | None = None
-    pool: str = "processes"
-
-    def unavailable(self) -> str | None:
-        """Why it cannot run here, or None if it can."""
-        modules = (self.requires,) if isinstance(self.requires, str) else self.requires or ()
-        for module in modules:
-            why = unavailable(module)
-            if why is not None:
-                return why
-        return None
-
-
-ALTERNATIVES: dict[str, AlternativeInfo] = {
-    info.name: info
-    for info in (
-        AlternativeInfo("pickle-pipe", "pickle.dumps(state_dict) over each pipe; worker load_state_dict"),
-        AlternativeInfo(
-            "torch-mp", "torch.multiprocessing reductions: shared-memory fds over the pipe; worker copies"
-        ),
-        AlternativeInfo("bare-shm", "bare loop: copy into one shared buffer, notify, workers copy out"),
-        AlternativeInfo(
-            "ray-put",
-            "one ray.put of numpy arrays, one call per Ray actor copying them in; ray.get the calls",
-            requires="ray",
-            pool="ray",
-        ),
-        AlternativeInfo(
-            "torchrl-mp",
-            "torchrl MultiProcessWeightSyncScheme: weights through an mp.Queue per worker; "
-            "workers alias the trainer's tensors",
-            copy="shared",
-            torn="yes",
-            requires="torchrl",
-        ),
-        AlternativeInfo(
-            "torchrl-shared",
-            "torchrl SharedMemWeightSyncScheme: in-place update of the trainer's shared tensors, "
-            "notify over mp.Queues",
-            copy="shared",
-            torn="yes",
-            requires="torchrl",
-        ),
-        AlternativeInfo(
-            "torchrl-ray",
-            "torchrl RayWeightSyncScheme: one call per Ray actor, tensors over gloo into its live parameters",
-            torn="yes",
-            requires=("torchrl", "ray"),
-            pool="ray",
-        ),
-    )
-}
 
 
 def resolve(names: Sequence[str]) -> tuple[list[str], dict[str, str]]:
@@ -291,46 +210,16 @@ def run_alternative(
     model = GeneratedMLP(shapes, fill="pattern", dtype=case.dtype)
     named = dict(sorted(model.state_dict().items()))
     if case.scheme.startswith("torchrl-"):
-        from . import _bench_torchrl
-
-        run = (
-            _bench_torchrl.run_on_actors if isinstance(pool, RayActorPool) else _bench_torchrl.run_over_pipes
-        )
-        run(pool, index, config, shapes, model, named, result, _timed_rounds)  # type: ignore[arg-type]
+        if isinstance(pool, RayActorPool):
+            run_torchrl_on_actors(pool, index, config, shapes, model, named, result)
+        else:
+            assert isinstance(pool, WorkerPool), f"no pool runs {case.scheme!r}"
+            run_torchrl_over_pipes(pool, index, config, shapes, model, named, result)
     elif isinstance(pool, RayActorPool):
         _run_on_actors(pool, index, config, shapes, named, result)
     else:
         assert isinstance(pool, WorkerPool), f"no pool runs {case.scheme!r}"
         _run_over_pipes(pool, index, config, shapes, named, result)
-
-
-def _timed_rounds(
-    pool: Pool,
-    config: BenchConfig,
-    named: dict[str, torch.Tensor],
-    one_round: Callable[[int], None],
-    result: CaseResult,
-    before_verify: Callable[[int], None] | None = None,
-) -> None:
-    """Warm up, then time ``one_round(version)`` (which returns once every
-    worker applied the version) for each version, changing the model before
-    and verifying after each, outside the timing (after
-    ``before_verify(version)``, if given)."""
-    names = list(named)
-    tensors = list(named.values())
-    for step in range(config.warmup + config.repeats):
-        change_model(tensors, step)
-        version = step + 1
-        start = time.perf_counter()
-        one_round(version)
-        elapsed = time.perf_counter() - start
-        # The trainer's checksums first: a worker may share its tensors (torchrl-mp, torchrl-shared).
-        expected = tensor_checksums(named)
-        if before_verify is not None:
-            before_verify(version)
-        pool.verify(version, names, expected)
-        if step >= config.warmup:
-            result.send_s.append(elapsed)
 
 
 def _run_over_pipes(
@@ -351,8 +240,8 @@ def _run_over_pipes(
         _await_acks(conns, version, config.timeout, what)
 
     try:
-        pool.start_alternative(index, case.scheme, shapes, sender.payload)
-        _timed_rounds(pool, config, named, one_round, result)
+        pool.start_alternative(index, case.scheme, shapes, sender.payload, serve_alternative)
+        timed_rounds(pool, config, named, one_round, result)
         result.packet_nbytes = sender.packet_nbytes
     finally:
         try:
@@ -388,7 +277,7 @@ def _run_on_actors(
 
     try:
         pool.start_alternative(index, case.scheme, shapes)
-        _timed_rounds(pool, config, named, one_round, result)
+        timed_rounds(pool, config, named, one_round, result)
         result.packet_nbytes = sum(t.nbytes for t in tensors)
     finally:
         pool.end_case(index)
@@ -424,24 +313,6 @@ def _applier(
     raise ValueError(f"no worker side for alternative {name!r}")
 
 
-def actor_applier(name: str, model: nn.Module) -> Callable[[Any], None]:
-    """How a bench Ray actor applies one round of alternative ``name`` to
-    ``model`` (see :class:`weightsync._bench_ray.BenchActor`)."""
-    if name == "ray-put":
-        targets = [tensor for _, tensor in sorted(model.state_dict().items())]
-
-        def copy_in(arrays: Sequence[Any]) -> None:
-            with torch.no_grad(), warnings.catch_warnings():
-                # The arrays are read-only views of Ray's object store; they
-                # are only read from, which torch cannot know.
-                warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
-                for target, array in zip(targets, arrays, strict=True):
-                    target.copy_(torch.from_numpy(array).view(target.dtype).view(target.shape))
-
-        return copy_in
-    raise ValueError(f"no actor side for alternative {name!r}")
-
-
 def serve_alternative(
     ctrl: Connection,
     pipe: Connection,
@@ -451,13 +322,9 @@ def serve_alternative(
     payload: Any,
     corrupt: bool,
 ) -> None:
-    """A bench worker's side of alternative ``name``: apply each round from
-    ``pipe``, reply, then report checksums over ``ctrl`` (as for a scheme)."""
-    if name.startswith("torchrl-"):
-        from ._bench_torchrl import serve
-
-        serve(ctrl, pipe, shapes, dtype, payload, corrupt)
-        return
+    """A bench worker's side of alternative ``name`` (``pickle-pipe``,
+    ``torch-mp``, ``bare-shm``): apply each round from ``pipe``, reply, then
+    report checksums over ``ctrl`` (as for a scheme)."""
     model = GeneratedMLP(shapes, dtype=dtype)
     try:
         apply = _applier(name, model, shapes, dtype, payload)

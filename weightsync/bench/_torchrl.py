@@ -40,18 +40,18 @@ import multiprocessing as mp
 import multiprocessing.context
 import multiprocessing.resource_sharer
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from ._bench import BenchConfig, CaseResult, GeneratedMLP, WorkerPool, corrupt_model, tensor_checksums
-
-if TYPE_CHECKING:
-    from ._bench_ray import RayActorPool
+from ._model import GeneratedMLP, corrupt_model, tensor_checksums
+from ._pools import WorkerPool, timed_rounds
+from ._ray_pool import RayActorPool
+from ._types import BenchConfig, CaseResult
 
 __all__ = ["PROCESS_SCHEMES", "run_on_actors", "run_over_pipes", "serve"]
 
@@ -65,8 +65,6 @@ PROCESS_SCHEMES = {
     "torchrl-mp": "MultiProcessWeightSyncScheme",
     "torchrl-shared": "SharedMemWeightSyncScheme",
 }
-
-TimedRounds = Callable[..., None]
 
 
 class _RunningProcess:
@@ -107,7 +105,6 @@ def run_over_pipes(
     model: nn.Module,
     named: dict[str, torch.Tensor],
     result: CaseResult,
-    timed_rounds: TimedRounds,
 ) -> None:
     """``torchrl-mp`` or ``torchrl-shared``: case ``index`` in the bench's
     worker processes. Blocks for the whole case; the scheme is shut down and
@@ -131,7 +128,7 @@ def run_over_pipes(
         for slot, conn in enumerate(conns):
             conn.send_bytes(_VERSION.pack(slot))  # the worker's index in the scheme
         with _as_if_spawning():
-            pool.start_alternative(index, case.scheme, shapes, scheme)
+            pool.start_alternative(index, case.scheme, shapes, scheme, serve)
 
         def one_round(version: int) -> None:
             # As a collector's update_policy_weights_(policy): returns once
@@ -162,7 +159,6 @@ def run_on_actors(
     model: nn.Module,
     named: dict[str, torch.Tensor],
     result: CaseResult,
-    timed_rounds: TimedRounds,
 ) -> None:
     """``torchrl-ray``: case ``index`` on the bench's Ray actors, set up as
     ``benchmarks/ray_vs_torchrl.py`` sets torchrl's Ray scheme up."""
@@ -204,13 +200,14 @@ def run_on_actors(
 def serve(
     ctrl: Connection,
     pipe: Connection,
+    name: str,
     shapes: Mapping[str, tuple[int, ...]],
     dtype: str,
     scheme: Any,
     corrupt: bool,
 ) -> None:
-    """A bench worker's side of ``torchrl-mp`` / ``torchrl-shared``: set
-    ``scheme`` up as a collector's worker does, then report its checksums
+    """A bench worker's side of ``torchrl-mp`` / ``torchrl-shared`` (``name``):
+    set ``scheme`` up as a collector's worker does, then report its checksums
     each time the trainer names a version over ``pipe``."""
     model = GeneratedMLP(dict(shapes), dtype=dtype)
     try:

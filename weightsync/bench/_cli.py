@@ -1,5 +1,6 @@
-"""The ``weightsync`` command line. ``weightsync bench`` times full sends and
-compares them with memcpy of the same bytes; see :mod:`weightsync._bench`."""
+"""The ``weightsync`` command line (the ``weightsync`` script, and
+``python -m weightsync``). ``weightsync bench`` times full sends and compares
+them with memcpy of the same bytes; see :mod:`weightsync.bench._run`."""
 
 from __future__ import annotations
 
@@ -8,22 +9,22 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ._bench import (
+from ._compare import resolve
+from ._machine import describe_machine, machine_facts
+from ._plot import PlotUnavailableError, require_matplotlib, write_plot
+from ._progress import Progress
+from ._run import run_bench
+from ._table import format_row, table_header
+from ._types import (
+    ALTERNATIVES,
     DTYPES,
+    MEMORY_METHOD,
     SCHEMES,
     BenchConfig,
     BenchError,
     CaseResult,
     VerificationError,
-    describe_machine,
-    format_row,
-    machine_facts,
-    run_bench,
-    table_header,
 )
-from ._bench_compare import ALTERNATIVES, resolve
-from ._bench_memory import METHOD as MEMORY_METHOD
-from ._bench_progress import Progress
 
 __all__ = ["main"]
 
@@ -146,8 +147,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.plot:
-        from ._bench_plot import PlotUnavailableError, require_matplotlib
-
         try:
             require_matplotlib()
         except PlotUnavailableError as exc:
@@ -232,8 +231,6 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 1
         print(f"raw samples and machine facts: {args.json}")
     if args.plot:
-        from ._bench_plot import write_plot
-
         try:
             write_plot(run.results, args.plot, describe_machine(run.machine))
         except OSError as exc:

@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ._bench import MIB, CaseResult, labels
+from ._types import MIB, CaseResult, labels
 
 __all__ = ["PlotUnavailableError", "require_matplotlib", "write_plot"]
 

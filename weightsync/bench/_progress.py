@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from ._bench import MIB, BenchConfig, Case
+from ._types import MIB, BenchConfig, Case
 
 __all__ = ["Progress"]
 

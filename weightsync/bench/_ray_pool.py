@@ -1,6 +1,6 @@
 """The Ray side of ``weightsync bench``: a pool of Ray actors that runs the
-Ray cases (the ``ray`` scheme, the ``ray-put`` alternative) as
-:class:`weightsync._bench.WorkerPool` runs the others.
+Ray cases (the ``ray`` scheme, the ``ray-put`` and ``torchrl-ray``
+alternatives) as :class:`weightsync.bench._pools.WorkerPool` runs the others.
 
 The pool is started once per run and reused by every Ray case; each case
 still builds a fresh model on the actors and a fresh scheme. Ray is started
@@ -30,26 +30,38 @@ and name, so they need weightsync importable, as the trainer does.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
-from ._bench import (
-    _STARTUP_TIMEOUT,
-    MODEL_ID,
-    BenchError,
-    Case,
-    GeneratedMLP,
-    Pool,
-    check_applied,
-    corrupt_model,
-    pool_of,
-    tensor_checksums,
-)
-from ._schemes import WeightSyncScheme
+import weightsync as ws
 
-__all__ = ["BenchActor", "RayActorPool"]
+from ._model import GeneratedMLP, corrupt_model, tensor_checksums
+from ._pools import Pool
+from ._types import MODEL_ID, BenchError, Case
+
+__all__ = ["BenchActor", "RayActorPool", "actor_applier"]
+
+
+def actor_applier(name: str, model: nn.Module) -> Callable[[Any], None]:
+    """How a bench Ray actor applies one round of alternative ``name`` to
+    ``model`` (see :class:`BenchActor`)."""
+    if name == "ray-put":
+        targets = [tensor for _, tensor in sorted(model.state_dict().items())]
+
+        def copy_in(arrays: Sequence[Any]) -> None:
+            with torch.no_grad(), warnings.catch_warnings():
+                # The arrays are read-only views of Ray's object store; they
+                # are only read from, which torch cannot know.
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+                for target, array in zip(targets, arrays, strict=True):
+                    target.copy_(torch.from_numpy(array).view(target.dtype).view(target.shape))
+
+        return copy_in
+    raise ValueError(f"no actor side for alternative {name!r}")
 
 
 class BenchActor:
@@ -62,7 +74,7 @@ class BenchActor:
         if threads is not None:
             torch.set_num_threads(threads)
         self._model: GeneratedMLP | None = None
-        self._scheme: WeightSyncScheme | None = None
+        self._scheme: ws.WeightSyncScheme | None = None
         self._apply: Callable[[Any], None] | None = None
         self._applied: int | None = None  # the newest round of an alternative not yet reported
         self._corrupt = False
@@ -80,11 +92,11 @@ class BenchActor:
         return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def start_case(
-        self, scheme: WeightSyncScheme, shapes: dict[str, tuple[int, ...]], dtype: str, corrupt: bool
+        self, scheme: ws.WeightSyncScheme, shapes: dict[str, tuple[int, ...]], dtype: str, corrupt: bool
     ) -> None:
         """Build a model of zeros and initialise ``scheme`` on it; the
         trainer's calls update it from then on. ``corrupt``: the testing
-        hook (:func:`weightsync._bench.corrupt_model` before each report)."""
+        hook (:func:`weightsync.bench._model.corrupt_model` before each report)."""
         self._model = GeneratedMLP(shapes, dtype=dtype)
         self._corrupt = corrupt
         self._scheme = scheme
@@ -103,8 +115,6 @@ class BenchActor:
         :meth:`apply`; for ``torchrl-ray``, initialise ``payload``, torchrl's
         scheme, as a collector's receiver (worker ``worker_idx``), applied by
         the calls torchrl's sender makes."""
-        from ._bench_compare import actor_applier
-
         self._model = GeneratedMLP(shapes, dtype=dtype)
         self._corrupt = corrupt
         if name == "torchrl-ray":
@@ -161,12 +171,14 @@ class BenchActor:
 
 class RayActorPool(Pool):
     """The bench's Ray actors, started once and reused by every case of
-    ``cases`` that runs on Ray (:func:`weightsync._bench.pool_of`); if no
+    ``cases`` that runs on Ray (:func:`weightsync.bench.pool_of`); if no
     case does, neither Ray nor any actor is started.
 
     Use as a context manager: leaving it kills every actor, also after an
     error or Ctrl-C, and shuts down Ray if the pool started it.
     """
+
+    kind = "ray"
 
     def __init__(
         self,
@@ -176,11 +188,7 @@ class RayActorPool(Pool):
         worker_threads: int | None = 1,
         corrupt_worker: int | None = None,
     ) -> None:
-        self.cases = list(cases)
-        self.timeout = timeout
-        self.worker_threads = worker_threads
-        self.corrupt_worker = corrupt_worker
-        self.size = max((case.workers for case in self.cases if pool_of(case.scheme) == "ray"), default=0)
+        super().__init__(cases, timeout=timeout, worker_threads=worker_threads, corrupt_worker=corrupt_worker)
         self._actors: list[Any] = []
         self._pids: list[int | None] = []
         self._in_case: list[Any] = []
@@ -215,7 +223,7 @@ class RayActorPool(Pool):
         places = self.get(
             [actor.whereabouts.remote() for actor in self._actors],
             "start",
-            max(self.timeout, _STARTUP_TIMEOUT),
+            self.startup_timeout,
         )
         here = ray.get_runtime_context().get_node_id()
         # The memory probe reads /proc: a pid on another node is not this machine's.
@@ -251,7 +259,7 @@ class RayActorPool(Pool):
         """``remote_collectors=``: the handles of case ``index``'s actors."""
         return {"remote_collectors": self.actors(self.cases[index].workers)}
 
-    def start_case(self, index: int, scheme: WeightSyncScheme, shapes: dict[str, tuple[int, ...]]) -> None:
+    def start_case(self, index: int, scheme: ws.WeightSyncScheme, shapes: dict[str, tuple[int, ...]]) -> None:
         """Have the case's actors build their models and initialise
         ``scheme`` (a copy of its configuration each); block until each is
         ready.
@@ -285,17 +293,14 @@ class RayActorPool(Pool):
         self._in_case = self.actors(self.cases[index].workers)
         self.get([call(actor, slot) for slot, actor in enumerate(self._in_case)], what)
 
-    def verify(self, version: int, names: Sequence[str], expected: Sequence[int]) -> None:
+    def _reports(self) -> list[tuple[int, int | None, Sequence[int]]]:
         """Ask every actor of the case for the version it applied and its
-        checksums, and compare them with ``expected`` (the trainer's).
-        Blocks until each answered.
+        checksums; blocks until each answered.
 
-        :raises VerificationError: an actor holds other weights, or another version.
         :raises BenchError: an actor failed, died or did not answer in time.
         """
         reports = self.get([actor.report.remote() for actor in self._in_case], "report its weights")
-        for slot, (got_version, got) in enumerate(reports):
-            check_applied(slot, version, got_version, got, names, expected)
+        return [(slot, got_version, got) for slot, (got_version, got) in enumerate(reports)]
 
     def end_case(self, index: int) -> None:
         """After the trainer's scheme is shut down: block until the case's

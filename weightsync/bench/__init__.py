@@ -1,0 +1,92 @@
+"""``weightsync bench``: time full sends of weightsync's schemes, verify
+every one, and compare them with memcpy of the same bytes and with
+alternatives to weightsync, measured in the same run.
+
+The command line is :func:`main` (the ``weightsync bench`` script, and
+``python -m weightsync bench``); scripts run the same engine with
+:func:`run_bench`::
+
+    from weightsync.bench import BenchConfig, format_table, run_bench
+
+    run = run_bench(BenchConfig(sizes_mib=(16.0,), workers=(1, 2)))
+    print(format_table(run.results))
+
+``import weightsync`` does not import this package: it is the benchmark,
+not the library, and it uses the library only through its public names.
+
+Modules, each importing only those before it: ``_types`` (the constants,
+errors and records every other module shares), ``_model`` (the generated
+model and its checksums), ``_memcpy`` (the memcpy references), ``_memory``
+(peak memory), ``_machine`` (machine facts), ``_pools`` (the base of the
+pools, and the pool of worker processes), ``_ray_pool`` (the pool of Ray
+actors), ``_torchrl`` and ``_compare`` (the alternatives to weightsync),
+``_run`` (running cases), ``_table``, ``_plot`` and ``_progress`` (what is
+shown), and ``_cli`` (the command line).
+"""
+
+from __future__ import annotations
+
+from ._cli import main
+from ._compare import resolve
+from ._machine import describe_machine, machine_facts
+from ._memcpy import floor_seconds, memcpy_floor_seconds, memcpy_seconds
+from ._model import GeneratedMLP, mlp_shapes, model_nbytes, tensor_checksums
+from ._plot import PlotUnavailableError, write_plot
+from ._run import run_bench
+from ._table import format_row, format_table, table_header
+from ._types import (
+    ALTERNATIVES,
+    DTYPES,
+    MEMORY_METHOD,
+    MIB,
+    SCHEMES,
+    AlternativeInfo,
+    BenchConfig,
+    BenchError,
+    BenchRun,
+    Case,
+    CaseResult,
+    PeakMemory,
+    SchemeInfo,
+    VerificationError,
+    itemsize,
+    labels,
+    pool_of,
+)
+
+__all__ = [
+    "ALTERNATIVES",
+    "DTYPES",
+    "MEMORY_METHOD",
+    "MIB",
+    "SCHEMES",
+    "AlternativeInfo",
+    "BenchConfig",
+    "BenchError",
+    "BenchRun",
+    "Case",
+    "CaseResult",
+    "GeneratedMLP",
+    "PeakMemory",
+    "PlotUnavailableError",
+    "SchemeInfo",
+    "VerificationError",
+    "describe_machine",
+    "floor_seconds",
+    "format_row",
+    "format_table",
+    "itemsize",
+    "labels",
+    "machine_facts",
+    "main",
+    "memcpy_floor_seconds",
+    "memcpy_seconds",
+    "mlp_shapes",
+    "model_nbytes",
+    "pool_of",
+    "resolve",
+    "run_bench",
+    "table_header",
+    "tensor_checksums",
+    "write_plot",
+]

@@ -1,0 +1,93 @@
+"""The memcpy references of ``weightsync bench``: a single-threaded memcpy
+of a case's bytes, and the floor of a send's work (``workers + 1`` memcpys,
+one into staging and one out per worker, on up to two threads), measured in
+the trainer process in the same run as the sends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["floor_seconds", "memcpy_floor_seconds", "memcpy_seconds"]
+
+
+@contextmanager
+def _torch_threads(count: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` single-threaded ``copy_`` of ``nbytes``
+    between two preallocated ``uint8`` tensors (after one untimed copy).
+    Blocks for the copies; allocates ``2 * nbytes`` for the duration."""
+    return _timed_copies(nbytes, 1, repeats)
+
+
+def _timed_copies(nbytes: int, copies: int, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ``copies`` single-threaded
+    ``copy_`` of ``nbytes`` between two preallocated tensors (after one
+    untimed copy)."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    times = []
+    with _torch_threads(1):
+        dst.copy_(src)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(copies):
+                dst.copy_(src)
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def memcpy_floor_seconds(nbytes: int, copies: int, repeats: int, threads: int = 2) -> list[float]:
+    """Seconds of each of ``repeats`` rounds of ``copies`` memcpys of ``nbytes``,
+    the bytes split evenly across ``threads`` threads (torch single-threaded in
+    each). With ``copies = workers + 1`` this is the least work a send through
+    one staging buffer can do on this machine. Blocks for the copies.
+
+    Each round hands work to the threads, which costs tens of microseconds:
+    for small buffers :func:`floor_seconds` is the fairer floor.
+    """
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    bounds = [nbytes * k // threads for k in range(threads + 1)]
+    halves = [(src[a:b], dst[a:b]) for a, b in itertools.pairwise(bounds)]
+
+    def work(part: int) -> None:
+        source, target = halves[part]
+        for _ in range(copies):
+            target.copy_(source)
+
+    times = []
+    with _torch_threads(1), ThreadPoolExecutor(threads, thread_name_prefix="bench-memcpy") as pool:
+        list(pool.map(work, range(threads)))
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for future in [pool.submit(work, part) for part in range(threads)]:
+                future.result()
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def floor_seconds(
+    nbytes: int, copies: int, repeats: int, threads: int = 2
+) -> tuple[list[float], list[float]]:
+    """The floor of a send's work: ``copies`` memcpys of ``nbytes`` on up to
+    ``threads`` threads, measured both ways: all on one thread, and split across
+    ``threads`` threads (:func:`memcpy_floor_seconds`). Returns both sample
+    lists; the floor is the smaller median, because handing a small buffer to
+    a second thread costs more than copying it. Blocks for the copies."""
+    serial = _timed_copies(nbytes, copies, repeats)
+    return serial, memcpy_floor_seconds(nbytes, copies, repeats, threads)

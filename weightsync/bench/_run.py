@@ -1,0 +1,183 @@
+"""The engine of ``weightsync bench``: run its cases, time full sends,
+verify every one, and measure memcpy references of the same bytes in the
+same run.
+
+A run starts one pool of worker processes (spawn,
+:class:`weightsync.bench._pools.WorkerPool`) and reuses it for every case
+(see :mod:`weightsync.bench._pools`). Ray cases (the ``ray`` scheme, the
+``ray-put`` and ``torchrl-ray`` alternatives) run the same way on a pool of
+Ray actors instead (:mod:`weightsync.bench._ray_pool`), started only when
+the run has a Ray case.
+
+For each case the trainer
+
+1. builds a generated MLP-like model of tensors of the run's dtype (float32
+   unless asked); each worker builds one of the same layout holding zeros
+   (:mod:`weightsync.bench._model`);
+2. warms up, then times ``scheme.send()``: the whole send, from the call until
+   every worker applied the version and its ack is in;
+3. after every send, outside the timed region, compares a CRC32 per tensor
+   that each worker computed over its own model with the trainer's; a
+   mismatch raises :class:`~weightsync.bench.VerificationError`;
+4. changes one tensor of its model, so every send carries different bytes;
+5. times, half before the sends and half after, a single-threaded memcpy of
+   the same bytes and the floor of the scheme's work: ``workers + 1`` memcpys
+   (one into staging, one out per worker) on up to two threads
+   (:mod:`weightsync.bench._memcpy`).
+
+Alternatives to weightsync (``--compare``, :mod:`weightsync.bench._compare`)
+run in the same pools with the same model and sizes, timed and verified the
+same way. During each case the peak extra memory of the trainer and of each
+worker (process or Ray actor) is measured (:mod:`weightsync.bench._memory`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import weightsync as ws
+
+from ._compare import run_alternative
+from ._machine import machine_facts
+from ._memcpy import floor_seconds, memcpy_seconds
+from ._memory import PeakMemoryProbe
+from ._model import GeneratedMLP, change_model, mlp_shapes, model_nbytes, tensor_checksums
+from ._pools import Pool, WorkerPool
+from ._ray_pool import RayActorPool
+from ._types import (
+    MODEL_ID,
+    SCHEMES,
+    BenchConfig,
+    BenchError,
+    BenchRun,
+    Case,
+    CaseResult,
+    itemsize,
+    pool_of,
+)
+
+__all__ = ["run_bench", "run_case"]
+
+
+def run_case(pool: Pool, index: int, config: BenchConfig) -> CaseResult:
+    """Run case ``index`` on ``pool``, the pool its scheme or alternative
+    runs on (:func:`pool_of`; see the module docstring). Blocks for the whole
+    case; the scheme is shut down and the workers' side closed before it
+    returns or raises.
+
+    :raises VerificationError: a worker's weights differ from the trainer's.
+    :raises BenchError: a send failed, or a worker failed, died or timed out.
+    """
+    case = pool.cases[index]
+    item = itemsize(case.dtype)
+    shapes = mlp_shapes(case.nbytes, case.tensors, item)
+    result = CaseResult(case, model_nbytes(shapes, item), 0)
+    refs = max(config.repeats, 6)
+    # Half the references before the case and half after, so a change in the
+    # machine's load meanwhile hits sends and references alike; both halves
+    # outside the memory probe, which sees only the case's own allocations.
+    _measure_references(result, refs // 2)
+    probe = PeakMemoryProbe([os.getpid(), *pool.worker_pids(case.workers)])
+    probe.start()
+    if case.scheme not in SCHEMES:
+        run_alternative(pool, index, config, shapes, result)
+    else:
+        _run_scheme(pool, index, config, shapes, result)
+    result.memory = probe.stop()
+    _measure_references(result, refs - refs // 2)
+    return result
+
+
+def _run_scheme(
+    pool: Pool,
+    index: int,
+    config: BenchConfig,
+    shapes: dict[str, tuple[int, ...]],
+    result: CaseResult,
+) -> None:
+    case = pool.cases[index]
+    model = GeneratedMLP(shapes, fill="pattern", dtype=case.dtype)
+    named = dict(sorted(model.state_dict().items()))
+    names = list(named)
+    tensors = list(named.values())
+    scheme = SCHEMES[case.scheme].factory(config.timeout)
+    try:
+        scheme.init_on_sender(MODEL_ID, model=model, **pool.sender_args(index))
+        pool.start_case(index, scheme, shapes)
+        sender = scheme.get_sender()
+        sender.connect(timeout=config.timeout)
+        for step in range(config.warmup + config.repeats):
+            change_model(tensors, step)
+            start = time.perf_counter()
+            report = sender.send()
+            elapsed = time.perf_counter() - start
+            pool.verify(report.version, names, tensor_checksums(named))
+            if step >= config.warmup:
+                result.send_s.append(elapsed)
+                result.report_s.append(report.seconds)
+            result.packet_nbytes = report.nbytes
+    except ws.WeightSyncError as exc:
+        raise BenchError(
+            f"{case.scheme} send of {case.size_mib:g} MiB to {case.workers} worker(s): {exc}"
+        ) from exc
+    finally:
+        try:
+            scheme.shutdown()
+        finally:
+            pool.end_case(index)
+
+
+def _measure_references(result: CaseResult, repeats: int) -> None:
+    """Add ``repeats`` samples of each memcpy reference of ``result``'s case.
+    They run in the trainer process while the workers wait for an update."""
+    if repeats <= 0:
+        return
+    result.memcpy_s += memcpy_seconds(result.nbytes, repeats)
+    serial, split = floor_seconds(result.nbytes, result.case.workers + 1, repeats)
+    result.floor_serial_s += serial
+    result.floor_split_s += split
+
+
+def run_bench(
+    config: BenchConfig,
+    *,
+    on_result: Callable[[CaseResult], None] | None = None,
+    on_start: Callable[[int, Case], None] | None = None,
+    corrupt_worker: int | None = None,
+) -> BenchRun:
+    """Run every case of ``config`` with one pool of worker processes and,
+    if a case runs on Ray, one pool of Ray actors (starting Ray if it is not
+    initialised, and shutting down only a Ray it started). Blocks for the
+    whole run; every worker is joined and every scheme shut down before it
+    returns or raises (Ctrl-C included).
+
+    ``on_start`` is called with its index before each case, ``on_result``
+    after it. ``corrupt_worker`` is a testing
+    hook: that worker changes its model after each update it applies, so
+    verification must fail.
+
+    :raises VerificationError: a worker's weights differ from the trainer's.
+    :raises BenchError: a send failed, or a worker failed, died or timed out.
+    """
+    started = time.perf_counter()
+    run = BenchRun(config, machine_facts())
+    cases = config.cases()
+    timeout, threads, corrupt = config.timeout, config.worker_threads, corrupt_worker
+    # Each pool starts workers only for its own cases, if it has any.
+    with (
+        WorkerPool(cases, timeout=timeout, worker_threads=threads, corrupt_worker=corrupt) as processes,
+        RayActorPool(cases, timeout=timeout, worker_threads=threads, corrupt_worker=corrupt) as actors,
+    ):
+        pools: dict[str, Pool] = {pool.kind: pool for pool in (processes, actors)}
+        for index in range(len(cases)):
+            if on_start is not None:
+                on_start(index, cases[index])
+            result = run_case(pools[pool_of(cases[index].scheme)], index, config)
+            run.results.append(result)
+            if on_result is not None:
+                on_result(result)
+    run.seconds = time.perf_counter() - started
+    run.machine["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return run

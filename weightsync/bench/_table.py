@@ -1,0 +1,78 @@
+"""The table ``weightsync bench`` prints: one row per case, the medians of
+its samples and their ratios to the memcpy references.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ._types import MIB, CaseResult, PeakMemory, labels
+
+__all__ = ["format_row", "format_table", "table_header"]
+
+_COLUMNS = (
+    ("scheme", 14, "s"),
+    ("MiB", 7, ".2f"),
+    ("workers", 7, "d"),
+    ("tensors", 7, "d"),
+    ("copy", 7, "s"),
+    ("torn", 4, "s"),
+    ("median ms", 9, ".3f"),
+    ("p10 ms", 8, ".3f"),
+    ("p90 ms", 8, ".3f"),
+    ("max ms", 8, ".3f"),
+    ("GB/s/wkr", 8, ".2f"),
+    ("GB/s all", 8, ".2f"),
+    ("memcpy ms", 9, ".3f"),
+    ("x memcpy", 8, ".2f"),
+    ("floor ms", 8, ".3f"),
+    ("x floor", 7, ".2f"),
+    ("+MiB T/W", 11, "s"),
+)
+
+
+def table_header() -> str:
+    """The table's header line and rule."""
+    head = "  ".join(f"{name:<{w}}" if fmt == "s" else f"{name:>{w}}" for name, w, fmt in _COLUMNS)
+    return head + "\n" + "-" * len(head)
+
+
+def format_row(result: CaseResult) -> str:
+    """One case as a table row: medians of its samples and their ratios."""
+    r = result
+    copy, torn = labels(r.case.scheme)
+    values = (
+        r.case.scheme,
+        r.nbytes / MIB,
+        r.case.workers,
+        r.case.tensors,
+        copy,
+        torn,
+        r.median_s * 1e3,
+        r.p10_s * 1e3,
+        r.p90_s * 1e3,
+        r.max_s * 1e3,
+        r.gbps,
+        r.gbps_aggregate,
+        r.memcpy_median_s * 1e3,
+        r.vs_memcpy,
+        r.floor_median_s * 1e3,
+        r.vs_floor,
+        _memory_cell(r.memory),
+    )
+    cells = zip(_COLUMNS, values, strict=True)
+    return "  ".join(f"{v:<{w}{fmt}}" if fmt == "s" else f"{v:>{w}{fmt}}" for (_, w, fmt), v in cells)
+
+
+def _memory_cell(memory: PeakMemory | None) -> str:
+    """Peak extra MiB of the trainer / of the worker that grew most."""
+    if memory is None or memory.trainer_bytes is None:
+        return "-"
+    workers = [b for b in memory.worker_bytes if b is not None]
+    most = f"{max(workers) / MIB:.0f}" if workers else "-"
+    return f"{memory.trainer_bytes / MIB:.0f}/{most}"
+
+
+def format_table(results: Sequence[CaseResult]) -> str:
+    """The whole table."""
+    return "\n".join([table_header(), *(format_row(r) for r in results)])

@@ -1,0 +1,499 @@
+"""The data of ``weightsync bench``: its constants, errors and records.
+
+What every other module of :mod:`weightsync.bench` shares, and nothing
+else: the schemes and alternatives the bench knows (:data:`SCHEMES`,
+:data:`ALTERNATIVES`), the element types of the generated model
+(:data:`DTYPES`), a run's configuration and cases (:class:`BenchConfig`,
+:class:`Case`), their results (:class:`CaseResult`, :class:`BenchRun`,
+:class:`PeakMemory`) and the bench's errors. It imports nothing else from
+the bench, so every other bench module can import it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+import weightsync as ws
+
+__all__ = [
+    "ALTERNATIVES",
+    "DTYPES",
+    "MEMORY_METHOD",
+    "MIB",
+    "MODEL_ID",
+    "RECEIVE_POLL",
+    "SCHEMES",
+    "STARTUP_TIMEOUT",
+    "AlternativeInfo",
+    "BenchConfig",
+    "BenchError",
+    "BenchRun",
+    "Case",
+    "CaseResult",
+    "PeakMemory",
+    "SchemeInfo",
+    "VerificationError",
+    "itemsize",
+    "labels",
+    "pool_of",
+    "unavailable",
+]
+
+MIB = 1 << 20
+MODEL_ID = "bench"
+# How long one receive() of a bench worker waits. An update or the sender's
+# shutdown ends the wait at once, so this only bounds an idle loop.
+RECEIVE_POLL = 1.0
+# Spawned workers import torch: allow for a slow start on a loaded machine.
+STARTUP_TIMEOUT = 120.0
+# How the peak extra memory of a case is measured (:mod:`weightsync.bench._memory`).
+MEMORY_METHOD = "VmHWM after the case minus VmRSS before it, peak reset via /proc/<pid>/clear_refs"
+
+
+# -- schemes ------------------------------------------------------------------
+
+
+def unavailable(module: str | None) -> str | None:
+    """Why ``module`` (a package a scheme or alternative needs) cannot be
+    imported here, or None if it can (or ``module`` is None)."""
+    if module is not None:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            return f"{module} is not importable ({exc})"
+    return None
+
+
+@dataclass(frozen=True)
+class SchemeInfo:
+    """A scheme the bench knows: its name on the command line, a one-line
+    summary for ``--help``, how to build it with a send deadline, and what it
+    guarantees: ``copy`` is ``"private"`` (each worker holds its own copy) or
+    ``"shared"`` (workers read one shared buffer); ``torn`` says whether a
+    worker can read a mix of two versions (``"no"`` or ``"yes"``).
+
+    ``pool`` is what its workers are: ``"processes"``
+    (:class:`weightsync.bench._pools.WorkerPool`; ``pipes=`` on the trainer,
+    ``pipe=`` on a worker) or ``"ray"``
+    (:class:`weightsync.bench._ray_pool.RayActorPool`; ``remote_collectors=`` on
+    the trainer, ``init_on_worker`` inside each actor). ``requires`` names
+    the module it needs that may be missing, if any."""
+
+    name: str
+    summary: str
+    factory: Callable[[float], ws.WeightSyncScheme]
+    copy: str = "private"
+    torn: str = "no"
+    pool: str = "processes"
+    requires: str | None = None
+
+    def unavailable(self) -> str | None:
+        """Why it cannot run here, or None if it can."""
+        return unavailable(self.requires)
+
+
+def _multiprocess(timeout: float) -> ws.WeightSyncScheme:
+    return ws.MultiProcessWeightSyncScheme(timeout=timeout)
+
+
+def _shared(timeout: float) -> ws.WeightSyncScheme:
+    return ws.SharedMemWeightSyncScheme(timeout=timeout)
+
+
+def _ray(timeout: float) -> ws.WeightSyncScheme:
+    return ws.RayWeightSyncScheme(timeout=timeout)
+
+
+# A new scheme joins the bench here. Its ``pool`` says how it is initialised
+# (``pipes=`` / ``pipe=`` in processes, ``remote_collectors=`` / inside the
+# actor on Ray); one that needs more should grow this record rather than
+# special-case the engine.
+SCHEMES: dict[str, SchemeInfo] = {
+    "multiprocess": SchemeInfo(
+        "multiprocess",
+        "MultiProcessWeightSyncScheme: control over pipes, bytes through one shared staging segment",
+        _multiprocess,
+    ),
+    "shared": SchemeInfo(
+        "shared",
+        "SharedMemWeightSyncScheme: zero-copy, workers re-point to versioned shared-memory slots",
+        _shared,
+        copy="shared",
+    ),
+    # An actor applies each update between its method calls, from an
+    # immutable object in Ray's store, into its own model: a private copy,
+    # never torn.
+    "ray": SchemeInfo(
+        "ray",
+        "RayWeightSyncScheme: one object-store put per send, one call per Ray actor, copied in place",
+        _ray,
+        pool="ray",
+        requires="ray",
+    ),
+}
+
+
+# Element types of the generated model (``--dtype``); checksums are over raw bytes.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of the dtype named ``dtype`` (a key of :data:`DTYPES`)."""
+    return DTYPES[dtype].itemsize
+
+
+# -- errors -------------------------------------------------------------------
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not complete: a worker died, failed or timed out,
+    or a send raised."""
+
+
+class VerificationError(BenchError):
+    """A worker's weights differ from the trainer's after a send."""
+
+
+# -- alternatives to weightsync ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AlternativeInfo:
+    """An alternative to weightsync: its name, a one-line summary, what it
+    guarantees and which pool runs it (as
+    :class:`SchemeInfo`), and, for one that needs a
+    package, that package's module."""
+
+    name: str
+    summary: str
+    copy: str = "private"
+    torn: str = "no"
+    requires: str | tuple[str, ...] | None = None
+    pool: str = "processes"
+
+    def unavailable(self) -> str | None:
+        """Why it cannot run here, or None if it can."""
+        modules = (self.requires,) if isinstance(self.requires, str) else self.requires or ()
+        for module in modules:
+            why = unavailable(module)
+            if why is not None:
+                return why
+        return None
+
+
+# What each alternative does, and why it is labelled so: :mod:`weightsync.bench._compare`.
+ALTERNATIVES: dict[str, AlternativeInfo] = {
+    info.name: info
+    for info in (
+        AlternativeInfo("pickle-pipe", "pickle.dumps(state_dict) over each pipe; worker load_state_dict"),
+        AlternativeInfo(
+            "torch-mp", "torch.multiprocessing reductions: shared-memory fds over the pipe; worker copies"
+        ),
+        AlternativeInfo("bare-shm", "bare loop: copy into one shared buffer, notify, workers copy out"),
+        AlternativeInfo(
+            "ray-put",
+            "one ray.put of numpy arrays, one call per Ray actor copying them in; ray.get the calls",
+            requires="ray",
+            pool="ray",
+        ),
+        AlternativeInfo(
+            "torchrl-mp",
+            "torchrl MultiProcessWeightSyncScheme: weights through an mp.Queue per worker; "
+            "workers alias the trainer's tensors",
+            copy="shared",
+            torn="yes",
+            requires="torchrl",
+        ),
+        AlternativeInfo(
+            "torchrl-shared",
+            "torchrl SharedMemWeightSyncScheme: in-place update of the trainer's shared tensors, "
+            "notify over mp.Queues",
+            copy="shared",
+            torn="yes",
+            requires="torchrl",
+        ),
+        AlternativeInfo(
+            "torchrl-ray",
+            "torchrl RayWeightSyncScheme: one call per Ray actor, tensors over gloo into its live parameters",
+            torn="yes",
+            requires=("torchrl", "ray"),
+            pool="ray",
+        ),
+    )
+}
+
+
+# -- memory ------------------------------------------------------------------------
+
+
+@dataclass
+class PeakMemory:
+    """Extra bytes at the peak, per process, and how they were measured
+    (:class:`weightsync.bench._memory.PeakMemoryProbe`)."""
+
+    method: str  # "vmhwm-reset", "vmhwm-lifetime" or "unavailable"
+    trainer_bytes: int | None
+    worker_bytes: list[int | None] = field(default_factory=list)
+
+    def total_bytes(self) -> int | None:
+        """Trainer and workers together; None if any figure is missing."""
+        parts = [self.trainer_bytes, *self.worker_bytes]
+        if any(p is None for p in parts):
+            return None
+        return sum(p for p in parts if p is not None)
+
+
+# -- cases and results ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration."""
+
+    scheme: str  # a key of SCHEMES, or of ALTERNATIVES
+    size_mib: float
+    workers: int
+    tensors: int
+    dtype: str = "float32"
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.size_mib * MIB)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run: every combination of schemes, sizes, worker counts and
+    tensor counts, each with ``warmup`` untimed and ``repeats`` timed sends.
+
+    ``timeout`` is each send's deadline (and how long to wait for a worker);
+    ``worker_threads`` is torch's thread count in the workers (None: torch's
+    default). ``dtype`` is the generated model's element type (a key of
+    :data:`DTYPES`); ``compare`` names alternatives to weightsync
+    (:data:`ALTERNATIVES`) run like the schemes.
+    """
+
+    schemes: tuple[str, ...] = ("multiprocess",)
+    sizes_mib: tuple[float, ...] = (1.0, 16.0, 128.0)
+    workers: tuple[int, ...] = (1, 2, 4)
+    tensors: tuple[int, ...] = (8,)
+    repeats: int = 10
+    warmup: int = 2
+    timeout: float = 60.0
+    worker_threads: int | None = 1
+    dtype: str = "float32"
+    compare: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.schemes if s not in SCHEMES]
+        if unknown:
+            raise ValueError(f"unknown scheme(s) {unknown}; known: {sorted(SCHEMES)}")
+        unknown = [s for s in self.compare if s not in ALTERNATIVES]
+        if unknown:
+            raise ValueError(f"unknown alternative(s) {unknown}; known: {sorted(ALTERNATIVES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPES)}")
+        checks = [
+            (all(s > 0 for s in self.sizes_mib), "sizes must be positive"),
+            (all(w >= 1 for w in self.workers), "worker counts must be at least 1"),
+            (all(t >= 1 for t in self.tensors), "tensor counts must be at least 1"),
+            (self.repeats >= 1, "repeats must be at least 1"),
+            (self.warmup >= 0, "warmup must not be negative"),
+            (self.timeout > 0, "timeout must be positive"),
+            (self.worker_threads is None or self.worker_threads >= 1, "worker threads must be at least 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if not (self.schemes and self.sizes_mib and self.workers and self.tensors):
+            raise ValueError("every list of schemes, sizes, workers and tensors needs a value")
+
+    def cases(self) -> list[Case]:
+        """Every combination, sizes outermost, so the big cases come last;
+        at each size the schemes first, then the alternatives."""
+        return [
+            Case(scheme, size, workers, tensors, self.dtype)
+            for size in self.sizes_mib
+            for scheme in (*self.schemes, *self.compare)
+            for tensors in self.tensors
+            for workers in self.workers
+        ]
+
+
+def _percentile(samples: Sequence[float], fraction: float) -> float:
+    """The nearest-rank percentile: the smallest sample with at least
+    ``fraction`` of the samples at or below it."""
+    ordered = sorted(samples)
+    return ordered[max(math.ceil(fraction * len(ordered)) - 1, 0)]
+
+
+def _p90(samples: Sequence[float]) -> float:
+    return _percentile(samples, 0.9)
+
+
+def _info(name: str) -> SchemeInfo | AlternativeInfo:
+    """The :class:`SchemeInfo` or :class:`AlternativeInfo` of ``name``."""
+    return SCHEMES.get(name) or ALTERNATIVES[name]
+
+
+def labels(name: str) -> tuple[str, str]:
+    """What scheme or alternative ``name`` guarantees: (copy, torn), as in
+    :class:`SchemeInfo`."""
+    info = _info(name)
+    return info.copy, info.torn
+
+
+def pool_of(name: str) -> str:
+    """Which pool runs scheme or alternative ``name``: ``"processes"`` or
+    ``"ray"``, as in :class:`SchemeInfo`."""
+    return _info(name).pool
+
+
+@dataclass
+class CaseResult:
+    """The raw samples of one case, in seconds, and what they mean."""
+
+    case: Case
+    nbytes: int  # bytes of the model's tensors
+    packet_nbytes: int  # bytes a send moves, with alignment padding
+    send_s: list[float] = field(default_factory=list)  # timed around scheme.send()
+    report_s: list[float] = field(default_factory=list)  # SendReport.seconds of the same sends
+    memcpy_s: list[float] = field(default_factory=list)
+    floor_serial_s: list[float] = field(default_factory=list)  # workers + 1 copies, one thread
+    floor_split_s: list[float] = field(default_factory=list)  # the same, split across two threads
+    memory: PeakMemory | None = None  # peak extra memory during the case
+
+    @property
+    def kind(self) -> str:
+        """``"scheme"`` (weightsync) or ``"alternative"`` (``--compare``)."""
+        return "scheme" if self.case.scheme in SCHEMES else "alternative"
+
+    @property
+    def p10_s(self) -> float:
+        return _percentile(self.send_s, 0.1)
+
+    @property
+    def max_s(self) -> float:
+        return max(self.send_s)
+
+    @property
+    def gbps_aggregate(self) -> float:
+        """Bytes per second (1e9) all workers together receive at the median."""
+        return self.case.workers * self.nbytes / self.median_s / 1e9
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.send_s)
+
+    @property
+    def p90_s(self) -> float:
+        return _p90(self.send_s)
+
+    @property
+    def gbps(self) -> float:
+        """Bytes per second (1e9) each worker receives at the median."""
+        return self.nbytes / self.median_s / 1e9
+
+    @property
+    def memcpy_median_s(self) -> float:
+        return statistics.median(self.memcpy_s)
+
+    @property
+    def floor_median_s(self) -> float:
+        """The floor: the faster median of the serial and the split copies."""
+        return min(statistics.median(self.floor_serial_s), statistics.median(self.floor_split_s))
+
+    @property
+    def vs_memcpy(self) -> float:
+        return self.median_s / self.memcpy_median_s
+
+    @property
+    def vs_floor(self) -> float:
+        return self.median_s / self.floor_median_s
+
+    def summary(self) -> dict[str, Any]:
+        copy, torn = labels(self.case.scheme)
+        memory = self.memory
+        return {
+            "kind": self.kind,
+            "copy": copy,
+            "torn": torn,
+            "median_ms": self.median_s * 1e3,
+            "p10_ms": self.p10_s * 1e3,
+            "p90_ms": self.p90_s * 1e3,
+            "max_ms": self.max_s * 1e3,
+            "gbps_per_worker": self.gbps,
+            "gbps_aggregate": self.gbps_aggregate,
+            "peak_memory": None
+            if memory is None
+            else {
+                "method": memory.method,
+                "definition": MEMORY_METHOD,
+                "trainer_extra_bytes": memory.trainer_bytes,
+                "worker_extra_bytes": memory.worker_bytes,
+                "total_extra_bytes": memory.total_bytes(),
+            },
+            "memcpy_ms": self.memcpy_median_s * 1e3,
+            "floor_ms": self.floor_median_s * 1e3,
+            "vs_memcpy": self.vs_memcpy,
+            "vs_floor": self.vs_floor,
+        }
+
+
+@dataclass
+class BenchRun:
+    """A whole run: the configuration, the machine, and one result per case."""
+
+    config: BenchConfig
+    machine: dict[str, Any]
+    results: list[CaseResult] = field(default_factory=list)
+    seconds: float = 0.0
+    skipped: dict[str, str] = field(default_factory=dict)  # scheme or alternative -> why it did not run
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "config": asdict(self.config),
+            "machine": self.machine,
+            "seconds": self.seconds,
+            "skipped": self.skipped,
+            "peak_memory_method": MEMORY_METHOD,
+            "cases": [
+                {**asdict(r.case), "nbytes": r.nbytes, "packet_nbytes": r.packet_nbytes}
+                | r.summary()
+                | {
+                    "floor_copies": r.case.workers + 1,
+                    "samples": {
+                        "send_s": r.send_s,
+                        "report_s": r.report_s,
+                        "memcpy_s": r.memcpy_s,
+                        "floor_serial_s": r.floor_serial_s,
+                        "floor_split_s": r.floor_split_s,
+                    },
+                }
+                for r in self.results
+            ],
+        }
+
+    def write_json(self, path: str) -> None:
+        """Write :meth:`to_json` to ``path``. :raises OSError: it cannot be written."""
+        with open(path, "w", encoding="utf-8") as out:
+            json.dump(self.to_json(), out, indent=1)
+            out.write("\n")
