@@ -68,8 +68,12 @@ class BigNet(nn.Module):
             self.register_buffer(f"b{i}", torch.full((1 << 21,), float(i)))
 
 
-def build_model(kind: str, seed: int = 0) -> nn.Module:
+def build_model(kind: str, seed: int = 0) -> Any:
+    """A worker's or trainer's model: an ``nn.Module``, or for ``"dict"`` a
+    plain dict of tensors with the names and shapes of :class:`Net`'s state."""
     torch.manual_seed(seed)
+    if kind == "dict":
+        return {k: v.detach().clone() for k, v in Net().state_dict().items()}
     if kind == "big":
         return BigNet()
     if kind == "empty":
@@ -85,8 +89,13 @@ def build_model(kind: str, seed: int = 0) -> nn.Module:
     raise ValueError(kind)
 
 
-def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+def tensors_of(model: Any) -> dict[str, torch.Tensor]:
+    """The model's own tensors by name (a module's parameters and buffers)."""
+    return dict(model.state_dict(keep_vars=True)) if isinstance(model, nn.Module) else dict(model)
+
+
+def snapshot(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in tensors_of(model).items()}
 
 
 def worker_main(
@@ -104,7 +113,7 @@ def worker_main(
     kept its identity and data_ptr), "stop".
     """
     model = build_model(kind, seed=1000 + os.getpid())
-    tensors = dict(model.state_dict(keep_vars=True))
+    tensors = tensors_of(model)
     ids = {k: id(v) for k, v in tensors.items()}
     ptrs = {k: v.data_ptr() for k, v in tensors.items()}
     scheme.init_on_worker(model_id, pipe=pipe, model=model)
@@ -131,7 +140,7 @@ def worker_main(
                 elif cmd == "resume":
                     receiving = True
                 elif cmd == "state":
-                    now = dict(model.state_dict(keep_vars=True))
+                    now = tensors_of(model)
                     ctrl.send(
                         {
                             "weights": snapshot(model),
@@ -197,7 +206,7 @@ class RayWorker:
     def setup(self, scheme: ws.WeightSyncScheme, model_id: str, kind: str) -> int:
         self.teardown()
         self.model = build_model(kind, seed=1000 + os.getpid())
-        tensors = dict(self.model.state_dict(keep_vars=True))
+        tensors = tensors_of(self.model)
         self.ids = {k: id(v) for k, v in tensors.items()}
         self.ptrs = {k: v.data_ptr() for k, v in tensors.items()}
         self.applied: list[int] = []
@@ -238,7 +247,7 @@ class RayWorker:
         return "ok"
 
     def state(self) -> dict[str, Any]:
-        now = dict(self.model.state_dict(keep_vars=True))
+        now = tensors_of(self.model)
         received = self.scheme.receive() if self.scheme is not None else None
         return {
             "weights": snapshot(self.model),

@@ -359,7 +359,7 @@ def fd_baseline() -> set[int]:
     resource_tracker.ensure_running()
     forkserver.ensure_running()
 
-    from weightsync._facade import LOOP
+    from weightsync._runtime import RUNTIME as LOOP
 
     LOOP.acquire()
     try:

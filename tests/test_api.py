@@ -48,7 +48,7 @@ def test_scheme_defaults_and_uninitialised_state(cls: type[ws.WeightSyncScheme],
     assert scheme.model_id is None and scheme.context is None and scheme.model is None
     assert scheme.worker_idx is None and scheme.weights is None
     assert scheme.sender_transports == {} and scheme.receiver_transport is None
-    assert scheme.shared_transport is None
+    assert scheme.staging is None
     for call in (scheme.get_sender, scheme.get_receiver, scheme.get_async_sender, scheme.get_async_receiver):
         with pytest.raises(RuntimeError):
             call()
@@ -116,7 +116,7 @@ def test_context_provides_pipes_and_model() -> None:
     try:
         assert scheme.context is collector and scheme.model is collector.policy
         assert list(scheme.sender_transports) == [0]
-        assert scheme.shared_transport is not None
+        assert scheme.staging is not None
         assert scheme.create_sender() is scheme.get_sender()
         prepared = scheme.prepare_weights(None, "policy", ws.WeightStrategy("state_dict"), collector)
         assert set(prepared) == set(collector.policy.state_dict())
@@ -219,7 +219,7 @@ def test_manifest_is_aligned_sorted_and_stable() -> None:
 
 
 def test_a_copy_plan_notices_a_destination_that_moved() -> None:
-    from weightsync._packet import CopyPlan
+    from weightsync._copy import CopyPlan
 
     dst, src = torch.zeros(4), torch.arange(4.0)
     param = nn.Parameter(dst)
@@ -231,7 +231,7 @@ def test_a_copy_plan_notices_a_destination_that_moved() -> None:
 
 
 def test_a_copy_plan_refuses_tensors_that_differ() -> None:
-    from weightsync._packet import CopyPlan
+    from weightsync._copy import CopyPlan
 
     with pytest.raises(ValueError):
         CopyPlan([torch.zeros(4)], [torch.zeros(5)])

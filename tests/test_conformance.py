@@ -211,6 +211,17 @@ def test_every_dtype_0d_and_empty_tensors_arrive_bit_exact(make_cluster) -> None
             c.assert_has(i, c.expected())
 
 
+def test_a_worker_whose_model_is_a_dict_of_tensors_gets_exact_updates(make_cluster) -> None:
+    # The dict's own tensors must change (in place, or re-pointed under the
+    # shared scheme), not aliases of them.
+    c = make_cluster(["dict", "net"])
+    for _ in range(2):
+        c.bump()
+        c.sender.send()
+        for i in range(2):
+            c.assert_has(i, c.expected())
+
+
 def test_an_empty_model_sends_nothing_but_still_acks(make_cluster) -> None:
     c = make_cluster(["empty", "net"], trainer_kind="empty")
     report = c.sender.send(worker_ids=[0])

@@ -12,7 +12,7 @@ import pytest
 from conftest import Cluster
 
 import weightsync as ws
-from weightsync._facade import LOOP
+from weightsync._runtime import RUNTIME as LOOP
 
 
 # The facade and the loops are the same for every transport: one scheme is enough.

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from conftest import Cluster, weightsync_threads
 
-from weightsync._facade import LOOP
+from weightsync._runtime import RUNTIME as LOOP
 
 
 # The facade and the loops are the same for every transport: one scheme is enough.

@@ -11,7 +11,7 @@ from conftest import PIPE_SCHEMES, Cluster, shm_entries
 
 
 def _segments(c: Cluster) -> list:
-    shared = c.scheme.shared_transport
+    shared = c.scheme.staging
     segment = getattr(shared, "segment", None)  # the multiprocess scheme's staging
     return [segment] if segment is not None else list(shared.slots)  # the shared scheme's slots
 

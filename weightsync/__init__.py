@@ -32,6 +32,7 @@ from ._receiver import AsyncWeightReceiver
 
 # Schemes
 from ._schemes import (
+    InProcessWeightSyncScheme,
     MultiProcessWeightSyncScheme,
     NoWeightSyncScheme,
     RayWeightSyncMixin,
@@ -51,6 +52,7 @@ __all__ = [
     "AckTimeoutError",
     "AsyncWeightReceiver",
     "AsyncWeightSender",
+    "InProcessWeightSyncScheme",
     "InvalidWeightsError",
     "Manifest",
     "MultiProcessWeightSyncScheme",

@@ -1,192 +1,25 @@
 """The synchronous facade: blocking calls over the async core.
 
-Two ways in, one coroutine core:
-
-- A blocking call (``send()``, ``receive()``) runs the coroutine to the end on
-  a private asyncio loop of the calling thread, created once per thread. The
-  caller is blocked anyway, so no other thread needs to be woken: on this
-  2-core machine a hop into a loop thread through a ``BlockingPortal`` costs
-  about 130 us a call, ``run_until_complete`` on a kept loop about 20 us
-  (asyncio's loop; uvloop's re-arms its signal handling on every run and
-  costs about 80 us there). A blocking ``receive()`` first waits on the
-  calling thread itself (``select`` on the pipe and the sender's pidfd), so a
-  poll that finds nothing never enters a loop at all.
-- A call that must go on in the background (``send_async()``), or a blocking
-  call from a thread that already runs an event loop (a notebook, an async
-  app), goes through the process-wide loop thread, entered with an anyio
-  ``BlockingPortal``; the calling thread blocks while it waits. That loop runs
-  on uvloop when uvloop is installed, unless ``WEIGHTSYNC_LOOP=asyncio``.
-
-A blocking call from the loop thread itself raises instead of deadlocking.
-The loop thread starts on first use and, like the private loops, is closed
-when the last sender or receiver is shut down, so an idle process holds no
-weightsync thread. After ``fork`` the child forgets the parent's loops.
+Every call enters the event loop through the runtime (``_runtime``), which
+knows how: a private loop of the calling thread for a blocking call, the
+process-wide loop thread for background work. The async objects know nothing
+of this.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
-import os
-import threading
 import time
-import weakref
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
-
-import anyio
-from anyio.from_thread import BlockingPortal
+from collections.abc import Iterable
+from typing import Any
 
 from ._exceptions import WeightSyncStateError
 from ._receiver import AsyncWeightReceiver
+from ._runtime import RUNTIME
 from ._sender import AsyncWeightSender, SendReport
-from ._transports._base import caller_is_blocked
 
-__all__ = ["WeightReceiver", "WeightSender", "loop_thread_name"]
-
-T = TypeVar("T")
-loop_thread_name = "weightsync-loop"
-
-
-def _backend_options() -> dict[str, Any]:
-    choice = os.environ.get("WEIGHTSYNC_LOOP", "auto")
-    if choice == "asyncio":
-        return {}
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        if choice == "uvloop":
-            raise
-        return {}
-    return {"use_uvloop": True}
-
-
-def _thread_runs_a_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
-class _Runtime:
-    """The process-wide loop thread and the per-thread private loops."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._portal: BlockingPortal | None = None
-        self._thread: threading.Thread | None = None
-        self._users = 0
-        self._local = threading.local()
-        self._private: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
-
-    # -- the loop thread ---------------------------------------------------
-    def _start(self) -> BlockingPortal:
-        ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
-
-        async def main() -> None:
-            async with BlockingPortal() as portal:
-                ready.set_result(portal)
-                await portal.sleep_until_stopped()
-
-        def run() -> None:
-            try:
-                anyio.run(main, backend="asyncio", backend_options=_backend_options())
-            except BaseException as exc:  # surfaced to the thread that waits on ready
-                if not ready.done():
-                    ready.set_exception(exc)
-
-        thread = threading.Thread(target=run, name=loop_thread_name, daemon=True)
-        thread.start()
-        self._thread = thread
-        return ready.result()
-
-    def _check_not_loop_thread(self) -> None:
-        if self._thread is not None and threading.current_thread() is self._thread:
-            raise WeightSyncStateError(
-                "a blocking weightsync call was made from weightsync's own event-loop thread; "
-                "await the async API (get_async_sender / get_async_receiver) there instead"
-            )
-
-    def portal(self) -> BlockingPortal:
-        """The loop thread's portal, started on first use."""
-        self._check_not_loop_thread()
-        with self._lock:
-            if self._portal is None:
-                self._portal = self._start()
-            return self._portal
-
-    def start(self, func: Callable[..., Awaitable[T]], *args: Any) -> concurrent.futures.Future[T]:
-        """Run ``func(*args)`` in the background on the loop thread."""
-        return self.portal().start_task_soon(func, *args)
-
-    # -- blocking calls ----------------------------------------------------
-    def call(self, func: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """Run ``func(*args)`` to the end and return its result, blocking."""
-        self._check_not_loop_thread()
-        if _thread_runs_a_loop():
-            return self.portal().call(func, *args)
-        loop = getattr(self._local, "loop", None)
-        if loop is None or loop.is_closed():
-            loop = asyncio.new_event_loop()
-            self._local.loop = loop
-            with self._lock:
-                self._private.add(loop)
-        token = caller_is_blocked.set(True)
-        try:
-            task: asyncio.Task[T] = loop.create_task(func(*args))  # type: ignore[arg-type]
-            try:
-                return loop.run_until_complete(task)
-            except BaseException:
-                # Interrupted (Ctrl-C): cancel the coroutine so its cancel
-                # scopes and channels end cleanly before the error goes on.
-                if not task.done():
-                    task.cancel()
-                    with contextlib.suppress(BaseException):
-                        loop.run_until_complete(task)
-                raise
-        finally:
-            caller_is_blocked.reset(token)
-
-    # -- lifetime ------------------------------------------------------------
-    def acquire(self) -> None:
-        with self._lock:
-            self._users += 1
-
-    def release(self) -> None:
-        """Drop one user; the last one closes the private loops and stops the
-        loop thread."""
-        with self._lock:
-            self._users = max(self._users - 1, 0)
-            if self._users:
-                return
-            private = [loop for loop in self._private if not loop.is_running()]
-            for loop in private:
-                self._private.discard(loop)
-            portal, thread = self._portal, self._thread
-            if thread is not None and threading.current_thread() is thread:
-                portal = thread = None  # cannot stop from inside; the next release will
-            else:
-                self._portal = self._thread = None
-        for loop in private:
-            loop.close()
-        if portal is not None and thread is not None:
-            portal.call(portal.stop)
-            thread.join(timeout=10)
-
-    def _after_fork(self) -> None:
-        self._lock = threading.Lock()
-        self._portal = None
-        self._thread = None
-        self._users = 0
-        self._local = threading.local()
-        self._private = weakref.WeakSet()
-
-
-LOOP = _Runtime()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=LOOP._after_fork)
+__all__ = ["WeightReceiver", "WeightSender"]
 
 
 class WeightSender:
@@ -201,7 +34,7 @@ class WeightSender:
         self._sender = sender
         self._pending: concurrent.futures.Future[SendReport] | None = None
         self._closed = False
-        LOOP.acquire()
+        RUNTIME.acquire()
 
     @property
     def async_sender(self) -> AsyncWeightSender:
@@ -225,7 +58,7 @@ class WeightSender:
         :raises WorkerError: naming every worker that died or did not show up in time.
         """
         self._check("connect()")
-        LOOP.call(lambda: self._sender.connect(worker_ids, timeout=timeout))
+        RUNTIME.call(lambda: self._sender.connect(worker_ids, timeout=timeout))
 
     def send(
         self,
@@ -241,7 +74,7 @@ class WeightSender:
         :raises RuntimeError: a ``send_async()`` is pending.
         """
         self._check("send()")
-        return LOOP.call(lambda: self._sender.send(weights, worker_ids, timeout=timeout))
+        return RUNTIME.call(lambda: self._sender.send(weights, worker_ids, timeout=timeout))
 
     def send_async(
         self,
@@ -258,7 +91,7 @@ class WeightSender:
         :raises RuntimeError: a previous ``send_async()`` is still pending.
         """
         self._check("send_async()")
-        self._pending = LOOP.start(lambda: self._sender.send(weights, worker_ids, timeout=timeout))
+        self._pending = RUNTIME.start(lambda: self._sender.send(weights, worker_ids, timeout=timeout))
 
     def wait_async(self, timeout: float | None = None) -> SendReport:
         """Block until the pending ``send_async()`` is done; re-raise its error.
@@ -295,9 +128,9 @@ class WeightSender:
                 self._pending.result()
             self._pending = None
         try:
-            LOOP.call(self._sender.aclose)
+            RUNTIME.call(self._sender.aclose)
         finally:
-            LOOP.release()
+            RUNTIME.release()
 
 
 class WeightReceiver:
@@ -309,14 +142,14 @@ class WeightReceiver:
     def __init__(self, receiver: AsyncWeightReceiver) -> None:
         self._receiver = receiver
         self._closed = False
-        LOOP.acquire()
+        RUNTIME.acquire()
 
     @property
     def async_receiver(self) -> AsyncWeightReceiver:
         return self._receiver
 
     def announce(self) -> None:
-        LOOP.call(self._receiver.announce)
+        RUNTIME.call(self._receiver.announce)
 
     def receive(self, timeout: float | None = None) -> int | None:
         """Apply the newest pending update, if any; see :meth:`AsyncWeightReceiver.receive`.
@@ -330,21 +163,13 @@ class WeightReceiver:
                 f"the receiver of model {self._receiver.model_id!r} is shut down",
                 model_id=self._receiver.model_id,
             )
-        transport = self._receiver.transport
-        if transport.applies_on_arrival:
-            # Updates were applied as they came (Ray actors): only report.
-            return self._receiver.take_applied()
         # Wait on this thread, outside any event loop, until something may be
         # pending: a poll that finds nothing never enters the loop, and one
         # that does runs the coroutine without it ever suspending.
         deadline = time.monotonic() + (timeout or 0.0)
-        while True:
-            if transport.wait_ready(max(deadline - time.monotonic(), 0.0)):
-                version = LOOP.call(self._receiver.receive, 0.0)
-                if version is not None:
-                    return version
-            if time.monotonic() >= deadline:
-                return None
+        if not self._receiver.wait_ready(timeout or 0.0):
+            return None
+        return RUNTIME.call(self._receiver.receive, max(deadline - time.monotonic(), 0.0))
 
     def shutdown(self) -> None:
         """Close the endpoint. Idempotent."""
@@ -352,6 +177,6 @@ class WeightReceiver:
             return
         self._closed = True
         try:
-            LOOP.call(self._receiver.aclose)
+            RUNTIME.call(self._receiver.aclose)
         finally:
-            LOOP.release()
+            RUNTIME.release()

@@ -26,8 +26,10 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
-from ._exceptions import InvalidWeightsError, UnknownWorkerError, WeightMismatchError, WeightSyncStateError
-from ._strategy import check_same_layout, flat_weights, model_tensors
+from ._copy import check_writable_in_place
+from ._exceptions import InvalidWeightsError, UnknownWorkerError, WeightSyncStateError
+from ._packet import Manifest
+from ._strategy import flat_weights, model_tensors
 
 __all__ = ["MultiProcessedRemoteWeightUpdate", "RemoteWeightUpdaterBase"]
 
@@ -259,12 +261,8 @@ class MultiProcessedRemoteWeightUpdate(RemoteWeightUpdaterBase):
         """The buffer's tensors and the matching weights, checked."""
         flat = flat_weights(server_weights)
         buffer = model_tensors(self._policy_weights[worker_id])
-        check_same_layout(flat, buffer, where=f"the buffer of worker {worker_id!r}")
-        for name, tensor in buffer.items():
-            if tensor.layout != torch.strided or torch._debug_has_internal_overlap(tensor) == 1:
-                raise WeightMismatchError(
-                    f"{name!r} in the buffer of worker {worker_id!r} cannot be written in place: "
-                    "its elements overlap in memory (an expanded or broadcast tensor)"
-                )
+        where = f"the buffer of worker {worker_id!r}"
+        Manifest.of(flat).check_matches(Manifest.of(buffer), model_id=None, where=where)
+        check_writable_in_place(buffer.items(), where=f" in {where}")
         names = list(buffer)
         return [buffer[n] for n in names], [flat[n] for n in names]

@@ -9,21 +9,26 @@ handed to spawned workers, and is initialised once per process:
 
 from __future__ import annotations
 
+import multiprocessing
+import threading
 import types
-from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any, ClassVar, Literal
 
 from ._exceptions import WeightSyncStateError
 from ._facade import WeightReceiver, WeightSender
 from ._receiver import AsyncWeightReceiver
 from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, SendReport
-from ._strategy import WeightStrategy
-from ._transports._base import ReceiverTransport, SenderTransport, SharedTransport
-from ._transports._mp import MPReceiverTransport, MPSenderTransport, StagingArea
-from ._transports._none import NoReceiverTransport, NoTransport
-from ._transports._shm import ShmReceiverTransport, ShmSenderTransport, SlotStore
+from ._strategy import WeightStrategy, model_of
+from ._transports._base import Applier, SenderTransport, Staging, WorkerEndpoint
+from ._transports._copy_staging import CopyReader, SegmentStaging
+from ._transports._none import NoEndpoint, NoTransport
+from ._transports._pipe import PipeEndpoint, PipeSenderTransport
+from ._transports._slot_staging import SlotReader, SlotStaging
 
 __all__ = [
+    "InProcessWeightSyncScheme",
     "MultiProcessWeightSyncScheme",
     "NoWeightSyncScheme",
     "RayWeightSyncMixin",
@@ -41,28 +46,27 @@ def _from(context: Any, kwargs: dict[str, Any], name: str, default: Any = None) 
 
 def _model_of(model_id: str | None, context: Any, kwargs: dict[str, Any]) -> Any:
     model = kwargs.get("model")
-    if model is None and context is not None:
-        get_model = getattr(context, "get_model", None)
-        model = get_model(model_id) if get_model is not None else getattr(context, "model", None)
-    return model
+    return model if model is not None else model_of(context, model_id)
+
+
+StrategyName = Literal["state_dict", "tensordict"]
+EndpointFactory = Callable[[Applier], WorkerEndpoint]
 
 
 class WeightSyncScheme:
     """Base class of every scheme: the whole public surface, transport-agnostic.
 
     Subclasses provide the transports (``_sender_side`` / ``_receiver_side``).
-    ``timeout`` is the default deadline of a send, in seconds.
+    ``strategy`` is the form weights are handed back in (default: the
+    class's ``default_strategy``); ``timeout`` is the default deadline of a
+    send, in seconds.
     """
 
+    default_strategy: ClassVar[StrategyName] = "tensordict"
     _needs_model = True
 
-    def __init__(
-        self,
-        strategy: Literal["state_dict", "tensordict"] = "tensordict",
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-    ) -> None:
-        self.strategy = WeightStrategy(strategy)
+    def __init__(self, strategy: StrategyName | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.strategy = WeightStrategy(strategy or self.default_strategy)
         self.timeout = timeout
         self._reset()
 
@@ -71,11 +75,10 @@ class WeightSyncScheme:
         self._context: Any = None
         self._model: Any = None
         self._worker_idx: int | None = None
+        self._async_sender: AsyncWeightSender | None = None
+        self._async_receiver: AsyncWeightReceiver | None = None
         self._sender: WeightSender | None = None
         self._receiver: WeightReceiver | None = None
-        self._sender_transports: dict[int, SenderTransport] = {}
-        self._receiver_transport: ReceiverTransport | None = None
-        self._shared_transport: SharedTransport | None = None
 
     # A scheme crosses process boundaries as configuration only: pipes,
     # models and event loops belong to the process that created them.
@@ -122,25 +125,31 @@ class WeightSyncScheme:
     @property
     def sender_transports(self) -> dict[int, SenderTransport]:
         """The sender's channel to each worker, by worker id."""
-        return dict(self._sender_transports)
+        return {} if self._async_sender is None else dict(self._async_sender.transports)
 
     @property
-    def receiver_transport(self) -> ReceiverTransport | None:
-        return self._receiver_transport
+    def receiver_transport(self) -> WorkerEndpoint | None:
+        """This worker's endpoint (worker side), once initialised."""
+        return None if self._async_receiver is None else self._async_receiver.endpoint
 
     @property
-    def shared_transport(self) -> SharedTransport | None:
-        """What is written once per send for all workers (e.g. the staging area)."""
-        return self._shared_transport
+    def staging(self) -> Staging | None:
+        """Where each send's bytes wait for the workers (sender side), if the
+        scheme stages them."""
+        return None if self._async_sender is None else self._async_sender.staging
 
     # -- transports, per scheme ------------------------------------------
     def _sender_side(
         self, context: Any, kwargs: dict[str, Any]
-    ) -> tuple[dict[int, SenderTransport], SharedTransport | None]:
+    ) -> tuple[dict[int, SenderTransport], Staging | None]:
         raise NotImplementedError
 
-    def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> ReceiverTransport:
+    def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> EndpointFactory:
+        """How to build this worker's endpoint, given its receiver."""
         raise NotImplementedError
+
+    def _initialised(self) -> bool:
+        return self._async_sender is not None or self._async_receiver is not None
 
     def create_transport(self, *args: Any, **kwargs: Any) -> Any:
         """Build one transport (legacy); see each scheme."""
@@ -156,29 +165,26 @@ class WeightSyncScheme:
 
         :raises RuntimeError: this scheme is already initialised here.
         """
-        if self._sender is not None or self._receiver is not None:
+        if self._initialised():
             raise WeightSyncStateError(f"{self!r} is already initialised in this process")
         self._model_id = model_id if model_id is not None else kwargs.get("model_id", self._model_id)
         self._context = context
         self._model = _model_of(self._model_id, context, kwargs)
-        transports, shared = self._sender_side(context, kwargs)
-        self._sender_transports = transports
-        self._shared_transport = shared
-        source = (
-            context
-            if context is not None
-            else (types.SimpleNamespace(model=self._model) if self._model is not None else None)
+        transports, staging = self._sender_side(context, kwargs)
+        self._async_sender = AsyncWeightSender(
+            model_id=self._model_id,
+            strategy=self.strategy,
+            transports=transports,
+            staging=staging,
+            context=self._source(),
+            timeout=self.timeout,
         )
-        self._sender = WeightSender(
-            AsyncWeightSender(
-                model_id=self._model_id,
-                strategy=self.strategy,
-                transports=transports,
-                shared=shared,
-                context=source,
-                timeout=self.timeout,
-            )
-        )
+
+    def _source(self) -> Any:
+        """Where ``send(None)`` reads the weights: the context, or the model."""
+        if self._context is not None:
+            return self._context
+        return types.SimpleNamespace(model=self._model) if self._model is not None else None
 
     def init_on_receiver(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
         """Initialise a worker (receiver side) and announce it to the sender.
@@ -189,7 +195,7 @@ class WeightSyncScheme:
         :raises RuntimeError: this scheme is already initialised here.
         :raises ValueError: no model was given.
         """
-        if self._sender is not None or self._receiver is not None:
+        if self._initialised():
             raise WeightSyncStateError(f"{self!r} is already initialised in this process")
         self._model_id = model_id if model_id is not None else kwargs.get("model_id", self._model_id)
         self._context = context
@@ -200,16 +206,16 @@ class WeightSyncScheme:
                 f"init_on_receiver needs the model to update: pass model=... or a context with get_model() "
                 f"(model {self._model_id!r})"
             )
-        transport = self._receiver_side(context, kwargs)
-        self._receiver_transport = transport
-        self._receiver = WeightReceiver(
-            AsyncWeightReceiver(model_id=self._model_id, model=self._model, transport=transport)
+        endpoint = self._receiver_side(context, kwargs)
+        self._async_receiver = AsyncWeightReceiver(
+            model_id=self._model_id, model=self._model, endpoint=endpoint
         )
-        self._announce(self._receiver)
+        if self._announces:
+            self.get_receiver().announce()
 
-    def _announce(self, receiver: WeightReceiver) -> None:
-        """Make a new worker known to the sender."""
-        receiver.announce()
+    #: Whether a new worker announces itself over its channel (a push
+    #: endpoint is found by the sender instead).
+    _announces = True
 
     def init_on_worker(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
         """Alias of :meth:`init_on_receiver`."""
@@ -218,36 +224,41 @@ class WeightSyncScheme:
     def connect(self, *, worker_idx: int | None = None, timeout: float | None = None) -> None:
         """Sender: block until every worker (or ``worker_idx``) announced
         itself. Worker: announce again. Either side: no-op before init."""
-        if self._sender is not None:
-            self._sender.connect(worker_idx, timeout=timeout)
-        elif self._receiver is not None:
+        if self._async_sender is not None:
+            self.get_sender().connect(worker_idx, timeout=timeout)
+        elif self._async_receiver is not None:
             if worker_idx is not None:
                 self._worker_idx = worker_idx
-            self._receiver.announce()
+            self.get_receiver().announce()
 
     def get_sender(self) -> WeightSender:
         """The blocking sender. :raises RuntimeError: before ``init_on_sender``."""
         if self._sender is None:
-            raise WeightSyncStateError(
-                f"{self!r}: get_sender() before init_on_sender()", model_id=self._model_id
-            )
+            self._sender = WeightSender(self.get_async_sender())
         return self._sender
 
     def get_receiver(self) -> WeightReceiver:
         """The blocking receiver. :raises RuntimeError: before ``init_on_receiver``."""
         if self._receiver is None:
-            raise WeightSyncStateError(
-                f"{self!r}: get_receiver() before init_on_receiver()", model_id=self._model_id
-            )
+            self._receiver = WeightReceiver(self.get_async_receiver())
         return self._receiver
 
     def get_async_sender(self) -> AsyncWeightSender:
-        """The coroutine sender, for async trainers. :raises RuntimeError: before init."""
-        return self.get_sender().async_sender
+        """The coroutine sender, for async trainers (no blocking facade, no
+        loop thread involved). :raises RuntimeError: before ``init_on_sender``."""
+        if self._async_sender is None:
+            raise WeightSyncStateError(
+                f"{self!r}: get_sender() before init_on_sender()", model_id=self._model_id
+            )
+        return self._async_sender
 
     def get_async_receiver(self) -> AsyncWeightReceiver:
-        """The coroutine receiver. :raises RuntimeError: before init."""
-        return self.get_receiver().async_receiver
+        """The coroutine receiver. :raises RuntimeError: before ``init_on_receiver``."""
+        if self._async_receiver is None:
+            raise WeightSyncStateError(
+                f"{self!r}: get_receiver() before init_on_receiver()", model_id=self._model_id
+            )
+        return self._async_receiver
 
     def create_sender(self) -> WeightSender:
         """Legacy: the sender of this scheme (same as :meth:`get_sender`)."""
@@ -263,11 +274,7 @@ class WeightSyncScheme:
     ) -> Any:
         """Extract ``weights`` (None: the context's model) in ``strategy``'s form."""
         if weights is None and context is None:
-            context = (
-                self._context
-                if self._context is not None
-                else (types.SimpleNamespace(model=self._model) if self._model is not None else None)
-            )
+            context = self._source()
         return strategy.extract_weights(weights, context=context, model_id=model_id)
 
     def apply_weights(self, weights: Any, inplace: bool = True) -> None:
@@ -295,18 +302,68 @@ class WeightSyncScheme:
 
     def shutdown(self) -> None:
         """Close this side's channels and release shared memory and the loop
-        thread. Idempotent; safe on a scheme never initialised."""
-        sender, receiver = self._sender, self._receiver
+        thread. Idempotent; safe on a scheme never initialised.
+
+        An async trainer may ``await get_async_sender().aclose()`` instead."""
         try:
-            if sender is not None:
-                sender.shutdown()
+            if self._async_sender is not None:
+                self.get_sender().shutdown()
         finally:
-            if receiver is not None:
-                receiver.shutdown()
+            if self._async_receiver is not None:
+                self.get_receiver().shutdown()
 
 
-class MultiProcessWeightSyncScheme(WeightSyncScheme):
+class _PipeScheme(WeightSyncScheme):
+    """Control over one duplex pipe per worker; bytes through a staging
+    (``_staging_class`` on the sender, ``_reader_class`` on each worker)."""
+
+    _staging_class: ClassVar[type[SegmentStaging] | type[SlotStaging]]
+    _reader_class: ClassVar[type[CopyReader] | type[SlotReader]]
+
+    def _sender_pipes(self, context: Any, kwargs: dict[str, Any]) -> list[Connection]:
+        pipes: Sequence[Any] | None = _from(context, kwargs, "pipes")
+        if pipes is None:
+            raise ValueError(f"{type(self).__name__}.init_on_sender needs pipes=[...]")
+        pipes = list(pipes)
+        num_workers = _from(context, kwargs, "num_workers") or len(pipes)
+        if num_workers != len(pipes):
+            raise ValueError(f"num_workers={num_workers} but {len(pipes)} pipes were given")
+        return pipes
+
+    def _worker_pipe(self, context: Any, kwargs: dict[str, Any]) -> Connection:
+        pipe = _from(context, kwargs, "pipe")
+        if pipe is None:
+            raise ValueError(f"{type(self).__name__}.init_on_worker needs pipe=...")
+        return pipe
+
+    def _sender_side(
+        self, context: Any, kwargs: dict[str, Any]
+    ) -> tuple[dict[int, SenderTransport], Staging | None]:
+        staging = self._staging_class()
+        transports: dict[int, SenderTransport] = {
+            i: PipeSenderTransport(pipe, i, staging, self._model_id)
+            for i, pipe in enumerate(self._sender_pipes(context, kwargs))
+        }
+        return transports, staging
+
+    def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> EndpointFactory:
+        pipe = self._worker_pipe(context, kwargs)
+        model_id, reader = self._model_id, self._reader_class()
+        return lambda receiver: PipeEndpoint(pipe, model_id, reader)
+
+    def create_transport(self, pipe: Any) -> PipeSenderTransport:
+        """Legacy: a sender channel over ``pipe``, sharing this scheme's
+        staging memory once ``init_on_sender`` has run."""
+        staging = self.staging
+        if not isinstance(staging, self._staging_class):
+            staging = self._staging_class()
+        return PipeSenderTransport(pipe, len(self.sender_transports), staging, self._model_id)
+
+
+class MultiProcessWeightSyncScheme(_PipeScheme):
     """Weights over ``multiprocessing`` pipes, bytes through shared memory.
+
+    Default strategy: ``'state_dict'``.
 
     Sender: ``init_on_sender(model_id, pipes=[...], num_workers=len(pipes))``
     (or a context with ``pipes``/``num_workers``), the trainer's end of one
@@ -319,52 +376,15 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
     changes. Every parameter keeps its identity and ``data_ptr()``.
     """
 
-    def __init__(
-        self,
-        strategy: Literal["state_dict", "tensordict"] = "state_dict",
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-    ) -> None:
-        super().__init__(strategy, timeout=timeout)
-
-    # The pipe-based schemes differ only in these three classes.
-    _shared_class: type[StagingArea] | type[SlotStore] = StagingArea
-    _channel_class: type[MPSenderTransport] = MPSenderTransport
-    _endpoint_class: type[MPReceiverTransport] = MPReceiverTransport
-
-    def _sender_side(
-        self, context: Any, kwargs: dict[str, Any]
-    ) -> tuple[dict[int, SenderTransport], SharedTransport | None]:
-        pipes: Sequence[Any] | None = _from(context, kwargs, "pipes")
-        if pipes is None:
-            raise ValueError(f"{type(self).__name__}.init_on_sender needs pipes=[...]")
-        pipes = list(pipes)
-        num_workers = _from(context, kwargs, "num_workers") or len(pipes)
-        if num_workers != len(pipes):
-            raise ValueError(f"num_workers={num_workers} but {len(pipes)} pipes were given")
-        shared = self._shared_class()
-        transports: dict[int, SenderTransport] = {
-            i: self._channel_class(pipe, i, shared, self._model_id) for i, pipe in enumerate(pipes)
-        }
-        return transports, shared
-
-    def create_transport(self, pipe: Any) -> MPSenderTransport:
-        """Legacy: a sender channel over ``pipe``, sharing this scheme's
-        staging memory once ``init_on_sender`` has run."""
-        shared = self._shared_transport
-        if not isinstance(shared, self._shared_class):
-            shared = self._shared_class()
-        return self._channel_class(pipe, len(self._sender_transports), shared, self._model_id)
-
-    def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> ReceiverTransport:
-        pipe = _from(context, kwargs, "pipe")
-        if pipe is None:
-            raise ValueError(f"{type(self).__name__}.init_on_worker needs pipe=...")
-        return self._endpoint_class(pipe, self._model_id)
+    default_strategy = "state_dict"
+    _staging_class = SegmentStaging
+    _reader_class = CopyReader
 
 
-class SharedMemWeightSyncScheme(MultiProcessWeightSyncScheme):
+class SharedMemWeightSyncScheme(_PipeScheme):
     """Zero-copy weights on one host: workers run on weights in shared memory.
+
+    Default strategy: ``'tensordict'``.
 
     Set up exactly like :class:`MultiProcessWeightSyncScheme` (pipes on the
     sender, ``pipe`` and ``model`` on each worker). Each send is written once
@@ -386,19 +406,93 @@ class SharedMemWeightSyncScheme(MultiProcessWeightSyncScheme):
     (BatchNorm in train mode) and the next update replaces them. Writing
     into a parameter in place faults (a SIGSEGV of that worker); a worker
     that trains its own copy needs :class:`MultiProcessWeightSyncScheme`.
+    Slots stay mapped while the worker's model runs on them, even after
+    ``shutdown()``.
     """
 
-    def __init__(
-        self,
-        strategy: Literal["state_dict", "tensordict"] = "tensordict",
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-    ) -> None:
-        super().__init__(strategy, timeout=timeout)
+    default_strategy = "tensordict"
+    _staging_class = SlotStaging
+    _reader_class = SlotReader
 
-    _shared_class = SlotStore
-    _channel_class = ShmSenderTransport
-    _endpoint_class = ShmReceiverTransport
+
+class _Rendezvous:
+    """Where the two sides of an in-process scheme meet: one duplex pipe per
+    worker index, made by whichever side asks first."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pipes: dict[int, tuple[Connection, Connection]] = {}
+
+    def end(self, index: int, *, worker: bool) -> Connection:
+        with self._lock:
+            if index not in self._pipes:
+                self._pipes[index] = multiprocessing.Pipe(duplex=True)
+            return self._pipes[index][1 if worker else 0]
+
+
+class InProcessWeightSyncScheme(_PipeScheme):
+    """Trainer and workers in one process: threads, or tasks on one event
+    loop. For testing trainer and collector code without processes.
+
+    Default strategy: ``'state_dict'``.
+
+    It behaves as :class:`MultiProcessWeightSyncScheme` (same channels, same
+    staging segment, each worker copies an update into its model in
+    ``receive()``, acks, deadlines and errors), but it makes its own pipes:
+
+    - sender: ``init_on_sender(model_id, model=..., num_workers=N)``;
+    - worker ``i``: on its own copy of the scheme (``copy.copy(scheme)``, as
+      each process gets its own when a scheme is pickled),
+      ``init_on_worker(model_id, model=..., worker_idx=i)``.
+
+    It cannot be pickled: it works within one process only.
+    """
+
+    default_strategy = "state_dict"
+    _staging_class = SegmentStaging
+    _reader_class = CopyReader
+
+    def __init__(self, strategy: StrategyName | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        super().__init__(strategy, timeout=timeout)
+        self._rendezvous = _Rendezvous()
+        self._own_pipes: list[Connection] = []
+
+    def __copy__(self) -> InProcessWeightSyncScheme:
+        clone = type(self)(self.strategy.extract_as, timeout=self.timeout)
+        clone._rendezvous = self._rendezvous
+        clone._model_id = self._model_id
+        return clone
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "InProcessWeightSyncScheme works within one process: give each worker copy.copy(scheme); "
+            "between processes use MultiProcessWeightSyncScheme"
+        )
+
+    def _sender_pipes(self, context: Any, kwargs: dict[str, Any]) -> list[Connection]:
+        num_workers = _from(context, kwargs, "num_workers")
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"{type(self).__name__}.init_on_sender needs num_workers=N (N >= 1)")
+        pipes = [self._rendezvous.end(i, worker=False) for i in range(num_workers)]
+        self._own_pipes = pipes
+        return pipes
+
+    def _worker_pipe(self, context: Any, kwargs: dict[str, Any]) -> Connection:
+        index = _from(context, kwargs, "worker_idx")
+        if not isinstance(index, int) or index < 0:
+            raise ValueError(f"{type(self).__name__}.init_on_worker needs worker_idx=i (i >= 0)")
+        pipe = self._rendezvous.end(index, worker=True)
+        self._own_pipes = [pipe]
+        return pipe
+
+    def shutdown(self) -> None:
+        """As :meth:`WeightSyncScheme.shutdown`; also closes this side's pipes."""
+        try:
+            super().shutdown()
+        finally:
+            for pipe in self._own_pipes:
+                pipe.close()
+            self._own_pipes = []
 
 
 class RayWeightSyncScheme(WeightSyncScheme):
@@ -435,19 +529,17 @@ class RayWeightSyncScheme(WeightSyncScheme):
     Errors are weightsync's: a dead or unreachable actor is a
     :class:`WorkerLostError` naming the worker; no Ray exception reaches the
     caller. Ray must be initialised (``ray.init``) before ``init_on_sender``.
+    Default strategy: ``'state_dict'``.
     """
 
-    def __init__(
-        self,
-        strategy: Literal["state_dict", "tensordict"] = "state_dict",
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-    ) -> None:
-        super().__init__(strategy, timeout=timeout)
+    default_strategy = "state_dict"
+    # The sender finds a registered actor through Ray: nothing to announce,
+    # and no event loop to enter, so this works inside an async actor's loop.
+    _announces = False
 
     def _sender_side(
         self, context: Any, kwargs: dict[str, Any]
-    ) -> tuple[dict[int, SenderTransport], SharedTransport | None]:
+    ) -> tuple[dict[int, SenderTransport], Staging | None]:
         import ray
 
         from ._transports._ray import RaySenderTransport, RayStaging
@@ -463,11 +555,11 @@ class RayWeightSyncScheme(WeightSyncScheme):
                 "(and create the actors) first",
                 model_id=self._model_id,
             )
-        shared = RayStaging(self._model_id)
+        staging = RayStaging(self._model_id)
         transports: dict[int, SenderTransport] = {
-            i: RaySenderTransport(actor, i, shared, self._model_id) for i, actor in enumerate(actors)
+            i: RaySenderTransport(actor, i, staging, self._model_id) for i, actor in enumerate(actors)
         }
-        return transports, shared
+        return transports, staging
 
     def init_on_sender(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
         """Initialise the sender side; see the class docstring. Does not block.
@@ -485,26 +577,16 @@ class RayWeightSyncScheme(WeightSyncScheme):
         object-store staging once ``init_on_sender`` has run."""
         from ._transports._ray import RaySenderTransport, RayStaging
 
-        shared = self._shared_transport
-        if not isinstance(shared, RayStaging):
-            shared = RayStaging(self._model_id)
-        return RaySenderTransport(actor, len(self._sender_transports), shared, self._model_id)
+        staging = self.staging
+        if not isinstance(staging, RayStaging):
+            staging = RayStaging(self._model_id)
+        return RaySenderTransport(actor, len(self.sender_transports), staging, self._model_id)
 
-    def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> ReceiverTransport:
-        from ._transports._ray import RayReceiverTransport
+    def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> EndpointFactory:
+        from ._transports._ray import RayEndpoint
 
-        return RayReceiverTransport(self._model_id, on_update=_from(context, kwargs, "on_update"))
-
-    def _announce(self, receiver: WeightReceiver) -> None:
-        # Registering is all a Ray worker does: the sender asks the actor for
-        # its layout through Ray. No event loop is involved, so this also
-        # works inside an async actor's running loop.
-        from ._transports._ray import RayReceiverTransport
-
-        transport = receiver.async_receiver.transport
-        assert isinstance(transport, RayReceiverTransport)
-        core = receiver.async_receiver
-        transport.register(core.apply_update, core.manifest())
+        model_id, on_update = self._model_id, _from(context, kwargs, "on_update")
+        return lambda receiver: RayEndpoint(model_id, receiver, on_update)
 
 
 class RayWeightSyncMixin:
@@ -528,25 +610,20 @@ class RayWeightSyncMixin:
 
 
 class NoWeightSyncScheme(WeightSyncScheme):
-    """No synchronisation: ``send`` and ``receive`` do nothing and return None."""
+    """No synchronisation: ``send`` and ``receive`` do nothing and return None.
+
+    Default strategy: ``'tensordict'``.
+    """
 
     _needs_model = False
 
-    def __init__(
-        self,
-        strategy: Literal["state_dict", "tensordict"] = "tensordict",
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-    ) -> None:
-        super().__init__(strategy, timeout=timeout)
-
     def _sender_side(
         self, context: Any, kwargs: dict[str, Any]
-    ) -> tuple[dict[int, SenderTransport], SharedTransport | None]:
+    ) -> tuple[dict[int, SenderTransport], Staging | None]:
         return {}, None
 
-    def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> ReceiverTransport:
-        return NoReceiverTransport()
+    def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> EndpointFactory:
+        return lambda receiver: NoEndpoint()
 
     def create_transport(self, **kwargs: Any) -> NoTransport:
         """A transport that moves nothing."""

@@ -1,4 +1,4 @@
-"""Anonymous shared-memory segments (Linux ``memfd``) and process liveness.
+"""Anonymous shared-memory segments (Linux ``memfd``).
 
 A segment is created by the sender with ``memfd_create``: it has no name in
 ``/dev/shm`` or anywhere else, so nothing can be left behind when either side
@@ -15,21 +15,32 @@ Layout: a 64-byte header, then the data::
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import secrets
-import select
 import struct
 import warnings
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["HEADER_BYTES", "Segment", "ProcessWatch"]
+from ._copy import copy_tensors, usable_cores
+from ._packet import Manifest, Packet
+
+__all__ = ["HEADER_BYTES", "AttachedSegments", "Segment", "SegmentRef"]
 
 HEADER_BYTES = 64
 WRITING = -1
 _VERSION = struct.Struct("<q")
+
+
+class SegmentRef(NamedTuple):
+    """What a worker needs to map a sender's segment: small, picklable."""
+
+    pid: int
+    fd: int
+    nbytes: int
+    token: bytes
 
 
 class Segment:
@@ -104,52 +115,72 @@ class Segment:
         assert self._mmap is not None
         _VERSION.pack_into(self._mmap, 0, version)
 
+    def write(self, views: list[torch.Tensor], packet: Packet) -> None:
+        """Copy ``packet``'s tensors into ``views`` (of this segment) and
+        publish its version. Blocks; run it through ``run_blocking``."""
+        self.begin_write()
+        # Workers read only once this is published: all cores are ours meanwhile.
+        copy_tensors(views, packet.tensors, threads=usable_cores())
+        self.publish(packet.version)
+
+    def ref(self) -> SegmentRef:
+        """How a worker on this host finds this (sender-owned) segment."""
+        return SegmentRef(os.getpid(), self.fd, self.nbytes, self.token)
+
     def close(self) -> None:
-        """Unmap and close; idempotent. Views handed out must be dropped first
-        for the unmap to happen now; otherwise it happens when they are freed."""
+        """Let go of the mapping and close the descriptor; idempotent.
+
+        The memory is unmapped when the last tensor over it is freed, never
+        before: ``torch.frombuffer`` views hold a reference to the mapping
+        (but no buffer export, so ``mmap.close()`` would unmap under them).
+        A worker whose parameters still point into a slot keeps it mapped.
+        """
         self.data = None
-        mapping, self._mmap = self._mmap, None
-        if mapping is not None:
-            # A view still alive keeps the mapping; it goes when the view does.
-            with contextlib.suppress(BufferError):
-                mapping.close()
+        self._mmap = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
 
-class ProcessWatch:
-    """Tells whether another process on this host is still alive.
+class AttachedSegments:
+    """A worker's read-only mappings of its sender's segments, each mapped
+    once, with typed views cached per (segment, layout).
 
-    Uses a pidfd where the kernel has them (exact, immune to pid reuse) and
-    ``/proc/<pid>/stat`` otherwise; a zombie counts as dead.
+    ``keep_one``: a new segment replaces the previous one (the sender has a
+    single staging segment); otherwise all are kept (versioned slots).
     """
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._pidfd: int | None = None
-        try:
-            self._pidfd = os.pidfd_open(pid)
-        except (AttributeError, OSError):
-            self._pidfd = None
+    def __init__(self, *, keep_one: bool) -> None:
+        self._keep_one = keep_one
+        self._segments: dict[bytes, Segment] = {}
+        self._views: dict[tuple[bytes, str], list[torch.Tensor]] = {}
 
-    @property
-    def fd(self) -> int | None:
-        """A descriptor that becomes readable when the process exits, if any."""
-        return self._pidfd
+    def segment(self, ref: SegmentRef) -> Segment:
+        """The segment ``ref`` names, mapped on first use.
 
-    def alive(self) -> bool:
-        if self._pidfd is not None:
-            readable, _, _ = select.select([self._pidfd], [], [], 0)
-            return not readable
-        try:
-            with open(f"/proc/{self.pid}/stat", "rb") as stat:
-                state = stat.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return False
-        return state not in (b"Z", b"X")
+        :raises OSError: the sender or its descriptor is gone.
+        :raises ValueError: the descriptor names another file now.
+        """
+        segment = self._segments.get(ref.token)
+        if segment is None:
+            if self._keep_one:
+                self.close()
+            segment = self._segments[ref.token] = Segment.attach(ref.pid, ref.fd, ref.nbytes, ref.token)
+        return segment
+
+    def views(self, ref: SegmentRef, manifest: Manifest) -> list[torch.Tensor]:
+        """Read-only typed views of ``manifest``'s tensors in that segment;
+        the same list object for as long as the segment and layout stay."""
+        key = (ref.token, manifest.layout_id)
+        views = self._views.get(key)
+        if views is None:
+            data = self.segment(ref).data
+            assert data is not None
+            views = self._views[key] = manifest.views(data)
+        return views
 
     def close(self) -> None:
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
+        self._views = {}
+        for segment in self._segments.values():
+            segment.close()
+        self._segments = {}

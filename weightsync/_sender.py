@@ -19,7 +19,7 @@ from ._exceptions import (
 )
 from ._packet import Manifest, Packet, signature_of
 from ._strategy import WeightStrategy, flat_weights
-from ._transports._base import SenderTransport, SharedTransport
+from ._transports._base import SenderTransport, Staging
 
 __all__ = ["DEFAULT_TIMEOUT", "AsyncWeightSender", "SendReport"]
 
@@ -52,14 +52,14 @@ class AsyncWeightSender:
         model_id: str | None,
         strategy: WeightStrategy,
         transports: Mapping[int, SenderTransport],
-        shared: SharedTransport | None = None,
+        staging: Staging | None = None,
         context: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         self.model_id = model_id
         self.strategy = strategy
         self.transports: dict[int, SenderTransport] = dict(transports)
-        self.shared = shared
+        self.staging = staging
         self.context = context
         self.timeout = timeout
         self.version = 0
@@ -174,8 +174,8 @@ class AsyncWeightSender:
                 )
 
         if reachable:
-            if self.shared is not None:
-                await self.shared.stage(packet)
+            if self.staging is not None:
+                await self.staging.stage(packet)
             # Notify every worker first, so none waits for the task group's
             # bookkeeping; the tasks then only gather the acks.
             for wid in reachable:
@@ -247,5 +247,5 @@ class AsyncWeightSender:
         with anyio.CancelScope(shield=True):
             for transport in self.transports.values():
                 await transport.aclose()
-            if self.shared is not None:
-                await self.shared.aclose()
+            if self.staging is not None:
+                await self.staging.aclose()

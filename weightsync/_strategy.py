@@ -16,11 +16,23 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from ._exceptions import InvalidWeightsError, WeightMismatchError
+from ._exceptions import InvalidWeightsError
+from ._packet import Manifest
 
-__all__ = ["WeightStrategy", "check_same_layout", "describe_mismatch", "flat_weights", "model_tensors"]
+__all__ = ["WeightStrategy", "flat_weights", "model_of", "model_tensors"]
 
 StrategyName = Literal["state_dict", "tensordict"]
+
+
+def model_of(context: Any, model_id: str | None) -> Any | None:
+    """The model a context (e.g. a collector) holds for ``model_id``: its
+    ``get_model(model_id)``, else its ``model`` attribute, else None."""
+    if context is None:
+        return None
+    get_model = getattr(context, "get_model", None)
+    if get_model is not None:
+        return get_model(model_id)
+    return getattr(context, "model", None)
 
 
 def _resolve_source(source: Any, context: Any, model_id: str | None) -> Any:
@@ -31,10 +43,7 @@ def _resolve_source(source: Any, context: Any, model_id: str | None) -> Any:
             "weights=None needs a context (or a model given at init) to read the model from",
             model_id=model_id,
         )
-    get_model = getattr(context, "get_model", None)
-    if get_model is not None:
-        return get_model(model_id)
-    model = getattr(context, "model", None)
+    model = model_of(context, model_id)
     if model is None:
         raise InvalidWeightsError(
             f"the context {type(context).__name__} has neither get_model() nor .model",
@@ -61,15 +70,21 @@ def _check_tensor(name: str, value: Any, model_id: str | None) -> torch.Tensor:
 
 
 def _flatten_mapping(
-    mapping: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor], model_id: str | None
+    mapping: Mapping[Any, Any],
+    prefix: str,
+    out: dict[str, torch.Tensor],
+    model_id: str | None,
+    *,
+    detach: bool = True,
 ) -> None:
     for key, value in mapping.items():
         name = f"{prefix}{key}"
         # Tensors first: the common case, and a cheaper check than the ABCs.
         if not isinstance(value, torch.Tensor) and isinstance(value, Mapping | TensorDictBase):
-            _flatten_mapping(value, name + ".", out, model_id)
+            _flatten_mapping(value, name + ".", out, model_id, detach=detach)
         else:
-            out[name] = _check_tensor(name, value, model_id)
+            checked = _check_tensor(name, value, model_id)
+            out[name] = checked if detach else value
 
 
 def flat_weights(source: Any, *, context: Any = None, model_id: str | None = None) -> dict[str, torch.Tensor]:
@@ -111,41 +126,15 @@ def model_tensors(model: Any, *, model_id: str | None = None) -> dict[str, torch
         return {str(k): v for k, v in model.flatten_keys(".").items()}
     if isinstance(model, Mapping):
         out: dict[str, torch.Tensor] = {}
-        _flatten_mapping(model, "", out, model_id)
+        # The tensors themselves, not detached aliases: an update that
+        # re-points a tensor (``tensor.data = ...``) must reach the mapping.
+        _flatten_mapping(model, "", out, model_id, detach=False)
         return out
     raise InvalidWeightsError(
         f"cannot apply weights to a {type(model).__name__}; "
         "expected nn.Module, TensorDict or a dict of tensors",
         model_id=model_id,
     )
-
-
-def check_same_layout(
-    weights: Mapping[str, torch.Tensor],
-    model: Mapping[str, torch.Tensor],
-    *,
-    model_id: str | None = None,
-    where: str = "the model",
-) -> None:
-    """Raise :class:`WeightMismatchError` unless names, shapes and dtypes match."""
-    missing = [n for n in model if n not in weights]
-    extra = [n for n in weights if n not in model]
-    wrong = [
-        f"{n}: {tuple(weights[n].shape)} {weights[n].dtype} vs {tuple(model[n].shape)} {model[n].dtype}"
-        for n in weights
-        if n in model and (weights[n].shape != model[n].shape or weights[n].dtype != model[n].dtype)
-    ]
-    if missing or extra or wrong:
-        raise WeightMismatchError(describe_mismatch(missing, extra, wrong, where=where), model_id=model_id)
-
-
-def describe_mismatch(missing: list[str], extra: list[str], wrong: list[str], *, where: str) -> str:
-    parts = []
-    for label, items in (("missing", missing), ("unexpected", extra), ("mismatched", wrong)):
-        if items:
-            shown = ", ".join(items[:5]) + (f", ... ({len(items)} in all)" if len(items) > 5 else "")
-            parts.append(f"{label}: {shown}")
-    return f"weights do not match {where} ({'; '.join(parts)})"
 
 
 class WeightStrategy:
@@ -201,7 +190,7 @@ class WeightStrategy:
         """
         flat = flat_weights(weights, model_id=model_id)
         targets = model_tensors(destination, model_id=model_id)
-        check_same_layout(flat, targets, model_id=model_id)
+        Manifest.of(flat).check_matches(Manifest.of(targets), model_id=model_id, where="the model")
         if not inplace and isinstance(destination, nn.Module):
             destination.load_state_dict(flat, assign=True)
             return

@@ -1,17 +1,25 @@
-"""The transport interface every scheme implements.
+"""The transport interface.
 
-Sender side, per scheme: one :class:`SharedTransport` (what is written once per
-send, however many workers there are) and one :class:`SenderTransport` per
-worker. Worker side: one :class:`ReceiverTransport`. All methods that may wait
-are coroutines; none blocks the event loop. Deadlines are the caller's cancel
-scopes: a transport only has to be cancellable.
+Sender side, per scheme: one :class:`Staging` (where a send's bytes wait for
+the workers; written once per send, however many workers there are) and one
+:class:`SenderTransport` per worker (the control channel to it). Worker side:
+one :class:`WorkerEndpoint`, which yields :class:`Incoming` updates.
+
+A pull endpoint (pipes) holds updates until the worker's ``receive()`` asks
+for them; a push endpoint (Ray) is built with the receiver (an
+:class:`Applier`) and applies each update as it arrives. Either way the model
+is written by ``Incoming.apply``, so what is specific to a transport (copy
+into the model, or re-point the model to shared memory) lives with it.
+
+All methods that may wait are coroutines; none blocks the event loop, but for
+``WorkerEndpoint.wait_ready``, which is for a thread outside any loop.
+Deadlines are the caller's cancel scopes: a transport only has to be
+cancellable.
 """
 
 from __future__ import annotations
 
-from contextvars import ContextVar
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -19,19 +27,15 @@ from .._exceptions import WorkerApplyError, WorkerLostError
 from .._packet import Manifest, Packet
 
 __all__ = [
-    "ReceiverTransport",
+    "Applier",
+    "Incoming",
     "SenderTransport",
-    "SharedTransport",
-    "Update",
-    "caller_is_blocked",
+    "Staging",
+    "StagingReader",
+    "WorkerEndpoint",
     "worker_failed",
     "worker_lost",
 ]
-
-#: True while the coroutine runs on a private loop whose caller is blocked
-#: waiting for it: a transport may then do long copies inline instead of in a
-#: worker thread, since nothing else runs on that loop.
-caller_is_blocked: ContextVar[bool] = ContextVar("weightsync_caller_is_blocked", default=False)
 
 
 def worker_lost(worker_id: int, model_id: str | None, reason: str) -> WorkerLostError:
@@ -53,26 +57,27 @@ def worker_failed(worker_id: int, model_id: str | None, version: int, message: s
     )
 
 
-@dataclass(frozen=True)
-class Update:
-    """A worker's view of one pending update."""
-
-    version: int
-    layout_id: str
-    #: Threads the worker may use for its copy (the sender spreads the host's
-    #: cores over the workers of one send).
-    copy_threads: int = 1
+# -- sender side -------------------------------------------------------------
 
 
 @runtime_checkable
-class SharedTransport(Protocol):
-    """The part of a send written once for all workers."""
+class Staging(Protocol):
+    """Where a send's bytes wait for the workers."""
 
     async def stage(self, packet: Packet) -> None:
         """Make ``packet``'s bytes available to the workers.
 
         After it returns the caller may change its weights again.
         """
+
+    def descriptor(self, worker_id: int) -> Any:
+        """What worker ``worker_id`` needs to find the staged bytes (small,
+        picklable). The staging counts those bytes as in use by that worker
+        until :meth:`released` says otherwise."""
+
+    def released(self, worker_id: int, version: int, holding: Any) -> None:
+        """Worker ``worker_id`` is past every update up to ``version`` and
+        now runs on ``holding`` (what its ack named; None: its own memory)."""
 
     async def aclose(self) -> None:
         """Release what was staged. Idempotent."""
@@ -117,48 +122,82 @@ class SenderTransport(Protocol):
         gone. Idempotent."""
 
 
-@runtime_checkable
-class ReceiverTransport(Protocol):
-    """A worker's endpoint."""
+# -- worker side ---------------------------------------------------------------
 
-    #: True when an update is applied by re-pointing the model's tensors to
-    #: the transport's memory instead of copying into them.
-    zero_copy: bool
-    #: True when updates are applied as they arrive, by the sender calling
-    #: into the worker (Ray actors), instead of in ``receive()``: ``receive()``
-    #: then only reports the newest version applied since its last call.
-    applies_on_arrival: bool
+
+class Incoming(Protocol):
+    """One update that reached a worker and is not applied yet."""
+
+    version: int
+    layout_id: str
+
+    def is_current(self) -> bool:
+        """Whether the bytes behind this update still hold its version (the
+        sender has not begun overwriting them)."""
+
+    def apply(self, model: Any, targets: list[torch.Tensor], manifest: Manifest) -> None:
+        """Write the update into ``targets`` (the model's tensors in
+        ``manifest`` order, already checked against the update's layout).
+        Blocks until done."""
+
+
+class Applier(Protocol):
+    """What a push endpoint calls on its receiver."""
+
+    def manifest(self) -> Manifest:
+        """The layout of the worker's model as it is now."""
+
+    def apply(self, incoming: Incoming) -> int:
+        """Apply ``incoming`` now, on the calling thread; its version.
+
+        :raises WeightMismatchError: it does not fit the model (nothing written).
+        """
+
+
+@runtime_checkable
+class WorkerEndpoint(Protocol):
+    """A worker's end of the control channel."""
 
     async def announce(self, manifest: Manifest) -> None:
         """Tell the sender this worker exists and what its model looks like."""
 
-    def wait_ready(self, timeout: float) -> bool:
-        """Block the calling thread (not an event loop) up to ``timeout``
-        seconds until an update may be pending or the sender may be gone.
-
-        True means "look now" (``next_update(0)`` will tell); False means
-        nothing came.
-        """
-
-    async def next_update(self, timeout: float) -> Update | None:
+    async def next_update(self, timeout: float) -> Incoming | None:
         """The newest pending update, or None if none came within ``timeout``
-        seconds (0: do not wait).
+        seconds (0: do not wait). A push endpoint has none: it returns None
+        at once.
 
         :raises SenderLostError: the sender died or shut down.
         """
 
-    def sources(self, update: Update, manifest: Manifest) -> list[torch.Tensor]:
-        """Read-only tensors holding the update's data, in manifest order."""
+    async def reply(self, version: int, error: str | None = None) -> None:
+        """Report ``version`` applied, or (``error``) not applied and why."""
 
-    def is_current(self, update: Update) -> bool:
-        """Whether the data behind ``update`` is still that version (the
-        sender has not started overwriting it)."""
-
-    async def ack(self, version: int) -> None:
-        """Report ``version`` applied."""
-
-    async def reject(self, version: int, message: str) -> None:
-        """Report that ``version`` could not be applied, and why."""
+    def wait_ready(self, timeout: float) -> bool:
+        """Block the calling thread (not an event loop) up to ``timeout``
+        seconds until an update may be pending or the sender may be gone.
+        True means "look now" (``next_update(0)`` will tell)."""
 
     async def aclose(self) -> None:
         """Close the endpoint. Idempotent."""
+
+
+class StagingReader(Protocol):
+    """The worker's half of a :class:`Staging`: reads what the sender staged,
+    given the descriptor that came with an update."""
+
+    def is_current(self, descriptor: Any, version: int) -> bool:
+        """Whether the staged bytes still hold ``version``.
+
+        :raises OSError: the staging cannot be opened (the sender is gone).
+        """
+
+    def apply(
+        self, descriptor: Any, model: Any, targets: list[torch.Tensor], manifest: Manifest, threads: int
+    ) -> None:
+        """Write the staged update into ``targets`` (copy, or re-point)."""
+
+    def holding(self) -> Any:
+        """What the worker runs on now, for its ack (None: its own memory)."""
+
+    def close(self) -> None:
+        """Let go of every mapping. Idempotent."""

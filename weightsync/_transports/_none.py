@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-
 from .._packet import Manifest, Packet
-from ._base import Update
+from ._base import Incoming
 
-__all__ = ["NoReceiverTransport", "NoTransport"]
+__all__ = ["NoEndpoint", "NoTransport"]
 
 
 class NoTransport:
@@ -29,32 +27,20 @@ class NoTransport:
         return None
 
 
-class NoReceiverTransport:
+class NoEndpoint:
     """A worker endpoint that never has an update."""
-
-    zero_copy = False
-    applies_on_arrival = False
 
     async def announce(self, manifest: Manifest) -> None:
         return None
 
+    async def next_update(self, timeout: float) -> Incoming | None:
+        return None
+
+    async def reply(self, version: int, error: str | None = None) -> None:
+        return None
+
     def wait_ready(self, timeout: float) -> bool:
         return False
-
-    async def next_update(self, timeout: float) -> Update | None:
-        return None
-
-    def sources(self, update: Update, manifest: Manifest) -> list[torch.Tensor]:
-        return []
-
-    def is_current(self, update: Update) -> bool:
-        return False
-
-    async def ack(self, version: int) -> None:
-        return None
-
-    async def reject(self, version: int, message: str) -> None:
-        return None
 
     async def aclose(self) -> None:
         return None

@@ -1,31 +1,46 @@
-"""Control messages over a ``multiprocessing`` pipe, as coroutines.
+"""The pipe transport: control messages over a ``multiprocessing`` pipe, bulk
+bytes through a :class:`Staging` (one segment that workers copy out of, or
+versioned slots that they run on).
 
-Messages are small tuples (a version, a layout, an ack); bulk bytes never
-travel here. A read waits in the event loop for the pipe *or* the peer's
-pidfd to become readable, whichever comes first: a peer that died while
-another process still holds its end of the pipe never produces EOF, and must
-still be reported promptly. Where pidfds are missing, the peer is polled every
+Messages are small pickled tuples; bulk bytes never travel here::
+
+    worker -> sender   ("hello", model_id, pid, signature)
+                       ("ack", version, holding)      holding: what the worker runs on now
+                       ("error", version, message)
+    sender -> worker   ("update", version, layout_id, descriptor, copy_threads, sender_pid)
+                       ("close",)
+
+A read waits in the event loop for the pipe *or* the peer's pidfd to become
+readable, whichever comes first: a peer that died while another process still
+holds its end of the pipe never produces EOF, and must still be reported
+promptly. Where pidfds are missing, the peer is polled every
 :data:`LIVENESS_PERIOD` seconds instead.
 
-This is the hot path of every send: readiness is checked with one
-``select`` call, and a wait is one future on the loop, not a cancel scope.
+This is the hot path of every send: readiness is checked with one ``select``
+call, and a wait is one future on the loop, not a cancel scope.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 import select
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import anyio
+import torch
 
-from .._segment import ProcessWatch
+from .._copy import usable_cores
+from .._exceptions import SenderLostError, WorkerLostError
+from .._packet import Manifest, Packet
+from ._base import Staging, StagingReader, worker_failed, worker_lost
 
-__all__ = ["LIVENESS_PERIOD", "PipeChannel"]
+__all__ = ["LIVENESS_PERIOD", "PipeChannel", "PipeEndpoint", "PipeSenderTransport", "ProcessWatch"]
 
 LIVENESS_PERIOD = 0.2
 # Writes up to this size fit in a free pipe slot, so a write that follows a
@@ -70,6 +85,43 @@ def _now() -> float:
         return asyncio.get_running_loop().time()
     except RuntimeError:
         return anyio.current_time()
+
+
+class ProcessWatch:
+    """Tells whether another process on this host is still alive.
+
+    Uses a pidfd where the kernel has them (exact, immune to pid reuse) and
+    ``/proc/<pid>/stat`` otherwise; a zombie counts as dead.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._pidfd: int | None = None
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            self._pidfd = None
+
+    @property
+    def fd(self) -> int | None:
+        """A descriptor that becomes readable when the process exits, if any."""
+        return self._pidfd
+
+    def alive(self) -> bool:
+        if self._pidfd is not None:
+            readable, _, _ = select.select([self._pidfd], [], [], 0)
+            return not readable
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as stat:
+                state = stat.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        return state not in (b"Z", b"X")
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 class PipeChannel:
@@ -197,3 +249,170 @@ class PipeChannel:
         if self.peer is not None:
             self.peer.close()
             self.peer = None
+
+
+# -- the sender's channel to one worker ----------------------------------------
+
+
+class PipeSenderTransport:
+    """The sender's channel to one worker process, over the user's pipe; the
+    bytes go through ``staging``, shared by all the workers of the scheme."""
+
+    def __init__(self, pipe: Connection, worker_id: int, staging: Staging, model_id: str | None) -> None:
+        self.worker_id = worker_id
+        self.model_id = model_id
+        self._staging = staging
+        self._channel = PipeChannel(pipe, self._lost)
+        self.layout: Manifest | None = None
+        self.worker_pid: int | None = None
+        self._posted = 0
+        self._closed = False
+
+    def _lost(self, reason: str) -> WorkerLostError:
+        return worker_lost(self.worker_id, self.model_id, reason)
+
+    def _handle_hello(self, message: tuple) -> None:
+        _, _model_id, pid, signature = message
+        self.worker_pid = pid
+        self._channel.watch(pid)
+        self.layout = Manifest.from_signature(signature)
+        # A fresh worker runs on its own memory.
+        self._staging.released(self.worker_id, 0, None)
+
+    async def connect(self) -> Manifest | None:
+        while self.layout is None:
+            message = await self._channel.recv()
+            if message is not None and message[0] == "hello":
+                self._handle_hello(message)
+        if not self._channel.peer_alive():
+            raise self._lost("its process exited")
+        return self.layout
+
+    def _update(self, packet: Packet) -> tuple[Any, ...]:
+        threads = max(1, usable_cores() // packet.fanout)
+        descriptor = self._staging.descriptor(self.worker_id)
+        return ("update", packet.version, packet.manifest.layout_id, descriptor, threads, os.getpid())
+
+    def post(self, packet: Packet) -> bool:
+        if self._channel.try_send(self._update(packet)):
+            self._posted = packet.version
+            return True
+        return False
+
+    async def deliver(self, packet: Packet) -> None:
+        if self._posted != packet.version:
+            await self._channel.send(self._update(packet))
+            self._posted = packet.version
+        while True:
+            message = await self._channel.recv()
+            if message is None:
+                continue
+            kind = message[0]
+            if kind == "ack":
+                self._staging.released(self.worker_id, message[1], message[2])
+                if message[1] == packet.version:
+                    return
+            elif kind == "error" and message[1] == packet.version:
+                raise worker_failed(self.worker_id, self.model_id, packet.version, message[2])
+            elif kind == "hello":
+                # The worker re-initialised: tell it about this update again.
+                self._handle_hello(message)
+                await self._channel.send(self._update(packet))
+            # Anything else is an ack or error of an older, abandoned send: a
+            # stale ack never completes this one.
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with anyio.move_on_after(0.5):
+                await self._channel.send(("close",))
+        except WorkerLostError:
+            pass
+        self._channel.close()
+
+
+# -- the worker's end ------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class PipeUpdate:
+    """An update announced over the pipe, read through the staging reader."""
+
+    version: int
+    layout_id: str
+    descriptor: Any
+    threads: int
+    endpoint: PipeEndpoint
+
+    def is_current(self) -> bool:
+        try:
+            return self.endpoint.reader.is_current(self.descriptor, self.version)
+        except (OSError, ValueError) as exc:
+            raise self.endpoint.lost(f"its staging memory cannot be opened ({exc})") from exc
+
+    def apply(self, model: Any, targets: list[torch.Tensor], manifest: Manifest) -> None:
+        try:
+            self.endpoint.reader.apply(self.descriptor, model, targets, manifest, self.threads)
+        except (OSError, ValueError) as exc:
+            raise self.endpoint.lost(f"its staging memory cannot be opened ({exc})") from exc
+
+
+class PipeEndpoint:
+    """A worker's end of its pipe; updates are read through ``reader``."""
+
+    def __init__(self, pipe: Connection, model_id: str | None, reader: StagingReader) -> None:
+        self.model_id = model_id
+        self.reader = reader
+        self._channel = PipeChannel(pipe, self.lost)
+        self._closed = False
+
+    def lost(self, reason: str) -> SenderLostError:
+        return SenderLostError(
+            f"the sender of model {self.model_id!r} is gone: {reason}", model_id=self.model_id
+        )
+
+    async def announce(self, manifest: Manifest) -> None:
+        await self._channel.send(("hello", self.model_id, os.getpid(), manifest.signature))
+
+    def _handle(self, message: tuple, latest: PipeUpdate | None) -> PipeUpdate | None:
+        kind = message[0]
+        if kind == "update":
+            _, version, layout_id, descriptor, threads, sender_pid = message
+            self._channel.watch(sender_pid)
+            return PipeUpdate(version, layout_id, descriptor, threads, self)
+        if kind == "close":
+            raise self.lost("it shut down")
+        return latest
+
+    def _drain(self, latest: PipeUpdate | None) -> PipeUpdate | None:
+        # Only the newest update can still be read: skip the older ones.
+        while (message := self._channel.poll()) is not None:
+            latest = self._handle(message, latest)
+        return latest
+
+    async def next_update(self, timeout: float) -> PipeUpdate | None:
+        latest = self._drain(None)
+        if latest is not None or timeout <= 0:
+            return latest
+        message = await self._channel.recv(timeout)
+        if message is None:
+            return None
+        return self._drain(self._handle(message, None))
+
+    async def reply(self, version: int, error: str | None = None) -> None:
+        if error is None:
+            await self._channel.send(("ack", version, self.reader.holding()))
+        else:
+            await self._channel.send(("error", version, error))
+
+    def wait_ready(self, timeout: float) -> bool:
+        return self._channel.wait_ready(timeout)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.reader.close()
+        self._channel.close()

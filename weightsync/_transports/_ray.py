@@ -12,9 +12,10 @@ it), and the call's result is the ack. The stored object is
 copy threads) is the same for every actor, so each call carries only the
 function and the object's reference.
 
-Worker side: :class:`RayReceiverTransport` registers the actor's model under
-its ``model_id`` in this process. The call from the sender copies the bytes
-into the model in place:
+Worker side: :class:`RayEndpoint`, built with the actor's receiver, registers
+it under its ``model_id`` in this process (a push endpoint). The call from the
+sender hands the receiver a :class:`RayUpdate`, which copies the bytes into
+the model in place:
 
 - on a plain actor, the call is one more method call, so it runs between the
   actor's other method calls;
@@ -37,6 +38,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -45,6 +47,7 @@ import ray
 import ray.exceptions
 import torch
 
+from .._copy import copy_tensors, usable_cores
 from .._exceptions import (
     SenderLostError,
     WeightMismatchError,
@@ -52,14 +55,11 @@ from .._exceptions import (
     WorkerApplyError,
     WorkerLostError,
 )
-from .._packet import Manifest, Packet, Signature, usable_cores
-from ._base import Update, caller_is_blocked, worker_failed, worker_lost
+from .._offload import inline_allowed, run_blocking
+from .._packet import Manifest, Packet, Signature
+from ._base import Applier, worker_failed, worker_lost
 
-__all__ = ["RayReceiverTransport", "RaySenderTransport", "RayStaging", "apply_on_actor"]
-
-# Below this size ray.put runs inline on the sender's loop: a thread hop would
-# cost more than the copy into the object store.
-_INLINE_PUT_BYTES = 1 << 20
+__all__ = ["RayEndpoint", "RaySenderTransport", "RayStaging", "RayUpdate", "apply_on_actor"]
 
 # How long connect() waits between asking an actor whether its model is
 # registered yet (it doubles up to the maximum).
@@ -117,12 +117,12 @@ class RayStaging:
         self.version = packet.version
 
     async def stage(self, packet: Packet) -> None:
-        if packet.nbytes <= _INLINE_PUT_BYTES or caller_is_blocked.get():
-            self._put(packet, self.model_id)
-        else:
-            # A put is one memcpy into shared memory: not cancellable halfway.
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._put, packet, self.model_id)
+        # A put is one memcpy into shared memory: not cancellable halfway.
+        await run_blocking(packet.nbytes, self._put, packet, self.model_id)
+
+    def descriptor(self, worker_id: int) -> ray.ObjectRef:
+        assert self.ref is not None, "stage() comes first"
+        return self.ref
 
     def wait_all(self) -> None:
         """Block until every call of the current send returned, or until the
@@ -149,7 +149,7 @@ class RayStaging:
             return  # one of them failed: each caller gets its own result
         self.replies.update(zip(returned, values, strict=True))
 
-    def finished(self, worker_id: int) -> None:
+    def released(self, worker_id: int, version: int = 0, holding: Any = None) -> None:
         """Worker ``worker_id`` is done with the current send (acked, failed
         or abandoned at the deadline). Once all are, the stored object is let
         go at once: Ray frees it asynchronously, and an object still held
@@ -234,7 +234,7 @@ class RaySenderTransport:
         assert staging.ref is not None and staging.version == packet.version, "stage() comes first"
         # The ObjectRef is a top-level argument, so Ray resolves it on the
         # actor's node before the call runs: the actor sees numpy views.
-        staging.calls[self.worker_id] = self._apply_call(staging.ref)
+        staging.calls[self.worker_id] = self._apply_call(staging.descriptor(self.worker_id))
         return True
 
     async def deliver(self, packet: Packet) -> None:
@@ -243,13 +243,13 @@ class RaySenderTransport:
             if self.worker_id not in staging.calls:
                 self.post(packet)
             call = staging.calls[self.worker_id]
-            if caller_is_blocked.get():
+            if inline_allowed():
                 staging.wait_all()
             reply = staging.replies.get(self.worker_id)
             if reply is None:
                 reply = await self._await(call, packet.version)
         finally:
-            staging.finished(self.worker_id)
+            staging.released(self.worker_id, packet.version)
         kind = reply[0]
         if kind == "ack":
             # The version applied, or a newer one of the same sender that
@@ -285,7 +285,7 @@ def _first_line(exc: BaseException) -> str:
 # -- the worker side -------------------------------------------------------
 
 # The endpoints of this process (a Ray actor), by model id.
-_ENDPOINTS: dict[str | None, RayReceiverTransport] = {}
+_ENDPOINTS: dict[str | None, RayEndpoint] = {}
 _ENDPOINTS_LOCK = threading.Lock()
 
 
@@ -293,7 +293,7 @@ def _describe_on_actor(actor: Any, model_id: str | None) -> Signature | None:
     """Runs on the actor (through ``__ray_call__``): the layout of the model
     registered under ``model_id``, or None."""
     endpoint = _ENDPOINTS.get(model_id)
-    return None if endpoint is None else endpoint.signature()
+    return None if endpoint is None else endpoint.signature
 
 
 def apply_on_actor(actor: Any, update: tuple[tuple[Any, ...], Sequence[np.ndarray]]) -> tuple[Any, ...]:
@@ -308,25 +308,48 @@ def apply_on_actor(actor: Any, update: tuple[tuple[Any, ...], Sequence[np.ndarra
             f"no model {model_id!r} is registered in this actor: call "
             f"RayWeightSyncScheme.init_on_worker({model_id!r}, model=...) inside the actor",
         )
-    return endpoint.run(sender, Update(version, layout_id, threads), arrays)
+    return endpoint.run(sender, RayUpdate(version, layout_id, arrays, threads))
 
 
-class RayReceiverTransport:
-    """A Ray actor's endpoint for one model: applies each update as it arrives.
+@dataclass(eq=False)
+class RayUpdate:
+    """An update that arrived as a call: its bytes are read-only arrays of
+    Ray's object store, which never change once put."""
 
-    ``on_update``, if given, is called on the actor with each version right
-    after it is applied.
+    version: int
+    layout_id: str
+    arrays: Sequence[np.ndarray]
+    threads: int
+
+    def is_current(self) -> bool:
+        return True
+
+    def apply(self, model: Any, targets: list[torch.Tensor], manifest: Manifest) -> None:
+        if len(self.arrays) != len(manifest.specs):
+            raise WeightMismatchError(
+                f"version {self.version} carries {len(self.arrays)} tensors, the model has "
+                f"{len(manifest.specs)}"
+            )
+        copy_tensors(targets, _tensor_views(self.arrays, manifest), threads=self.threads)
+
+
+class RayEndpoint:
+    """A Ray actor's endpoint for one model: a push endpoint, which hands each
+    update to ``receiver`` as it arrives.
+
+    Built inside the actor, it registers itself at once, so the sender can
+    ask for the model's layout. ``on_update``, if given, is called on the
+    actor with each version right after it is applied.
+
+    :raises WeightSyncStateError: built off the event loop of an async actor.
     """
 
-    zero_copy = False
-    applies_on_arrival = True
-
-    def __init__(self, model_id: str | None, on_update: Callable[[int], Any] | None = None) -> None:
+    def __init__(
+        self, model_id: str | None, receiver: Applier, on_update: Callable[[int], Any] | None = None
+    ) -> None:
         self.model_id = model_id
         self.on_update = on_update
-        self._apply: Callable[[Update], int] | None = None
-        self._signature: Signature | None = None
-        self._arrays: Sequence[np.ndarray] | None = None
+        self._receiver = receiver
         # The newest (sender, version) applied.
         self._sender = ""
         self._version = 0
@@ -347,52 +370,40 @@ class RayReceiverTransport:
                     model_id=model_id,
                 ) from None
         self._loop_thread = threading.get_ident()
-
-    def register(self, apply: Callable[[Update], int], manifest: Manifest) -> None:
-        """Make this endpoint the one the sender's calls reach, applying
-        updates with ``apply`` (which raises :class:`WeightMismatchError` when
-        an update does not fit)."""
-        self._apply = apply
-        self._signature = manifest.signature
+        self.signature: Signature = receiver.manifest().signature
         with _ENDPOINTS_LOCK:
-            _ENDPOINTS[self.model_id] = self
-
-    def signature(self) -> Signature | None:
-        return self._signature
+            _ENDPOINTS[model_id] = self
 
     # -- called by the sender, through Ray ----------------------------------
-    def run(self, sender: str, update: Update, arrays: Sequence[np.ndarray]) -> tuple[Any, ...]:
+    def run(self, sender: str, update: RayUpdate) -> tuple[Any, ...]:
         """Apply ``update`` of ``sender`` (a token naming the sending
-        scheme) with the bytes in ``arrays``; the reply for the sender."""
+        scheme); the reply for the sender."""
         loop = self._loop
         if loop is None or threading.get_ident() == self._loop_thread or loop.is_closed():
-            return self._run(sender, update, arrays)
+            return self._run(sender, update)
         done: concurrent.futures.Future[tuple[Any, ...]] = concurrent.futures.Future()
 
         def step() -> None:
             try:
-                done.set_result(self._run(sender, update, arrays))
+                done.set_result(self._run(sender, update))
             except BaseException as exc:
                 done.set_exception(exc)
 
         try:
             loop.call_soon_threadsafe(step)
         except RuntimeError:  # the loop closed meanwhile
-            return self._run(sender, update, arrays)
+            return self._run(sender, update)
         return done.result()
 
-    def _run(self, sender: str, update: Update, arrays: Sequence[np.ndarray]) -> tuple[Any, ...]:
-        if self._closed or self._apply is None:
+    def _run(self, sender: str, update: RayUpdate) -> tuple[Any, ...]:
+        if self._closed:
             return ("absent", f"the receiver of model {self.model_id!r} on this actor is shut down")
         if sender == self._sender and update.version <= self._version:
             return ("ack", self._version)
-        self._arrays = arrays
         try:
-            self._apply(update)
+            self._receiver.apply(update)
         except WeightMismatchError as exc:
             return ("error", update.version, str(exc))
-        finally:
-            self._arrays = None
         self._sender, self._version = sender, update.version
         if self.on_update is not None:
             try:
@@ -405,37 +416,25 @@ class RayReceiverTransport:
                 )
         return ("ack", update.version)
 
-    # -- the ReceiverTransport interface ----------------------------------------
+    # -- the WorkerEndpoint interface ---------------------------------------------
     async def announce(self, manifest: Manifest) -> None:
-        self._signature = manifest.signature
+        """Nothing to send: the sender asks the actor (see ``connect``)."""
+        self.signature = manifest.signature
 
-    def wait_ready(self, timeout: float) -> bool:
-        return False
+    async def next_update(self, timeout: float) -> None:
+        """Never an update to pull (they are applied as they arrive); never waits.
 
-    async def next_update(self, timeout: float) -> Update | None:
+        :raises SenderLostError: the endpoint is closed.
+        """
         if self._closed:
             raise SenderLostError(f"the receiver of model {self.model_id!r} is shut down")
         return None
 
-    def sources(self, update: Update, manifest: Manifest) -> list[torch.Tensor]:
-        arrays = self._arrays
-        if arrays is None or len(arrays) != len(manifest.specs):
-            raise WeightMismatchError(
-                f"version {update.version} carries {0 if arrays is None else len(arrays)} tensors, "
-                f"the model has {len(manifest.specs)}",
-                model_id=self.model_id,
-            )
-        return _tensor_views(arrays, manifest)
+    async def reply(self, version: int, error: str | None = None) -> None:
+        """Nothing to send: the reply is the result of the sender's call."""
 
-    def is_current(self, update: Update) -> bool:
-        # Objects in Ray's store never change once put.
-        return True
-
-    async def ack(self, version: int) -> None:
-        return None
-
-    async def reject(self, version: int, message: str) -> None:
-        return None
+    def wait_ready(self, timeout: float) -> bool:
+        return self._closed
 
     async def aclose(self) -> None:
         self._closed = True

@@ -1,0 +1,175 @@
+"""The copy engine: tensors into tensors, as plain memcpy where it can.
+
+Copies are ``ctypes.memmove`` (which releases the GIL), split across
+short-lived threads when large. torch's own parallel copy would use its
+intra-op threads, which spin-wait after each copy; on a machine with as many
+processes as cores that spinning takes the core from the very workers the
+copy is for, and torch cannot be told per call how many threads to use.
+
+A copy never outlives the call that started it: an interruption (Ctrl-C)
+waits for the helper threads before it goes on, so no memory is written after
+its owner believes the copy is over, and none is unmapped under a copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ._exceptions import WeightMismatchError
+
+__all__ = ["CopyPlan", "PARALLEL_COPY_BYTES", "check_writable_in_place", "copy_tensors", "usable_cores"]
+
+# Below this size one thread is faster than starting others.
+PARALLEL_COPY_BYTES = 4 << 20
+
+Span = tuple[int, int, int]  # (destination address, source address, bytes)
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    return tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
+def _memmove_spans(
+    spans: list[Span], began: threading.Event | None = None, keep_alive: object = None
+) -> None:
+    # ``keep_alive`` holds the tensors behind the raw addresses for as long
+    # as this thread copies: their memory cannot be freed or unmapped under it.
+    if began is not None:
+        began.set()
+    for dst, src, size in spans:
+        ctypes.memmove(dst, src, size)
+
+
+def _split(spans: list[Span], total: int, parts: int) -> list[list[Span]]:
+    """Cut a list of (dst, src, size) copies into ``parts`` lists of about equal bytes."""
+    share = -(-total // parts)
+    out: list[list[Span]] = [[]]
+    room = share
+    for dst, src, size in spans:
+        while size > 0:
+            if room == 0:
+                out.append([])
+                room = share
+            step = min(size, room)
+            out[-1].append((dst, src, step))
+            dst, src, size, room = dst + step, src + step, size - step, room - step
+    return out
+
+
+def _join_all(helpers: Iterable[tuple[threading.Thread, threading.Event]]) -> None:
+    """Join every helper that began, even when interrupted meanwhile; then
+    re-raise the interruption."""
+    interruption: BaseException | None = None
+    for helper, began in helpers:
+        while True:
+            try:
+                # An interruption inside ``start()`` may leave a helper that
+                # runs, or one that never will (it was stopped before its
+                # thread existed): ``began`` tells them apart.
+                if began.wait(1.0):
+                    helper.join()
+                break
+            except BaseException as exc:  # KeyboardInterrupt: the copy still runs, wait for it
+                interruption = interruption or exc
+    if interruption is not None:
+        raise interruption
+
+
+class CopyPlan:
+    """A copy of ``sources`` into ``destinations`` (same shapes and dtypes),
+    worked out once and run as often as the tensors stay the same.
+
+    Contiguous CPU pairs become byte copies, run on up to ``threads`` threads
+    for large totals; anything else (strided views, other devices) goes
+    through torch.
+    """
+
+    def __init__(self, destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+        self.spans: list[Span] = []
+        self.total = 0
+        self.slow_dst: list[torch.Tensor] = []
+        self.slow_src: list[torch.Tensor] = []
+        for dst, src in zip(destinations, sources, strict=True):
+            if dst.shape != src.shape or dst.dtype != src.dtype:
+                # Raw copies trust sizes: never make one between tensors that differ.
+                raise ValueError(
+                    f"cannot copy {src.dtype}{tuple(src.shape)} into {dst.dtype}{tuple(dst.shape)}"
+                )
+            if _plain(dst) and _plain(src):
+                size = dst.numel() * dst.element_size()
+                if size:
+                    self.spans.append((dst.data_ptr(), src.data_ptr(), size))
+                    self.total += size
+            else:
+                self.slow_dst.append(dst)
+                self.slow_src.append(src)
+        # The plan holds raw addresses: keep the tensors alive with it, and
+        # remember where the destinations' data was.
+        self._keep = (list(destinations), list(sources))
+        self._where = [t.data_ptr() for t in self._keep[0]]
+
+    def still_valid(self) -> bool:
+        """False if a destination's data moved since the plan was made (e.g.
+        ``param.data = other``): the plan must then be made again."""
+        return [t.data_ptr() for t in self._keep[0]] == self._where
+
+    def run(self, threads: int = 1) -> None:
+        """Copy every byte; blocks until done, and an interruption
+        (KeyboardInterrupt) is raised only once every helper thread ended."""
+        parts = max(1, min(threads, self.total // PARALLEL_COPY_BYTES))
+        if parts == 1:
+            _memmove_spans(self.spans)
+        else:
+            shares = _split(self.spans, self.total, parts)
+            helpers: list[tuple[threading.Thread, threading.Event]] = []
+            try:
+                for share in shares[1:]:
+                    began = threading.Event()
+                    helper = threading.Thread(
+                        target=_memmove_spans,
+                        args=(share, began, self._keep),
+                        name="weightsync-copy",
+                        daemon=True,
+                    )
+                    helpers.append((helper, began))
+                    helper.start()
+                _memmove_spans(shares[0])
+            finally:
+                _join_all(helpers)
+        if self.slow_dst:
+            with torch.inference_mode():
+                torch._foreach_copy_(self.slow_dst, self.slow_src)
+
+
+def copy_tensors(
+    destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], *, threads: int = 1
+) -> None:
+    """Copy ``sources`` into ``destinations`` once (see :class:`CopyPlan`)."""
+    CopyPlan(destinations, sources).run(threads)
+
+
+def check_writable_in_place(
+    tensors: Iterable[tuple[str, torch.Tensor]], *, model_id: str | None = None, where: str = ""
+) -> None:
+    """:raises WeightMismatchError: a tensor cannot be written in place (not
+    dense, or its elements overlap in memory: an expanded or broadcast view)."""
+    for name, tensor in tensors:
+        if tensor.layout != torch.strided or torch._debug_has_internal_overlap(tensor) == 1:
+            raise WeightMismatchError(
+                f"{name!r}{where} cannot be written in place: its elements overlap in memory "
+                "(an expanded or broadcast tensor)",
+                model_id=model_id,
+            )
+
+
+def usable_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

@@ -1,0 +1,249 @@
+"""How a blocking call enters an event loop: the one module that knows.
+
+Two ways in, one coroutine core:
+
+- A blocking call (``send()``, ``receive()``) runs its coroutine to the end on
+  a private asyncio loop of the calling thread, created once per thread. The
+  caller is blocked anyway, so no other thread needs to be woken: on a 2-core
+  machine a hop into a loop thread through a ``BlockingPortal`` costs about
+  130 us a call, ``run_until_complete`` on a kept loop about 20 us (asyncio's
+  loop; uvloop re-arms its signal handling on every run and costs about
+  80 us there). Long steps then run inline (see ``_offload``).
+- A call that must go on in the background (``send_async()``), or a blocking
+  call from a thread that already runs an event loop (a notebook, an async
+  app), goes through the process-wide loop thread, entered with an anyio
+  ``BlockingPortal``; the calling thread blocks while it waits. That loop runs
+  on uvloop when uvloop is installed, unless ``WEIGHTSYNC_LOOP=asyncio``.
+
+A blocking call from the loop thread itself raises instead of deadlocking.
+
+Ctrl-C during a blocking call on the main thread cancels the coroutine
+through its cancel scope, so every copy it started (shielded) ends and every
+channel is left in a known state before ``KeyboardInterrupt`` is raised; a
+second Ctrl-C raises at once.
+
+The loop thread starts on first use and, like the private loops, is closed
+when the last sender or receiver lets go of the runtime (:meth:`Runtime.release`),
+so an idle process holds no weightsync thread. After ``fork`` the child
+forgets the parent's loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import signal
+import threading
+import weakref
+from collections.abc import Awaitable, Callable, Iterator
+from types import FrameType
+from typing import Any, TypeVar
+
+import anyio
+from anyio.from_thread import BlockingPortal
+
+from ._exceptions import WeightSyncStateError
+from ._offload import caller_blocked
+
+__all__ = ["RUNTIME", "LOOP_THREAD_NAME", "Runtime"]
+
+T = TypeVar("T")
+LOOP_THREAD_NAME = "weightsync-loop"
+
+
+def _backend_options() -> dict[str, Any]:
+    choice = os.environ.get("WEIGHTSYNC_LOOP", "auto")
+    if choice == "asyncio":
+        return {}
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        if choice == "uvloop":
+            raise
+        return {}
+    return {"use_uvloop": True}
+
+
+def _thread_runs_a_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+class _Interruptible:
+    """While active on the main thread, the first SIGINT cancels one cancel
+    scope on a loop instead of raising wherever the main thread happens to be
+    (possibly between two reads of one pipe message, or while copy threads
+    run); the second raises as usual."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.scope: anyio.CancelScope | None = None
+        self.interrupted = False
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        if self.interrupted or self.scope is None:
+            raise KeyboardInterrupt
+        self.interrupted = True
+        self.loop.call_soon_threadsafe(self.scope.cancel)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        if (
+            threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        ):
+            yield  # another thread, or the user's own handler: leave SIGINT alone
+            return
+        signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    async def run(self, func: Callable[..., Awaitable[T]], *args: Any) -> T | None:
+        """``func(*args)``, or None once SIGINT cancelled it (the caller
+        then raises KeyboardInterrupt: the work has stopped)."""
+        with anyio.CancelScope() as scope:
+            self.scope = scope
+            return await func(*args)
+        return None
+
+
+class Runtime:
+    """The process-wide loop thread and the per-thread private loops."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._portal: BlockingPortal | None = None
+        self._thread: threading.Thread | None = None
+        self._users = 0
+        self._local = threading.local()
+        self._private: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+
+    # -- the loop thread ---------------------------------------------------
+    def _start(self) -> BlockingPortal:
+        ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
+
+        async def main() -> None:
+            async with BlockingPortal() as portal:
+                ready.set_result(portal)
+                await portal.sleep_until_stopped()
+
+        def run() -> None:
+            try:
+                anyio.run(main, backend="asyncio", backend_options=_backend_options())
+            except BaseException as exc:  # surfaced to the thread that waits on ready
+                if not ready.done():
+                    ready.set_exception(exc)
+
+        thread = threading.Thread(target=run, name=LOOP_THREAD_NAME, daemon=True)
+        thread.start()
+        self._thread = thread
+        return ready.result()
+
+    def _check_not_loop_thread(self) -> None:
+        if self._thread is not None and threading.current_thread() is self._thread:
+            raise WeightSyncStateError(
+                "a blocking weightsync call was made from weightsync's own event-loop thread; "
+                "await the async API (get_async_sender / get_async_receiver) there instead"
+            )
+
+    def portal(self) -> BlockingPortal:
+        """The loop thread's portal, started on first use."""
+        self._check_not_loop_thread()
+        with self._lock:
+            if self._portal is None:
+                self._portal = self._start()
+            return self._portal
+
+    def start(self, func: Callable[..., Awaitable[T]], *args: Any) -> concurrent.futures.Future[T]:
+        """Run ``func(*args)`` in the background on the loop thread. Never blocks
+        (but for starting the thread on first use)."""
+        return self.portal().start_task_soon(func, *args)
+
+    # -- blocking calls ----------------------------------------------------
+    def _private_loop(self) -> asyncio.AbstractEventLoop:
+        loop = getattr(self._local, "loop", None)
+        if loop is None or loop.is_closed():
+            loop = asyncio.new_event_loop()
+            self._local.loop = loop
+            with self._lock:
+                self._private.add(loop)
+        return loop
+
+    def call(self, func: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``func(*args)`` to the end and return its result, blocking.
+
+        :raises WeightSyncStateError: called from the loop thread itself.
+        :raises KeyboardInterrupt: Ctrl-C, once the coroutine has stopped.
+        """
+        self._check_not_loop_thread()
+        if _thread_runs_a_loop():
+            return self.portal().call(func, *args)
+        loop = self._private_loop()
+        guard = _Interruptible(loop)
+        with caller_blocked(), guard.installed():
+            task = loop.create_task(guard.run(func, *args))
+            try:
+                result = loop.run_until_complete(task)
+            except BaseException as exc:
+                # Interrupted outside the coroutine's own scope (a second
+                # Ctrl-C, a SystemExit from a handler): cancel it so its
+                # channels end cleanly before the error goes on.
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        loop.run_until_complete(task)
+                if guard.interrupted and not isinstance(exc, KeyboardInterrupt):
+                    raise KeyboardInterrupt from exc
+                raise
+        if guard.interrupted:
+            # Raised even when the work finished before the cancel reached
+            # it: the user asked to stop.
+            raise KeyboardInterrupt
+        return result  # type: ignore[return-value]
+
+    # -- lifetime ------------------------------------------------------------
+    def acquire(self) -> None:
+        """One more sender or receiver relies on the runtime."""
+        with self._lock:
+            self._users += 1
+
+    def release(self) -> None:
+        """Drop one user; the last one closes the private loops and stops the
+        loop thread."""
+        with self._lock:
+            self._users = max(self._users - 1, 0)
+            if self._users:
+                return
+            private = [loop for loop in self._private if not loop.is_running()]
+            for loop in private:
+                self._private.discard(loop)
+            portal, thread = self._portal, self._thread
+            if thread is not None and threading.current_thread() is thread:
+                portal = thread = None  # cannot stop from inside; the next release will
+            else:
+                self._portal = self._thread = None
+        for loop in private:
+            loop.close()
+        if portal is not None and thread is not None:
+            portal.call(portal.stop)
+            thread.join(timeout=10)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._portal = None
+        self._thread = None
+        self._users = 0
+        self._local = threading.local()
+        self._private = weakref.WeakSet()
+
+
+RUNTIME = Runtime()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=RUNTIME._after_fork)

@@ -1,0 +1,96 @@
+"""Staging in one shared segment that workers copy out of.
+
+Per send the sender writes the packet's bytes once into one shared staging
+segment, whatever the number of workers, and tells each worker where it is.
+A worker copies the bytes into its own model (every tensor keeps its identity
+and ``data_ptr()``) when it applies the update. The segment's header says
+which version it holds; the worker checks it before and after its copy, so a
+copy that raced with the next send (only possible for a worker that missed a
+deadline) is detected and redone from the newer version, never kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._copy import CopyPlan
+from .._offload import run_blocking
+from .._packet import Manifest, Packet
+from .._segment import AttachedSegments, Segment, SegmentRef
+
+__all__ = ["CopyReader", "SegmentStaging"]
+
+
+class SegmentStaging:
+    """The sender's one staging segment, grown as layouts need."""
+
+    def __init__(self) -> None:
+        self.segment: Segment | None = None
+        self._views: tuple[str, list[torch.Tensor]] | None = None
+
+    def _ensure(self, manifest: Manifest) -> tuple[Segment, list[torch.Tensor]]:
+        if self.segment is None or self.segment.nbytes < manifest.nbytes:
+            self._views = None
+            if self.segment is not None:
+                self.segment.close()
+            self.segment = Segment.create(manifest.nbytes)
+        if self._views is None or self._views[0] != manifest.layout_id:
+            assert self.segment.data is not None
+            self._views = (manifest.layout_id, manifest.views(self.segment.data))
+        return self.segment, self._views[1]
+
+    async def stage(self, packet: Packet) -> None:
+        segment, views = self._ensure(packet.manifest)
+        await run_blocking(packet.nbytes, segment.write, views, packet)
+
+    def descriptor(self, worker_id: int) -> SegmentRef:
+        assert self.segment is not None, "stage() comes first"
+        return self.segment.ref()
+
+    def released(self, worker_id: int, version: int, holding: Any) -> None:
+        """Nothing to do: workers copy out, and a copy that races the next
+        send is caught by the version check."""
+
+    async def aclose(self) -> None:
+        self._views = None
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
+
+class CopyReader:
+    """A worker's side: copies out of the sender's segment into its model."""
+
+    def __init__(self) -> None:
+        self._segments = AttachedSegments(keep_one=True)
+        # The copy plan of the current (model tensors, source views) pair;
+        # both lists are cached objects, so identity tells when to redo it.
+        self._plan: tuple[list[torch.Tensor], list[torch.Tensor], CopyPlan] | None = None
+
+    def is_current(self, descriptor: SegmentRef, version: int) -> bool:
+        return self._segments.segment(descriptor).published() == version
+
+    def apply(
+        self,
+        descriptor: SegmentRef,
+        model: Any,
+        targets: list[torch.Tensor],
+        manifest: Manifest,
+        threads: int,
+    ) -> None:
+        sources = self._segments.views(descriptor, manifest)
+        plan = self._plan
+        if plan is None or plan[0] is not targets or plan[1] is not sources or not plan[2].still_valid():
+            # New sources, or a tensor of the model was re-pointed
+            # (``param.data = ...``) to memory of the same shape: plan again.
+            plan = self._plan = (targets, sources, CopyPlan(targets, sources))
+        plan[2].run(threads)
+
+    def holding(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self._plan = None
+        self._segments.close()

@@ -1,0 +1,144 @@
+"""Staging in versioned slots that workers run on directly (zero-copy).
+
+The sender keeps several slots (segments). Each send is written once into a
+slot that no worker may be reading: not the slot any worker currently runs
+on, and not one it was told about and has not yet answered for. A worker
+moves to the new slot by re-pointing its tensors (``tensor.data = view``): no
+byte is copied, every tensor keeps its identity, and its ``data_ptr()``
+changes. Its ack names the slot it moved to, which frees the slot it left. So
+nothing a worker reads between two updates ever changes under it, and at most
+one slot per worker (plus one per unanswered update) is in use.
+
+Workers map the slots read-only: a worker whose own code writes into a
+re-pointed tensor faults at once instead of corrupting what the other workers
+run on. Only a module's parameters are re-pointed; its buffers, which worker
+code does write (BatchNorm statistics in train mode), are copied into the
+worker's own memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._copy import CopyPlan
+from .._offload import run_blocking
+from .._packet import Manifest, Packet
+from .._segment import AttachedSegments, Segment, SegmentRef
+
+__all__ = ["SlotReader", "SlotStaging"]
+
+
+class SlotStaging:
+    """The sender's versioned slots; each send is written into a free one."""
+
+    def __init__(self) -> None:
+        self.slots: list[Segment] = []
+        self.current: Segment | None = None
+        self._version = 0
+        self._views: dict[tuple[bytes, str], list[torch.Tensor]] = {}
+        # Per worker: the slots it was told about (token -> newest version
+        # told) and has not answered for, and the slot it runs on.
+        self._told: dict[int, dict[bytes, int]] = {}
+        self._holding: dict[int, bytes] = {}
+
+    def _busy(self) -> set[bytes]:
+        busy = set(self._holding.values())
+        for told in self._told.values():
+            busy |= told.keys()
+        return busy
+
+    def _choose(self, manifest: Manifest) -> Segment:
+        busy = self._busy()
+        for slot in self.slots:
+            if slot.token not in busy and slot.nbytes >= manifest.nbytes:
+                return slot
+        for slot in [s for s in self.slots if s.token not in busy]:
+            # Idle but too small for this layout: it will never be used again.
+            self.slots.remove(slot)
+            self._views = {k: v for k, v in self._views.items() if k[0] != slot.token}
+            slot.close()
+        slot = Segment.create(manifest.nbytes)
+        self.slots.append(slot)
+        return slot
+
+    async def stage(self, packet: Packet) -> None:
+        slot = self._choose(packet.manifest)
+        key = (slot.token, packet.manifest.layout_id)
+        views = self._views.get(key)
+        if views is None:
+            assert slot.data is not None
+            views = self._views[key] = packet.manifest.views(slot.data)
+        await run_blocking(packet.nbytes, slot.write, views, packet)
+        self.current, self._version = slot, packet.version
+
+    def descriptor(self, worker_id: int) -> SegmentRef:
+        assert self.current is not None, "stage() comes first"
+        self._told.setdefault(worker_id, {})[self.current.token] = self._version
+        return self.current.ref()
+
+    def released(self, worker_id: int, version: int, holding: Any) -> None:
+        if holding is None:
+            self._holding.pop(worker_id, None)  # a fresh worker runs on its own memory
+        else:
+            self._holding[worker_id] = holding
+        # Updates up to this version are answered: the worker is past them.
+        told = self._told.get(worker_id)
+        if told:
+            self._told[worker_id] = {t: v for t, v in told.items() if v > version}
+
+    async def aclose(self) -> None:
+        self._views = {}
+        self.current = None
+        for slot in self.slots:
+            slot.close()
+        self.slots = []
+
+
+class SlotReader:
+    """A worker's side: maps the sender's slots read-only and re-points its
+    model's parameters to the slot of each update."""
+
+    def __init__(self) -> None:
+        self._segments = AttachedSegments(keep_one=False)
+        self._holding: bytes | None = None
+
+    def is_current(self, descriptor: SegmentRef, version: int) -> bool:
+        return self._segments.segment(descriptor).published() == version
+
+    def apply(
+        self,
+        descriptor: SegmentRef,
+        model: Any,
+        targets: list[torch.Tensor],
+        manifest: Manifest,
+        threads: int,
+    ) -> None:
+        sources = self._segments.views(descriptor, manifest)
+        # A module's buffers (BatchNorm statistics, counters) are copied into
+        # the worker's own memory: worker code writes into them (a forward
+        # pass in train mode), and the slots are read-only.
+        if isinstance(model, torch.nn.Module):
+            own = [not isinstance(t, torch.nn.Parameter) for t in targets]
+        else:
+            own = [False] * len(targets)
+        if any(own):
+            CopyPlan(
+                [t for t, o in zip(targets, own, strict=True) if o],
+                [s for s, o in zip(sources, own, strict=True) if o],
+            ).run(threads)
+        # The sender leaves this slot unchanged until we ack a newer version:
+        # re-pointing is the update, no byte copied.
+        for target, source, o in zip(targets, sources, own, strict=True):
+            if not o:
+                target.data = source
+        self._holding = descriptor.token
+
+    def holding(self) -> bytes | None:
+        return self._holding
+
+    def close(self) -> None:
+        # The model may still run on these views: a slot stays mapped until
+        # the last tensor on it goes (see Segment.close).
+        self._segments.close()
