@@ -35,8 +35,8 @@ def worker(scheme: ws.MultiProcessWeightSyncScheme, pipe: Connection, idx: int) 
             try:
                 if scheme.receive(timeout=0.05):
                     versions += 1
-            except ws.SenderLostError:
-                break  # the trainer finished and shut down its side
+            except ws.SenderClosedError:
+                break  # the trainer finished and shut down its side (a dead one raises SenderLostError)
     finally:
         scheme.shutdown()
     print(f"worker {idx}: applied {versions} updates", flush=True)
@@ -81,7 +81,7 @@ def main() -> None:
     try:
         anyio.run(train, scheme, policy, args.steps)
     finally:
-        scheme.shutdown()  # workers see SenderLostError and exit
+        scheme.shutdown()  # workers see SenderClosedError and exit
         for proc in procs:
             proc.join(30)
     print("done", flush=True)

@@ -36,8 +36,8 @@ def collector(scheme: ws.MultiProcessWeightSyncScheme, pipe: Connection, done: C
             if version:
                 latest = version
         scheme.receive(timeout=1.0)  # pick up the trainer's last send, if it is still pending
-    except ws.SenderLostError:
-        pass
+    except ws.SenderClosedError:
+        pass  # the trainer shut down cleanly; a dead trainer's SenderLostError goes on
     finally:
         scheme.shutdown()
     print(f"collector {idx}: {frames} frames, last version {latest}", flush=True)

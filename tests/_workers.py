@@ -101,12 +101,16 @@ def snapshot(model: Any) -> dict[str, torch.Tensor]:
 def worker_main(
     scheme: ws.WeightSyncScheme,
     model_id: str,
-    pipe: Connection,
+    pipe: Connection | None,
     ctrl: Connection,
     kind: str,
     poll: float = 0.02,
+    worker_idx: int | None = None,
 ) -> None:
     """Receive updates in a loop; obey commands from the test over ``ctrl``.
+
+    A process worker is given its ``pipe``; a thread of the in-process scheme
+    its ``worker_idx`` instead.
 
     Commands: "pause" / "resume" (stop / start calling receive), "state"
     (reply with the model, the versions applied, and whether every tensor
@@ -116,7 +120,10 @@ def worker_main(
     tensors = tensors_of(model)
     ids = {k: id(v) for k, v in tensors.items()}
     ptrs = {k: v.data_ptr() for k, v in tensors.items()}
-    scheme.init_on_worker(model_id, pipe=pipe, model=model)
+    if pipe is not None:
+        scheme.init_on_worker(model_id, pipe=pipe, model=model)
+    else:
+        scheme.init_on_worker(model_id, model=model, worker_idx=worker_idx)
     ctrl.send(("ready", os.getpid()))
     receiving = True
     applied: list[int] = []
@@ -127,6 +134,12 @@ def worker_main(
                 cmd = ctrl.recv()
                 if cmd == "stop":
                     break
+                if cmd == "exit3":  # a worker that exits with a status of its own
+                    os._exit(3)
+                if cmd == "write_params":  # worker code that writes into its parameters
+                    with torch.no_grad():
+                        for param in model.parameters():
+                            param.add_(1)
                 if cmd == "repoint":  # new storage, same shape: updates must follow it
                     model.out.weight.data = torch.zeros_like(model.out.weight)
                     ptrs["out.weight"] = model.out.weight.data_ptr()

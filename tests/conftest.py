@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import multiprocessing as mp
 import os
 import signal
@@ -33,9 +34,11 @@ SCHEMES: dict[str, Callable[[], ws.WeightSyncScheme]] = {
 }
 # The schemes whose workers are processes joined by the user's pipes.
 PIPE_SCHEMES = ["multiprocess", "shared"]
+# The conformance suite also runs over the in-process scheme (worker threads).
+CONFORMANCE_SCHEMES = [*SCHEMES, "inprocess"]
 # Whether a worker's tensors keep their data_ptr() across updates (identity
 # is kept by every scheme).
-KEEPS_DATA_PTR = {"multiprocess": True, "shared": False, "ray": True}
+KEEPS_DATA_PTR = {"multiprocess": True, "shared": False, "ray": True, "inprocess": True}
 
 
 def reap(procs: list[Any], timeout: float = 20.0) -> None:
@@ -144,6 +147,64 @@ class Cluster:
             proc.close()
         self.scheme.shutdown()
         for conn in self.ctrls + self.pipes:
+            conn.close()
+
+
+class ThreadCluster(Cluster):
+    """The same harness over :class:`ws.InProcessWeightSyncScheme`: each worker
+    is a thread of this process running the same loop, on its own copy of
+    the scheme."""
+
+    def __init__(self, kinds: list[str], model_id: str = "policy", trainer_kind: str = "net") -> None:
+        self.scheme_name = "inprocess"
+        self.model_id = model_id
+        self.scheme = ws.InProcessWeightSyncScheme(timeout=30)
+        self.model = build_model(trainer_kind, seed=7)
+        self.procs: list[Any] = []
+        self.ctrls: list[Any] = []
+        self.pipes: list[Any] = []
+        self.pids: list[int] = []
+        self._ctrl_children: list[Any] = []
+        try:
+            for i, kind in enumerate(kinds):
+                ctrl, ctrl_child = mp.Pipe()
+                thread = threading.Thread(
+                    target=worker_main,
+                    args=(copy.copy(self.scheme), model_id, None, ctrl_child, kind),
+                    kwargs={"worker_idx": i},
+                    name=f"test-worker-{i}",
+                    daemon=True,
+                )
+                thread.start()
+                self.procs.append(thread)
+                self.ctrls.append(ctrl)
+                self._ctrl_children.append(ctrl_child)
+            self.scheme.init_on_sender(model_id, model=self.model, num_workers=len(kinds))
+            for ctrl in self.ctrls:
+                if not ctrl.poll(READY_TIMEOUT):
+                    raise RuntimeError("a worker did not start")
+                tag, pid = ctrl.recv()
+                assert tag == "ready"
+                self.pids.append(pid)
+        except BaseException:
+            self.close()
+            raise
+
+    def kill(self, i: int) -> None:
+        """A thread cannot be killed: it ends at once, without a word to the
+        sender, and its end of the pipe closes as a dead process's would."""
+        self.ctrls[i].send("stop")
+        self.procs[i].join(10)
+
+    def close(self) -> None:
+        for i, thread in enumerate(self.procs):
+            if thread.is_alive():
+                with contextlib.suppress(OSError):
+                    self.ctrls[i].send("stop")
+        for thread in self.procs:
+            thread.join(20)
+        self.scheme.shutdown()
+        for conn in self.ctrls + self._ctrl_children:
             conn.close()
 
 
@@ -290,6 +351,8 @@ def new_cluster(
 ) -> Cluster:
     if scheme_name == "ray":
         return RayCluster(request.getfixturevalue("ray_runtime"), kinds, model_id, trainer_kind)
+    if scheme_name == "inprocess":
+        return ThreadCluster(kinds, model_id, trainer_kind)
     return Cluster(scheme_name, kinds, model_id, trainer_kind)
 
 

@@ -89,9 +89,11 @@ def test_sigkilled_trainer_is_reported_to_the_worker_promptly(scheme_name: str) 
         trainer.join(30)
         assert trainer.exitcode == -9
         started = time.monotonic()
-        with pytest.raises(ws.SenderLostError):
+        with pytest.raises(ws.SenderLostError) as info:
             scheme.receive(timeout=30)
         assert time.monotonic() - started < 5
+        # A killed trainer is not a clean shutdown.
+        assert not isinstance(info.value, ws.SenderClosedError)
         assert float(model.inp.weight.detach().sum()) != 0.0
     finally:
         scheme.shutdown()

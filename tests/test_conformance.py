@@ -1,18 +1,33 @@
 """The conformance suite: every behaviour of a scheme, over every scheme.
 
-Real worker processes, real pipes, real shared memory and a real Ray cluster.
+Real worker processes, real pipes, real shared memory and a real Ray cluster;
+and worker threads over the in-process scheme.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import Cluster
+from conftest import CONFORMANCE_SCHEMES, Cluster, new_cluster
 from tensordict import TensorDict
 
 import weightsync as ws
+
+
+@pytest.fixture(params=CONFORMANCE_SCHEMES)
+def scheme_name(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module", params=CONFORMANCE_SCHEMES)
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """Three healthy workers shared by the non-destructive tests of this module."""
+    c = new_cluster(request, request.param, ["net", "net", "net"])
+    yield c
+    c.close()
 
 
 def test_send_reaches_every_worker_in_place(cluster: Cluster) -> None:
@@ -73,6 +88,25 @@ def test_unknown_worker_id_is_rejected_before_sending(cluster: Cluster) -> None:
     assert info.value.unknown_ids == (7,)
     for i in range(3):
         cluster.assert_has(i, before)
+
+
+def test_a_send_rejected_before_anything_moved_uses_no_version(cluster: Cluster) -> None:
+    version = cluster.sender.send().version
+    bad = cluster.expected()
+    bad["out.weight"] = torch.zeros(5, 16)
+    with pytest.raises(ws.WeightMismatchError):
+        cluster.sender.send(bad)
+    with pytest.raises(ws.UnknownWorkerError):
+        cluster.sender.send(worker_ids=[9])
+    with pytest.raises(ws.InvalidWeightsError):
+        cluster.sender.send({**cluster.expected(), "out.bias": 3})
+    with pytest.raises(ValueError, match="no worker"):
+        cluster.sender.send(worker_ids=[])
+    cluster.bump()
+    assert cluster.sender.send().version == version + 1
+    for i in range(3):
+        assert cluster.state(i)["applied"][-1] == version + 1
+        cluster.assert_has(i, cluster.expected())
 
 
 @pytest.mark.parametrize("defect", ["shape", "dtype", "missing", "extra"])
@@ -259,3 +293,17 @@ def test_a_worker_writing_its_own_buffers_keeps_running_and_touches_no_other(mak
     c.sender.send()  # the next update replaces the worker's own statistics
     c.assert_has(0, c.expected())
     c.assert_has(1, c.expected())
+
+
+def test_a_clean_shutdown_is_told_apart_from_a_lost_sender(make_cluster, scheme_name: str) -> None:
+    if scheme_name == "ray":
+        pytest.skip("a Ray actor is never told of a shutdown: it keeps serving until the trainer's end")
+    c = make_cluster(["net", "net"])
+    c.sender.send()
+    c.scheme.shutdown()
+    for i in range(2):
+        deadline = time.monotonic() + 10
+        while not c.state(i)["errors"]:
+            assert time.monotonic() < deadline, "the worker was not told of the shutdown"
+            time.sleep(0.02)
+        assert c.state(i)["errors"][0].startswith("SenderClosedError"), c.state(i)["errors"]

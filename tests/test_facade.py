@@ -175,8 +175,13 @@ async def test_two_concurrent_async_sends_are_refused_not_mixed(make_cluster) ->
         except ws.WeightSyncStateError as exc:
             outcomes.append(exc)
 
+    # The worker holds its ack until both sends have begun: a first send that
+    # got its ack before the second began would not be concurrent at all.
+    c.pause(0)
     async with anyio.create_task_group() as group:
         group.start_soon(one)
         group.start_soon(one)
+        await anyio.sleep(0.2)
+        await anyio.to_thread.run_sync(c.resume, 0)
     assert sum(isinstance(o, ws.SendReport) for o in outcomes) == 1
     assert sum(isinstance(o, ws.WeightSyncStateError) for o in outcomes) == 1

@@ -18,14 +18,13 @@ from pathlib import Path
 import pytest
 from conftest import PIPE_SCHEMES, Cluster
 
-import weightsync as ws
-
 TRAINER = Path(__file__).with_name("_interrupted_trainer.py")
 
 
 def _interrupt_a_trainer(scheme_name: str, rounds: int, mib: int, seed: int) -> None:
     chooser = random.Random(seed)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TRAINER.parent), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(TRAINER.parent), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
     trainer = subprocess.Popen(
         [sys.executable, "-X", "faulthandler", str(TRAINER), scheme_name, str(rounds), str(mib)],
         stdout=subprocess.PIPE,

@@ -1,13 +1,16 @@
 """weightsync: move model weights from a trainer to its workers, and know they
 were applied.
 
-Importing weightsync has no side effects and never imports ray.
+Importing weightsync has no side effects and never imports ray. The layers,
+what a transport implements and how blocking calls enter the event loop are
+described in ``docs/architecture.md``.
 """
 
 # Errors
 from ._exceptions import (
     AckTimeoutError,
     InvalidWeightsError,
+    SenderClosedError,
     SenderLostError,
     UnknownWorkerError,
     WeightMismatchError,
@@ -16,6 +19,7 @@ from ._exceptions import (
     WorkerApplyError,
     WorkerError,
     WorkerLostError,
+    WorkerProtocolError,
 )
 
 # Sync facade
@@ -63,6 +67,7 @@ __all__ = [
     "RayWeightSyncScheme",
     "RemoteWeightUpdaterBase",
     "SendReport",
+    "SenderClosedError",
     "SenderLostError",
     "SharedMemWeightSyncScheme",
     "TensorSpec",
@@ -77,5 +82,6 @@ __all__ = [
     "WorkerApplyError",
     "WorkerError",
     "WorkerLostError",
+    "WorkerProtocolError",
     "__version__",
 ]

@@ -8,11 +8,15 @@ The tree::
     │   │   ├── WorkerLostError              a worker died or its channel closed
     │   │   ├── AckTimeoutError (TimeoutError)
     │   │   │                                no ack before the deadline
-    │   │   └── WorkerApplyError             the worker failed to apply; carries its message
+    │   │   ├── WorkerApplyError             the worker failed to apply; carries its message
+    │   │   └── WorkerProtocolError          the worker's channel carried a message that is
+    │   │                                    not the protocol (garbage, another model, an
+    │   │                                    ack of a version never sent)
     │   ├── WeightMismatchError (ValueError) names, shapes or dtypes do not match the model
     │   ├── InvalidWeightsError (ValueError) weights that cannot be sent (sparse, meta, not tensors)
     │   ├── UnknownWorkerError (ValueError)  a worker id that the sender does not know
     │   ├── SenderLostError                  (worker side) the sender died or shut down
+    │   │   └── SenderClosedError            the sender shut down cleanly (shutdown())
     │   └── WeightSyncStateError (RuntimeError)
     │                                        lifecycle misuse: use before init, after
     │                                        shutdown, a send while one is pending
@@ -31,6 +35,7 @@ from collections.abc import Mapping
 __all__ = [
     "AckTimeoutError",
     "InvalidWeightsError",
+    "SenderClosedError",
     "SenderLostError",
     "UnknownWorkerError",
     "WeightMismatchError",
@@ -39,6 +44,7 @@ __all__ = [
     "WorkerApplyError",
     "WorkerError",
     "WorkerLostError",
+    "WorkerProtocolError",
 ]
 
 
@@ -83,6 +89,12 @@ class SenderLostError(WeightSyncError):
     """Raised on a worker when the sender died or shut down its side."""
 
 
+class SenderClosedError(SenderLostError):
+    """Raised on a worker when the sender shut down cleanly (``shutdown()``):
+    a worker loop may end quietly on it, and treat any other
+    :class:`SenderLostError` (the trainer died) as a failure."""
+
+
 class WorkerError(WeightSyncError):
     """An error about one or more named workers.
 
@@ -110,7 +122,27 @@ class WorkerError(WeightSyncError):
 
 
 class WorkerLostError(WorkerError):
-    """A worker died, or its pipe/channel closed."""
+    """A worker died, or its pipe/channel closed.
+
+    ``exit_code`` (it exited with that status) or ``exit_signal`` (a signal
+    killed it: 9 is SIGKILL, also the out-of-memory killer's) say why, when
+    the sender can tell: the worker is its child, or a process that
+    ``multiprocessing`` started from it, or a zombie not yet reaped.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        worker_id: int | None = None,
+        model_id: str | None = None,
+        version: int | None = None,
+        exit_code: int | None = None,
+        exit_signal: int | None = None,
+    ) -> None:
+        super().__init__(message, worker_id=worker_id, model_id=model_id, version=version)
+        self.exit_code = exit_code
+        self.exit_signal = exit_signal
 
 
 class AckTimeoutError(WorkerError, TimeoutError):
@@ -136,6 +168,12 @@ class WorkerApplyError(WorkerError):
         self.worker_message = worker_message
 
 
+class WorkerProtocolError(WorkerError):
+    """A message on a worker's channel broke the protocol: not a message,
+    one for another model, or an ack of a version never sent to it. Nothing
+    is completed by such a message; the channel stays usable."""
+
+
 def combine_worker_errors(
     failures: Mapping[int, WorkerError], *, model_id: str | None, version: int | None
 ) -> WorkerError:
@@ -144,6 +182,9 @@ def combine_worker_errors(
     A single failure is returned as it is; several become one error of their
     closest common class, with every worker's reason in the message.
     """
+    for err in failures.values():
+        if err.version is None:
+            err.version = version  # the transport knew the worker, not the send
     if len(failures) == 1:
         return next(iter(failures.values()))
     classes = [type(err) for err in failures.values()]

@@ -75,21 +75,26 @@ def _thread_runs_a_loop() -> bool:
 
 
 class _Interruptible:
-    """While active on the main thread, the first SIGINT cancels one cancel
-    scope on a loop instead of raising wherever the main thread happens to be
-    (possibly between two reads of one pipe message, or while copy threads
-    run); the second raises as usual."""
+    """While installed on the main thread, SIGINT cancels the cancel scope of
+    one blocking call instead of raising wherever the main thread happens to
+    be (possibly between two reads of one pipe message, or while copy threads
+    run); the call then raises KeyboardInterrupt once its work has stopped.
+    A second SIGINT raises at once, as usual."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.scope: anyio.CancelScope | None = None
         self.interrupted = False
+        self._finished = False
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
-        if self.interrupted or self.scope is None:
-            raise KeyboardInterrupt
+        if self.interrupted:
+            raise KeyboardInterrupt  # the user insists
         self.interrupted = True
-        self.loop.call_soon_threadsafe(self.scope.cancel)
+        if self.scope is not None and not self._finished:
+            self.loop.call_soon_threadsafe(self.scope.cancel)
+        # Before the scope exists, run() cancels it as it opens; after the
+        # work finished, call() raises KeyboardInterrupt on its way out.
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -99,8 +104,8 @@ class _Interruptible:
         ):
             yield  # another thread, or the user's own handler: leave SIGINT alone
             return
-        signal.signal(signal.SIGINT, self._on_sigint)
         try:
+            signal.signal(signal.SIGINT, self._on_sigint)
             yield
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -108,10 +113,15 @@ class _Interruptible:
     async def run(self, func: Callable[..., Awaitable[T]], *args: Any) -> T | None:
         """``func(*args)``, or None once SIGINT cancelled it (the caller
         then raises KeyboardInterrupt: the work has stopped)."""
-        with anyio.CancelScope() as scope:
-            self.scope = scope
-            return await func(*args)
-        return None
+        try:
+            with anyio.CancelScope() as scope:
+                self.scope = scope
+                if self.interrupted:
+                    scope.cancel()
+                return await func(*args)
+            return None
+        finally:
+            self._finished = True
 
 
 class Runtime:

@@ -319,6 +319,8 @@ class _PipeScheme(WeightSyncScheme):
 
     _staging_class: ClassVar[type[SegmentStaging] | type[SlotStaging]]
     _reader_class: ClassVar[type[CopyReader] | type[SlotReader]]
+    #: Added to the error of a worker killed by SIGSEGV.
+    _fault_hint: ClassVar[str | None] = None
 
     def _sender_pipes(self, context: Any, kwargs: dict[str, Any]) -> list[Connection]:
         pipes: Sequence[Any] | None = _from(context, kwargs, "pipes")
@@ -341,7 +343,7 @@ class _PipeScheme(WeightSyncScheme):
     ) -> tuple[dict[int, SenderTransport], Staging | None]:
         staging = self._staging_class()
         transports: dict[int, SenderTransport] = {
-            i: PipeSenderTransport(pipe, i, staging, self._model_id)
+            i: PipeSenderTransport(pipe, i, staging, self._model_id, fault_hint=self._fault_hint)
             for i, pipe in enumerate(self._sender_pipes(context, kwargs))
         }
         return transports, staging
@@ -413,6 +415,11 @@ class SharedMemWeightSyncScheme(_PipeScheme):
     default_strategy = "tensordict"
     _staging_class = SlotStaging
     _reader_class = SlotReader
+    _fault_hint = (
+        "Under SharedMemWeightSyncScheme a worker's parameters are read-only shared memory: "
+        "a worker that writes into them faults; use MultiProcessWeightSyncScheme for workers that "
+        "must write their parameters"
+    )
 
 
 class _Rendezvous:

@@ -70,6 +70,7 @@ class Segment:
         """Create a segment of ``nbytes`` data bytes, readable and writable
         by this process only until a worker is told its descriptor."""
         fd = os.memfd_create("weightsync-staging", os.MFD_CLOEXEC)
+        mapping: mmap.mmap | None = None
         try:
             # memfd starts out as mode 0777; only this user's workers, which
             # open it through /proc, are meant to read it.
@@ -77,13 +78,16 @@ class Segment:
             size = HEADER_BYTES + max(nbytes, 1)
             os.ftruncate(fd, size)
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            token = secrets.token_bytes(16)
+            mapping[8:24] = token
+            _VERSION.pack_into(mapping, 0, 0)
+            return cls(fd, nbytes, mapping, token, owner=True)
         except BaseException:
+            # Nothing half-made is left behind, whatever stopped us.
+            if mapping is not None:
+                mapping.close()
             os.close(fd)
             raise
-        token = secrets.token_bytes(16)
-        mapping[8:24] = token
-        _VERSION.pack_into(mapping, 0, 0)
-        return cls(fd, nbytes, mapping, token, owner=True)
 
     @classmethod
     def attach(cls, pid: int, fd: int, nbytes: int, token: bytes) -> Segment:

@@ -75,6 +75,10 @@ class AsyncWeightSender:
         if worker_ids is None:
             return list(self.transports)
         ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
+        if not ids:
+            raise ValueError(
+                f"worker_ids=[] targets no worker (model {self.model_id!r}); pass None to send to all"
+            )
         unknown = [w for w in ids if w not in self.transports]
         if unknown:
             raise UnknownWorkerError(
@@ -93,14 +97,15 @@ class AsyncWeightSender:
         return manifest
 
     def prepare(self, weights: Any = None, *, fanout: int = 1) -> Packet:
-        """Extract ``weights`` (None: the context's model) into the next packet.
+        """Extract ``weights`` (None: the context's model) into the next
+        packet. The version is taken only once the packet is staged: a send
+        rejected before anything moved does not use one up.
 
         :raises InvalidWeightsError: the weights hold something unsendable.
         """
         tensors = flat_weights(weights, context=self.context, model_id=self.model_id)
         manifest = self._manifest(tensors)
-        self.version += 1
-        return Packet(self.version, manifest, manifest.ordered(tensors), fanout)
+        return Packet(self.version + 1, manifest, manifest.ordered(tensors), fanout)
 
     async def connect(
         self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None
@@ -131,6 +136,7 @@ class AsyncWeightSender:
         or a list. ``timeout``: seconds for the whole send (default: the
         scheme's timeout). The weights may be changed again once this returns.
 
+        :raises ValueError: ``worker_ids`` is empty (nothing was sent).
         :raises UnknownWorkerError: a worker id is unknown (nothing was sent).
         :raises WeightMismatchError: the weights do not match a worker's model
             (nothing was sent to any worker).
@@ -164,7 +170,9 @@ class AsyncWeightSender:
         # mismatch is rejected with no worker touched.
         pending = [w for w in targets if self.transports[w].layout is None]
         if pending:
-            await self._fan_out(pending, lambda t: t.connect(), deadline, failures, "announce itself")
+            await self._fan_out(
+                pending, lambda t: t.connect(), deadline, failures, "announce itself", packet.version
+            )
         reachable = [w for w in targets if w not in failures]
         for wid in reachable:
             layout = self.transports[wid].layout
@@ -174,6 +182,7 @@ class AsyncWeightSender:
                 )
 
         if reachable:
+            self.version = packet.version  # bytes move from here on
             if self.staging is not None:
                 await self.staging.stage(packet)
             # Notify every worker first, so none waits for the task group's
@@ -189,6 +198,7 @@ class AsyncWeightSender:
                 deadline,
                 failures,
                 f"ack version {packet.version}",
+                packet.version,
             )
         if failures:
             raise combine_worker_errors(failures, model_id=self.model_id, version=packet.version)
@@ -201,6 +211,7 @@ class AsyncWeightSender:
         deadline: float,
         failures: dict[int, WorkerError],
         what: str,
+        version: int | None = None,
     ) -> None:
         """Run ``step(transport)`` for every target concurrently, all under the
         deadline; a failing worker never cancels the others. A target that
@@ -230,7 +241,7 @@ class AsyncWeightSender:
                     f"worker {wid} (model {self.model_id!r}) did not {what} before the deadline",
                     worker_id=wid,
                     model_id=self.model_id,
-                    version=self.version,
+                    version=version,
                 )
 
     def _check_open(self) -> None:

@@ -38,10 +38,21 @@ __all__ = [
 ]
 
 
-def worker_lost(worker_id: int, model_id: str | None, reason: str) -> WorkerLostError:
+def worker_lost(
+    worker_id: int,
+    model_id: str | None,
+    reason: str,
+    *,
+    exit_code: int | None = None,
+    exit_signal: int | None = None,
+) -> WorkerLostError:
     """The error of a sender transport whose worker died or whose channel closed."""
     return WorkerLostError(
-        f"worker {worker_id} (model {model_id!r}) is gone: {reason}", worker_id=worker_id, model_id=model_id
+        f"worker {worker_id} (model {model_id!r}) is gone: {reason}",
+        worker_id=worker_id,
+        model_id=model_id,
+        exit_code=exit_code,
+        exit_signal=exit_signal,
     )
 
 

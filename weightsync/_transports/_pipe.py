@@ -23,9 +23,12 @@ call, and a wait is one future on the loop, not a cancel scope.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import multiprocessing.process
 import os
 import pickle
 import select
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +39,7 @@ import anyio
 import torch
 
 from .._copy import usable_cores
-from .._exceptions import SenderLostError, WorkerLostError
+from .._exceptions import SenderClosedError, SenderLostError, WorkerLostError, WorkerProtocolError
 from .._packet import Manifest, Packet
 from ._base import Staging, StagingReader, worker_failed, worker_lost
 
@@ -124,17 +127,98 @@ class ProcessWatch:
             self._pidfd = None
 
 
+# How long a lost peer's exit status may take to show once its pipe closed:
+# it closes its descriptors before it becomes a zombie, and a fork server
+# reports its children's status a moment after reaping them.
+_STATUS_WAIT = 0.25
+
+
+def started_here(pid: int) -> multiprocessing.process.BaseProcess | None:
+    """The ``multiprocessing`` Process object of ``pid`` if this process
+    started it (by any start method; a fork server's children are not our
+    children, but their Process objects still learn how they ended)."""
+    # multiprocessing keeps the unjoined children of this process here.
+    for process in list(getattr(multiprocessing.process, "_children", ())):
+        if process.pid == pid:
+            return process
+    return None
+
+
+def _status_now(
+    pid: int, process: multiprocessing.process.BaseProcess | None
+) -> tuple[int | None, int | None] | None:
+    """(exit code, signal) of process ``pid`` if it ended and this process can
+    tell; None otherwise."""
+    code: int | None = None
+    if process is not None:
+        with contextlib.suppress(ValueError):  # the user closed the Process object
+            code = process.exitcode
+    if code is not None:
+        return (code, None) if code >= 0 else (None, -code)
+    try:
+        # Our child: read its status without reaping it (its Process object
+        # or the user's waitpid still gets it).
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except OSError:  # not our child
+        info = None
+    if info is not None:
+        if info.si_code == os.CLD_EXITED:
+            return info.si_status, None
+        return None, info.si_status
+    # A zombie of another parent: /proc still has its wait status (field 52).
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        if fields[0] == b"Z" and len(fields) > 49:
+            status = int(fields[49])
+            return ((status >> 8) & 0xFF, None) if status & 0x7F == 0 else (None, status & 0x7F)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def exit_status(
+    pid: int, process: multiprocessing.process.BaseProcess | None = None
+) -> tuple[int | None, int | None]:
+    """(exit code, signal) of a peer that is gone, waiting briefly for it to
+    show; (None, None) when it cannot be told (or it still runs)."""
+    deadline = time.monotonic() + _STATUS_WAIT
+    while True:
+        found = _status_now(pid, process)
+        if found is not None or time.monotonic() >= deadline:
+            return found or (None, None)
+        time.sleep(0.01)
+
+
+def describe_exit(exit_code: int | None, exit_signal: int | None) -> str:
+    if exit_signal is not None:
+        try:
+            name = signal.Signals(exit_signal).name
+        except ValueError:
+            name = f"signal {exit_signal}"
+        if exit_signal == signal.SIGKILL:
+            return f"it was killed by {name} (a kill -9, or the out-of-memory killer)"
+        return f"it was killed by {name}"
+    if exit_code is not None:
+        return f"it exited with status {exit_code}"
+    return ""
+
+
 class PipeChannel:
     """One end of a pipe carrying pickled control tuples.
 
-    ``lost(reason)`` builds the exception raised when the peer is gone; the
-    transport decides whether that is a lost worker or a lost sender.
+    ``lost(reason)`` builds the exception raised when the peer is gone, and
+    ``garbled(reason)`` the one raised for bytes that are not a message; the
+    transport decides whether that is about a worker or the sender.
     """
 
-    def __init__(self, conn: Connection, lost: Callable[[str], Exception]) -> None:
+    def __init__(
+        self, conn: Connection, lost: Callable[[str], Exception], garbled: Callable[[str], Exception]
+    ) -> None:
         self.conn = conn
         self._fd = conn.fileno()
         self._lost = lost
+        self._garbled = garbled
         self.peer: ProcessWatch | None = None
 
     def watch(self, pid: int) -> None:
@@ -198,10 +282,18 @@ class PipeChannel:
         try:
             if not _readable(self._fd):
                 return None
-            # Trusted: the pipe the user set up between their own processes.
-            return pickle.loads(self.conn.recv_bytes())
+            data = self.conn.recv_bytes()
         except (OSError, EOFError, ValueError) as exc:
             raise self._closed(exc) from exc
+        try:
+            # Trusted: the pipe the user set up between their own processes
+            # (unpickling runs code; see the README on what the channel trusts).
+            message = pickle.loads(data)
+        except Exception as exc:
+            raise self._garbled(f"it sent bytes that are not a message ({type(exc).__name__})") from exc
+        if not isinstance(message, tuple) or not message:
+            raise self._garbled(f"it sent {type(message).__name__} {message!r:.80}, not a message")
+        return message
 
     async def recv(self, timeout: float | None = None) -> tuple[Any, ...] | None:
         """The next message; None if ``timeout`` seconds pass first.
@@ -253,36 +345,92 @@ class PipeChannel:
 
 # -- the sender's channel to one worker ----------------------------------------
 
+# What a worker may send: kind -> length of the tuple.
+_WORKER_MESSAGES = {"hello": 4, "ack": 3, "error": 3}
+
 
 class PipeSenderTransport:
     """The sender's channel to one worker process, over the user's pipe; the
     bytes go through ``staging``, shared by all the workers of the scheme."""
 
-    def __init__(self, pipe: Connection, worker_id: int, staging: Staging, model_id: str | None) -> None:
+    def __init__(
+        self,
+        pipe: Connection,
+        worker_id: int,
+        staging: Staging,
+        model_id: str | None,
+        *,
+        fault_hint: str | None = None,
+    ) -> None:
         self.worker_id = worker_id
         self.model_id = model_id
         self._staging = staging
-        self._channel = PipeChannel(pipe, self._lost)
+        # Said along with a worker's SIGSEGV: what the scheme knows may cause one.
+        self._fault_hint = fault_hint
+        self._channel = PipeChannel(pipe, self._lost, self._garbled)
         self.layout: Manifest | None = None
         self.worker_pid: int | None = None
+        # The worker's Process object, when multiprocessing started it here:
+        # it tells how the worker ended even after the user joined it.
+        self._process: multiprocessing.process.BaseProcess | None = None
         self._posted = 0
         self._closed = False
 
     def _lost(self, reason: str) -> WorkerLostError:
-        return worker_lost(self.worker_id, self.model_id, reason)
+        code: int | None = None
+        sig: int | None = None
+        if self.worker_pid is not None and self.worker_pid != os.getpid():  # (in-process workers never exit)
+            code, sig = exit_status(self.worker_pid, self._process)
+        why = describe_exit(code, sig)
+        if why:
+            reason = f"{why}; {reason}"
+        if sig == signal.SIGSEGV and self._fault_hint:
+            reason = f"{reason}. {self._fault_hint}"
+        return worker_lost(self.worker_id, self.model_id, reason, exit_code=code, exit_signal=sig)
+
+    def _garbled(self, reason: str) -> WorkerProtocolError:
+        return WorkerProtocolError(
+            f"worker {self.worker_id} (model {self.model_id!r}) broke the protocol: {reason}",
+            worker_id=self.worker_id,
+            model_id=self.model_id,
+        )
+
+    def _checked(self, message: tuple) -> tuple:
+        """``message`` if it is one a worker may send now.
+
+        :raises WorkerProtocolError: it is not.
+        """
+        kind = message[0]
+        if _WORKER_MESSAGES.get(kind) != len(message):
+            raise self._garbled(f"it sent {message!r:.80}, which is not a message")
+        if kind == "hello":
+            model_id = message[1]
+            if model_id is not None and self.model_id is not None and model_id != self.model_id:
+                raise self._garbled(f"it announced model {model_id!r} on this model's channel")
+        elif not isinstance(message[1], int) or message[1] > self._posted:
+            raise self._garbled(
+                f"it answered version {message[1]!r}, never sent to it (newest sent: {self._posted})"
+            )
+        return message
 
     def _handle_hello(self, message: tuple) -> None:
         _, _model_id, pid, signature = message
+        try:
+            layout = Manifest.from_signature(signature)
+            pid = int(pid)
+        except Exception as exc:
+            raise self._garbled(f"it announced a model that cannot be read ({exc})") from exc
         self.worker_pid = pid
+        self._process = started_here(pid)
         self._channel.watch(pid)
-        self.layout = Manifest.from_signature(signature)
+        self.layout = layout
         # A fresh worker runs on its own memory.
         self._staging.released(self.worker_id, 0, None)
 
     async def connect(self) -> Manifest | None:
         while self.layout is None:
             message = await self._channel.recv()
-            if message is not None and message[0] == "hello":
+            if message is not None and self._checked(message)[0] == "hello":
                 self._handle_hello(message)
         if not self._channel.peer_alive():
             raise self._lost("its process exited")
@@ -307,19 +455,19 @@ class PipeSenderTransport:
             message = await self._channel.recv()
             if message is None:
                 continue
-            kind = message[0]
+            kind = self._checked(message)[0]
             if kind == "ack":
                 self._staging.released(self.worker_id, message[1], message[2])
                 if message[1] == packet.version:
                     return
             elif kind == "error" and message[1] == packet.version:
-                raise worker_failed(self.worker_id, self.model_id, packet.version, message[2])
+                raise worker_failed(self.worker_id, self.model_id, packet.version, str(message[2]))
             elif kind == "hello":
                 # The worker re-initialised: tell it about this update again.
                 self._handle_hello(message)
                 await self._channel.send(self._update(packet))
-            # Anything else is an ack or error of an older, abandoned send: a
-            # stale ack never completes this one.
+            # Anything else is an ack or error of an older, abandoned send,
+            # or a duplicate: a stale ack never completes this one.
 
     async def aclose(self) -> None:
         if self._closed:
@@ -365,7 +513,7 @@ class PipeEndpoint:
     def __init__(self, pipe: Connection, model_id: str | None, reader: StagingReader) -> None:
         self.model_id = model_id
         self.reader = reader
-        self._channel = PipeChannel(pipe, self.lost)
+        self._channel = PipeChannel(pipe, self.lost, self.lost)
         self._closed = False
 
     def lost(self, reason: str) -> SenderLostError:
@@ -379,11 +527,15 @@ class PipeEndpoint:
     def _handle(self, message: tuple, latest: PipeUpdate | None) -> PipeUpdate | None:
         kind = message[0]
         if kind == "update":
+            if len(message) != 6:
+                raise self.lost(f"it sent {message!r:.80}, which is not a message")
             _, version, layout_id, descriptor, threads, sender_pid = message
             self._channel.watch(sender_pid)
             return PipeUpdate(version, layout_id, descriptor, threads, self)
         if kind == "close":
-            raise self.lost("it shut down")
+            raise SenderClosedError(
+                f"the sender of model {self.model_id!r} shut down", model_id=self.model_id
+            )
         return latest
 
     def _drain(self, latest: PipeUpdate | None) -> PipeUpdate | None:

@@ -1,0 +1,127 @@
+"""What the sender does with whatever arrives on a worker's pipe: anything
+holding the worker's end may write garbage, acks of versions never sent,
+messages for another model, or duplicates. Here the test itself holds that
+end and plays the worker, message by message, over a real pipe."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections.abc import Iterator
+
+import pytest
+from _workers import build_model
+
+import weightsync as ws
+
+
+class FakeWorker:
+    """The test's end of worker 0's pipe, speaking the protocol by hand."""
+
+    def __init__(self) -> None:
+        self.model = build_model("net", seed=7)
+        self.scheme = ws.MultiProcessWeightSyncScheme(timeout=5)
+        self.ours, self.theirs = mp.Pipe()
+        self.scheme.init_on_sender("policy", pipes=[self.ours], model=self.model)
+        signature = ws.Manifest.of(self.model.state_dict()).signature
+        self.theirs.send(("hello", "policy", os.getpid(), signature))
+        self.sender = self.scheme.get_sender()
+
+    def next_update(self) -> int:
+        """The newest update the sender posted (older ones are skipped, as a
+        real worker skips them)."""
+        assert self.theirs.poll(5), "no update came"
+        version = 0
+        while self.theirs.poll(0.05):
+            message = self.theirs.recv()
+            assert message[0] == "update"
+            version = message[1]
+        return version
+
+    def close(self) -> None:
+        self.scheme.shutdown()
+        self.ours.close()
+        self.theirs.close()
+
+
+@pytest.fixture
+def worker() -> Iterator[FakeWorker]:
+    w = FakeWorker()
+    yield w
+    w.close()
+
+
+def _send_expecting_protocol_error(w: FakeWorker, reply: object, *, raw: bool = False) -> str:
+    w.sender.send_async()
+    version = w.next_update()
+    if raw:
+        assert isinstance(reply, bytes)
+        w.theirs.send_bytes(reply)
+    else:
+        w.theirs.send(reply(version) if callable(reply) else reply)
+    with pytest.raises(ws.WorkerProtocolError) as info:
+        w.sender.wait_async()
+    assert info.value.worker_ids == (0,) and "worker 0" in str(info.value)
+    return str(info.value)
+
+
+def _a_good_send_works(w: FakeWorker) -> None:
+    w.sender.send_async()
+    version = w.next_update()
+    w.theirs.send(("ack", version, None))
+    assert w.sender.wait_async().version == version
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"\x00not a pickle", b"", "a string", ("ack",), ("ack", 1, None, "extra"), ("bogus", 1, 2), 42],
+    ids=["bytes", "empty", "str", "short", "long", "unknown-kind", "int"],
+)
+def test_garbage_fails_the_send_naming_the_worker_and_the_next_send_works(
+    worker: FakeWorker, garbage: object
+) -> None:
+    _send_expecting_protocol_error(worker, garbage, raw=isinstance(garbage, bytes))
+    _a_good_send_works(worker)
+
+
+def test_an_ack_of_a_version_never_sent_completes_nothing(worker: FakeWorker) -> None:
+    message = _send_expecting_protocol_error(worker, lambda v: ("ack", v + 5, None))
+    assert "never sent" in message
+    _a_good_send_works(worker)
+
+
+def test_an_announcement_for_another_model_is_refused(worker: FakeWorker) -> None:
+    signature = ws.Manifest.of(worker.model.state_dict()).signature
+    message = _send_expecting_protocol_error(worker, ("hello", "value", os.getpid(), signature))
+    assert "'value'" in message
+    _a_good_send_works(worker)
+
+
+def test_an_error_for_a_version_never_sent_is_refused(worker: FakeWorker) -> None:
+    _send_expecting_protocol_error(worker, lambda v: ("error", v + 1, "boom"))
+    _a_good_send_works(worker)
+
+
+def test_a_duplicate_ack_is_harmless_and_completes_no_later_send(worker: FakeWorker) -> None:
+    worker.sender.send_async()
+    first = worker.next_update()
+    worker.theirs.send(("ack", first, None))
+    worker.theirs.send(("ack", first, None))  # duplicate
+    assert worker.sender.wait_async().version == first
+    # The duplicate is read during the next send: it must not complete it.
+    with pytest.raises(ws.AckTimeoutError):
+        worker.sender.send(timeout=0.5)
+    _a_good_send_works(worker)
+
+
+def test_garbage_reaches_the_user_as_weightsync_errors_only(worker: FakeWorker) -> None:
+    """Nothing raw (KeyError, IndexError, an anyio ExceptionGroup) escapes."""
+    for garbage in (("hello",), ("hello", "policy", "not a pid", ()), ("error", "x", "y")):
+        worker.sender.send_async()
+        worker.next_update()
+        worker.theirs.send(garbage)
+        with pytest.raises(ws.WeightSyncError):
+            worker.sender.wait_async()
+    _a_good_send_works(worker)
+
+
