@@ -80,15 +80,18 @@ class Cluster:
                 self.ctrls.append(ctrl)
                 self.pipes.append(ours)
             self.scheme.init_on_sender(model_id, pipes=self.pipes, model=self.model)
-            for ctrl in self.ctrls:
-                if not ctrl.poll(READY_TIMEOUT):
-                    raise RuntimeError("a worker did not start")
-                tag, pid = ctrl.recv()
-                assert tag == "ready"
-                self.pids.append(pid)
+            self._wait_until_ready()
         except BaseException:
             self.close()
             raise
+
+    def _wait_until_ready(self) -> None:
+        for ctrl in self.ctrls:
+            if not ctrl.poll(READY_TIMEOUT):
+                raise RuntimeError("a worker did not start")
+            tag, pid = ctrl.recv()
+            assert tag == "ready"
+            self.pids.append(pid)
 
     @property
     def sender(self) -> ws.WeightSender:
@@ -180,12 +183,7 @@ class ThreadCluster(Cluster):
                 self.ctrls.append(ctrl)
                 self._ctrl_children.append(ctrl_child)
             self.scheme.init_on_sender(model_id, model=self.model, num_workers=len(kinds))
-            for ctrl in self.ctrls:
-                if not ctrl.poll(READY_TIMEOUT):
-                    raise RuntimeError("a worker did not start")
-                tag, pid = ctrl.recv()
-                assert tag == "ready"
-                self.pids.append(pid)
+            self._wait_until_ready()
         except BaseException:
             self.close()
             raise

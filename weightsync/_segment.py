@@ -172,6 +172,14 @@ class AttachedSegments:
             segment = self._segments[ref.token] = Segment.attach(ref.pid, ref.fd, ref.nbytes, ref.token)
         return segment
 
+    def holds(self, ref: SegmentRef, version: int) -> bool:
+        """Whether that segment holds ``version`` now (the sender has not
+        begun overwriting it).
+
+        :raises OSError: the sender or its descriptor is gone.
+        """
+        return self.segment(ref).published() == version
+
     def views(self, ref: SegmentRef, manifest: Manifest) -> list[torch.Tensor]:
         """Read-only typed views of ``manifest``'s tensors in that segment;
         the same list object for as long as the segment and layout stay."""

@@ -70,7 +70,7 @@ class CopyReader:
         self._plan: tuple[list[torch.Tensor], list[torch.Tensor], CopyPlan] | None = None
 
     def is_current(self, descriptor: SegmentRef, version: int) -> bool:
-        return self._segments.segment(descriptor).published() == version
+        return self._segments.holds(descriptor, version)
 
     def apply(
         self,

@@ -105,7 +105,7 @@ class SlotReader:
         self._holding: bytes | None = None
 
     def is_current(self, descriptor: SegmentRef, version: int) -> bool:
-        return self._segments.segment(descriptor).published() == version
+        return self._segments.holds(descriptor, version)
 
     def apply(
         self,
