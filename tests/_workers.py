@@ -126,6 +126,7 @@ def worker_main(
         scheme.init_on_worker(model_id, model=model, worker_idx=worker_idx)
     ctrl.send(("ready", os.getpid()))
     receiving = True
+    saved_limit = 0
     applied: list[int] = []
     errors: list[str] = []
     try:
@@ -134,6 +135,16 @@ def worker_main(
                 cmd = ctrl.recv()
                 if cmd == "stop":
                     break
+                if cmd in ("limit_files", "unlimit_files"):  # no descriptor left for anything new
+                    import resource
+
+                    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+                    if cmd == "limit_files":
+                        saved_limit = soft
+                        soft = len(os.listdir("/proc/self/fd")) - 1
+                    else:
+                        soft = saved_limit
+                    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
                 if cmd == "exit3":  # a worker that exits with a status of its own
                     os._exit(3)
                 if cmd == "write_params":  # worker code that writes into its parameters

@@ -10,6 +10,7 @@ described in ``docs/architecture.md``.
 from ._exceptions import (
     AckTimeoutError,
     InvalidWeightsError,
+    ResourceExhaustedError,
     SenderClosedError,
     SenderLostError,
     UnknownWorkerError,
@@ -66,6 +67,7 @@ __all__ = [
     "RayWeightSyncMixin",
     "RayWeightSyncScheme",
     "RemoteWeightUpdaterBase",
+    "ResourceExhaustedError",
     "SendReport",
     "SenderClosedError",
     "SenderLostError",

@@ -15,6 +15,7 @@ The tree::
     │   ├── WeightMismatchError (ValueError) names, shapes or dtypes do not match the model
     │   ├── InvalidWeightsError (ValueError) weights that cannot be sent (sparse, meta, not tensors)
     │   ├── UnknownWorkerError (ValueError)  a worker id that the sender does not know
+    │   ├── ResourceExhaustedError           out of open files or memory (``resource`` says which)
     │   ├── SenderLostError                  (worker side) the sender died or shut down
     │   │   └── SenderClosedError            the sender shut down cleanly (shutdown())
     │   └── WeightSyncStateError (RuntimeError)
@@ -30,11 +31,14 @@ class (at worst :class:`WorkerError`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import errno
+from collections.abc import Iterator, Mapping
 
 __all__ = [
     "AckTimeoutError",
     "InvalidWeightsError",
+    "ResourceExhaustedError",
     "SenderClosedError",
     "SenderLostError",
     "UnknownWorkerError",
@@ -83,6 +87,17 @@ class UnknownWorkerError(WeightSyncError, ValueError):
     ) -> None:
         super().__init__(message, model_id=model_id)
         self.unknown_ids = unknown_ids
+
+
+class ResourceExhaustedError(WeightSyncError):
+    """A resource of this process ran out: ``resource`` is "open files"
+    (RLIMIT_NOFILE) or "memory" (RLIMIT_AS, or the host's). Whatever was
+    being created is released again; on a worker the sender is told why the
+    update was not applied, and the model is untouched."""
+
+    def __init__(self, message: str, *, resource: str, model_id: str | None = None) -> None:
+        super().__init__(message, model_id=model_id)
+        self.resource = resource
 
 
 class SenderLostError(WeightSyncError):
@@ -206,3 +221,28 @@ def combine_worker_errors(
     combined.worker_ids = tuple(sorted(failures))
     combined.failures = dict(sorted(failures.items()))
     return combined
+
+
+# What running out of a resource looks like to the OS calls weightsync makes.
+_EXHAUSTED = {
+    errno.EMFILE: "open files",
+    errno.ENFILE: "open files",
+    errno.ENOMEM: "memory",
+    errno.ENOSPC: "memory",
+}
+
+
+@contextlib.contextmanager
+def out_of_resources(what: str) -> Iterator[None]:
+    """Turn an OSError that means "out of files or memory", raised while
+    doing ``what``, into a :class:`ResourceExhaustedError` that says which.
+    Any other error passes through."""
+    try:
+        yield
+    except OSError as exc:
+        resource = _EXHAUSTED.get(exc.errno or 0)
+        if resource is None:
+            raise
+        raise ResourceExhaustedError(
+            f"cannot {what}: this process is out of {resource} ({exc.strerror})", resource=resource
+        ) from exc

@@ -9,7 +9,7 @@ import anyio
 import torch
 
 from ._copy import check_writable_in_place
-from ._exceptions import SenderLostError, WeightMismatchError, WeightSyncStateError
+from ._exceptions import ResourceExhaustedError, SenderLostError, WeightMismatchError, WeightSyncStateError
 from ._packet import Manifest
 from ._strategy import model_tensors
 from ._transports._base import Applier, Incoming, WorkerEndpoint
@@ -136,6 +136,8 @@ class AsyncWeightReceiver:
         the previous call, or None.
 
         :raises SenderLostError: the sender died or shut down.
+        :raises ResourceExhaustedError: out of open files or memory to map
+            the update (the sender is told; the model is untouched).
         :raises WeightSyncStateError: the receiver is shut down.
         """
         if self._closed:
@@ -161,9 +163,16 @@ class AsyncWeightReceiver:
             except WeightMismatchError as exc:
                 await self.endpoint.reply(incoming.version, str(exc))
                 return self._take_applied()
-            if not incoming.is_current():
-                continue  # superseded before we began: the newer update is queued or coming
-            incoming.apply(self.model, targets, manifest)
+            try:
+                if not incoming.is_current():
+                    continue  # superseded before we began: the newer update is queued or coming
+                incoming.apply(self.model, targets, manifest)
+            except ResourceExhaustedError as exc:
+                # Nothing was written (the staging could not even be mapped):
+                # tell the sender why, then the caller.
+                exc.model_id = self.model_id
+                await self.endpoint.reply(incoming.version, str(exc))
+                raise
             if not incoming.is_current():
                 # The sender began the next version during the copy: the model
                 # holds a mix now and must be overwritten before returning.

@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal
 
-from ._exceptions import WeightSyncStateError
+from ._exceptions import WeightSyncStateError, out_of_resources
 from ._offload import caller_blocked
 
 __all__ = ["RUNTIME", "LOOP_THREAD_NAME", "Runtime"]
@@ -152,9 +152,10 @@ class Runtime:
                     ready.set_exception(exc)
 
         thread = threading.Thread(target=run, name=LOOP_THREAD_NAME, daemon=True)
-        thread.start()
-        self._thread = thread
-        return ready.result()
+        with out_of_resources("start weightsync's loop thread"):
+            thread.start()
+            self._thread = thread
+            return ready.result()
 
     def _check_not_loop_thread(self) -> None:
         if self._thread is not None and threading.current_thread() is self._thread:
@@ -180,7 +181,8 @@ class Runtime:
     def _private_loop(self) -> asyncio.AbstractEventLoop:
         loop = getattr(self._local, "loop", None)
         if loop is None or loop.is_closed():
-            loop = asyncio.new_event_loop()
+            with out_of_resources("start an event loop"):
+                loop = asyncio.new_event_loop()
             self._local.loop = loop
             with self._lock:
                 self._private.add(loop)

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from ._copy import copy_tensors, usable_cores
+from ._exceptions import out_of_resources
 from ._packet import Manifest, Packet
 
 __all__ = ["HEADER_BYTES", "AttachedSegments", "Segment", "SegmentRef"]
@@ -69,6 +70,11 @@ class Segment:
     def create(cls, nbytes: int) -> Segment:
         """Create a segment of ``nbytes`` data bytes, readable and writable
         by this process only until a worker is told its descriptor."""
+        with out_of_resources(f"create a shared-memory segment of {nbytes} bytes"):
+            return cls._create(nbytes)
+
+    @classmethod
+    def _create(cls, nbytes: int) -> Segment:
         fd = os.memfd_create("weightsync-staging", os.MFD_CLOEXEC)
         mapping: mmap.mmap | None = None
         try:
@@ -93,15 +99,17 @@ class Segment:
     def attach(cls, pid: int, fd: int, nbytes: int, token: bytes) -> Segment:
         """Map another process's segment read-only.
 
+        :raises ResourceExhaustedError: this process is out of files or memory.
         :raises OSError: the process or its descriptor is gone.
         :raises ValueError: the descriptor now names another file.
         """
-        local = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            size = HEADER_BYTES + max(nbytes, 1)
-            mapping = mmap.mmap(local, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            os.close(local)
+        with out_of_resources("map the sender's shared memory"):
+            local = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                size = HEADER_BYTES + max(nbytes, 1)
+                mapping = mmap.mmap(local, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            finally:
+                os.close(local)
         if mapping[8:24] != token:
             mapping.close()
             raise ValueError("the sender's descriptor no longer names its staging segment")

@@ -144,6 +144,8 @@ class AsyncWeightSender:
         :raises WorkerLostError: a worker died; the others still got the update.
         :raises AckTimeoutError: a worker did not ack in time (also a TimeoutError).
         :raises WorkerApplyError: a worker failed to apply; carries its message.
+        :raises ResourceExhaustedError: out of open files or memory for the
+            staging (nothing was sent).
         :raises WeightSyncStateError: another send is running, or the sender is closed.
         """
         self._check_open()
@@ -182,9 +184,9 @@ class AsyncWeightSender:
                 )
 
         if reachable:
-            self.version = packet.version  # bytes move from here on
             if self.staging is not None:
                 await self.staging.stage(packet)
+            self.version = packet.version  # bytes moved: the version is used
             # Notify every worker first, so none waits for the task group's
             # bookkeeping; the tasks then only gather the acks.
             for wid in reachable:

@@ -1,0 +1,102 @@
+"""Running out of descriptors or memory: a clear ResourceExhaustedError naming
+the resource, nothing half-made left behind, the other side told, and the
+next send works once the resource is back."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import PIPE_SCHEMES, Cluster
+
+import weightsync as ws
+
+# The trainer runs in a subprocess of its own, so that lowering its limits
+# touches nothing else; the test itself plays its worker over a real pipe.
+TRAINER = textwrap.dedent(
+    """
+    import multiprocessing as mp, os, resource, sys
+    import torch
+    import weightsync as ws
+
+    which, limit = sys.argv[1], sys.argv[2]
+    model = {"w": torch.randn(64 << 20 >> 2)}  # 64 MiB
+    scheme = getattr(ws, which)(timeout=5)
+    ours, theirs = mp.Pipe()
+    scheme.init_on_sender("policy", pipes=[ours], model=model)
+    theirs.send(("hello", "policy", os.getpid(), ws.Manifest.of(model).signature))
+
+    def memfds():
+        out = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                out.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass
+        with open("/proc/self/maps") as maps:
+            mapped = [line for line in maps if "memfd:weightsync" in line]
+        return [t for t in out if "weightsync" in t] + mapped
+
+    kind = resource.RLIMIT_NOFILE if limit == "files" else resource.RLIMIT_AS
+    saved = resource.getrlimit(kind)
+    if limit == "files":
+        resource.setrlimit(kind, (len(os.listdir("/proc/self/fd")) - 1, saved[1]))
+    else:
+        with open("/proc/self/status") as status:
+            size = next(int(l.split()[1]) for l in status if l.startswith("VmSize:")) * 1024
+        resource.setrlimit(kind, (size + (16 << 20), saved[1]))
+    try:
+        scheme.send()
+        print("no error")
+    except ws.ResourceExhaustedError as exc:
+        print("error", exc.resource, "|", exc)
+    resource.setrlimit(kind, saved)
+    print("left", memfds())
+    # The resource is back: the next send works, and it is version 1.
+    scheme.get_sender().send_async()
+    message = theirs.recv()
+    theirs.send(("ack", message[1], None))
+    print("version", scheme.get_sender().wait_async().version)
+    scheme.shutdown()
+    """
+)
+
+
+@pytest.mark.parametrize("limit, resource", [("files", "open files"), ("memory", "memory")])
+@pytest.mark.parametrize("which", ["MultiProcessWeightSyncScheme", "SharedMemWeightSyncScheme"])
+def test_the_trainer_out_of_a_resource_is_told_which_and_recovers(
+    which: str, limit: str, resource: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", TRAINER, which, limit], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"error {resource} |"), lines
+    assert lines[1] == "left []", "a half-made segment was left behind"
+    assert lines[2] == "version 1", "the failed send used up a version"
+
+
+@pytest.mark.parametrize("scheme_name", PIPE_SCHEMES)
+def test_a_worker_out_of_descriptors_tells_the_sender_and_keeps_its_model(scheme_name: str) -> None:
+    c = Cluster(scheme_name, ["net", "net"])
+    try:
+        before = c.state(1)["weights"]
+        # Before the first send, so that worker 1 has a segment to map.
+        assert c.command(1, "limit_files") == "ok"
+        c.bump()
+        with pytest.raises(ws.WorkerApplyError) as info:
+            c.sender.send(timeout=10)
+        assert info.value.worker_ids == (1,)
+        assert "open files" in info.value.worker_message
+        c.assert_has(0, c.expected())
+        # (Its answers to the test need descriptors too: give them back first.)
+        assert c.command(1, "unlimit_files") == "ok"
+        errors = c.state(1)["errors"]
+        assert errors and errors[0].startswith("ResourceExhaustedError"), errors
+        assert all(torch.equal(c.state(1)["weights"][k], v) for k, v in before.items()), "touched"
+    finally:
+        c.close()
