@@ -17,7 +17,7 @@ LAYERS: list[set[str]] = [
     {"_packet"},
     {"_copy", "_offload", "_strategy"},
     {"_segment"},
-    {"_transports._base"},
+    {"_transports._base", "_transports._channel"},
     {
         "_transports",
         "_transports._pipe",

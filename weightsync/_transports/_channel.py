@@ -1,0 +1,328 @@
+"""A ``multiprocessing`` pipe as a coroutine channel of small pickled tuples,
+and what can be known about the process at its other end.
+
+A read waits in the event loop for the pipe *or* the peer's pidfd to become
+readable, whichever comes first: a peer that died while another process still
+holds its end of the pipe never produces EOF, and must still be reported
+promptly. Where pidfds are missing, the peer is polled every
+:data:`LIVENESS_PERIOD` seconds instead. A peer that is gone is described by
+how it ended, when this process can tell.
+
+This is the hot path of every send: readiness is checked with one ``select``
+call, and a wait is one future on the loop, not a cancel scope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing.process
+import os
+import pickle
+import select
+import signal
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import anyio
+
+__all__ = ["LIVENESS_PERIOD", "PipeChannel", "ProcessWatch", "describe_exit", "exit_status", "started_here"]
+
+LIVENESS_PERIOD = 0.2
+# Writes up to this size fit in a free pipe slot, so a write that follows a
+# "writable" poll does not block.
+_SMALL = 4096
+
+
+def _readable(fd: int) -> bool:
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+async def _wait_readable_any(fds: list[int], timeout: float) -> None:
+    """Wait until one of ``fds`` is readable or ``timeout`` seconds pass.
+    Cancellable. The caller checks which, if any, happened."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not an asyncio loop (trio): one descriptor at a time
+        with anyio.move_on_after(timeout):
+            await anyio.wait_readable(fds[0])
+        return
+    ready = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    # A timer handle, not a cancel scope: this wait is on every send's path,
+    # and a scope costs more than the rest of the wait.
+    timer = loop.call_later(timeout, wake)
+    for fd in fds:
+        loop.add_reader(fd, wake)
+    try:
+        await ready
+    finally:
+        timer.cancel()
+        for fd in fds:
+            loop.remove_reader(fd)
+
+
+def _now() -> float:
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return anyio.current_time()
+
+
+class ProcessWatch:
+    """Tells whether another process on this host is still alive.
+
+    Uses a pidfd where the kernel has them (exact, immune to pid reuse) and
+    ``/proc/<pid>/stat`` otherwise; a zombie counts as dead.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._pidfd: int | None = None
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            self._pidfd = None
+
+    @property
+    def fd(self) -> int | None:
+        """A descriptor that becomes readable when the process exits, if any."""
+        return self._pidfd
+
+    def alive(self) -> bool:
+        if self._pidfd is not None:
+            readable, _, _ = select.select([self._pidfd], [], [], 0)
+            return not readable
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as stat:
+                state = stat.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        return state not in (b"Z", b"X")
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
+# How long a lost peer's exit status may take to show once its pipe closed:
+# it closes its descriptors before it becomes a zombie, and a fork server
+# reports its children's status a moment after reaping them.
+_STATUS_WAIT = 0.25
+
+
+def started_here(pid: int) -> multiprocessing.process.BaseProcess | None:
+    """The ``multiprocessing`` Process object of ``pid`` if this process
+    started it (by any start method; a fork server's children are not our
+    children, but their Process objects still learn how they ended)."""
+    # multiprocessing keeps the unjoined children of this process here.
+    for process in list(getattr(multiprocessing.process, "_children", ())):
+        if process.pid == pid:
+            return process
+    return None
+
+
+def _status_now(
+    pid: int, process: multiprocessing.process.BaseProcess | None
+) -> tuple[int | None, int | None] | None:
+    """(exit code, signal) of process ``pid`` if it ended and this process can
+    tell; None otherwise."""
+    code: int | None = None
+    if process is not None:
+        with contextlib.suppress(ValueError):  # the user closed the Process object
+            code = process.exitcode
+    if code is not None:
+        return (code, None) if code >= 0 else (None, -code)
+    try:
+        # Our child: read its status without reaping it (its Process object
+        # or the user's waitpid still gets it).
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except OSError:  # not our child
+        info = None
+    if info is not None:
+        if info.si_code == os.CLD_EXITED:
+            return info.si_status, None
+        return None, info.si_status
+    # A zombie of another parent: /proc still has its wait status (field 52).
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        if fields[0] == b"Z" and len(fields) > 49:
+            status = int(fields[49])
+            return ((status >> 8) & 0xFF, None) if status & 0x7F == 0 else (None, status & 0x7F)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def exit_status(
+    pid: int, process: multiprocessing.process.BaseProcess | None = None
+) -> tuple[int | None, int | None]:
+    """(exit code, signal) of a peer that is gone, waiting briefly for it to
+    show; (None, None) when it cannot be told (or it still runs)."""
+    deadline = time.monotonic() + _STATUS_WAIT
+    while True:
+        found = _status_now(pid, process)
+        if found is not None or time.monotonic() >= deadline:
+            return found or (None, None)
+        time.sleep(0.01)
+
+
+def describe_exit(exit_code: int | None, exit_signal: int | None) -> str:
+    if exit_signal is not None:
+        try:
+            name = signal.Signals(exit_signal).name
+        except ValueError:
+            name = f"signal {exit_signal}"
+        if exit_signal == signal.SIGKILL:
+            return f"it was killed by {name} (a kill -9, or the out-of-memory killer)"
+        return f"it was killed by {name}"
+    if exit_code is not None:
+        return f"it exited with status {exit_code}"
+    return ""
+
+
+class PipeChannel:
+    """One end of a pipe carrying pickled control tuples.
+
+    ``lost(reason)`` builds the exception raised when the peer is gone, and
+    ``garbled(reason)`` the one raised for bytes that are not a message; the
+    transport decides whether that is about a worker or the sender.
+    """
+
+    def __init__(
+        self, conn: Connection, lost: Callable[[str], Exception], garbled: Callable[[str], Exception]
+    ) -> None:
+        self.conn = conn
+        self._fd = conn.fileno()
+        self._lost = lost
+        self._garbled = garbled
+        self.peer: ProcessWatch | None = None
+
+    def watch(self, pid: int) -> None:
+        """Start watching process ``pid`` (the peer) for its exit."""
+        if self.peer is None or self.peer.pid != pid:
+            if self.peer is not None:
+                self.peer.close()
+            self.peer = ProcessWatch(pid)
+
+    def peer_alive(self) -> bool:
+        return self.peer is None or self.peer.alive()
+
+    def _closed(self, exc: BaseException) -> Exception:
+        return self._lost(f"its pipe is closed ({exc.__class__.__name__}: {exc})")
+
+    async def _wait(self, timeout: float) -> None:
+        """Wait for the pipe to be readable, the peer to exit, or ``timeout``."""
+        watch = self.peer.fd if self.peer is not None else None
+        if watch is None:  # no pidfd: wake up now and then to poll the peer
+            await _wait_readable_any([self._fd], min(timeout, LIVENESS_PERIOD))
+        else:
+            await _wait_readable_any([self._fd, watch], timeout)
+
+    async def send(self, message: tuple[Any, ...]) -> None:
+        """Send one message; waits (in the loop) only while the pipe is full.
+
+        :raises: ``lost(...)`` if the peer closed its end or died.
+        """
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            while not select.select([], [self._fd], [], 0)[1]:
+                with anyio.move_on_after(LIVENESS_PERIOD):
+                    await anyio.wait_writable(self._fd)
+                if not self.peer_alive():
+                    raise self._lost("its process exited")
+            if len(data) <= _SMALL:
+                self.conn.send_bytes(data)
+            else:
+                await anyio.to_thread.run_sync(self.conn.send_bytes, data)
+        except (OSError, EOFError, ValueError) as exc:
+            raise self._closed(exc) from exc
+
+    def try_send(self, message: tuple[Any, ...]) -> bool:
+        """Send one small message now if that cannot block; False otherwise.
+
+        :raises: ``lost(...)`` if the peer closed its end.
+        """
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) > _SMALL:
+            return False
+        try:
+            if not select.select([], [self._fd], [], 0)[1]:
+                return False
+            self.conn.send_bytes(data)
+        except (OSError, EOFError, ValueError) as exc:
+            raise self._closed(exc) from exc
+        return True
+
+    def poll(self) -> tuple[Any, ...] | None:
+        """The next message if one is ready, without waiting."""
+        try:
+            if not _readable(self._fd):
+                return None
+            data = self.conn.recv_bytes()
+        except (OSError, EOFError, ValueError) as exc:
+            raise self._closed(exc) from exc
+        try:
+            # Trusted: the pipe the user set up between their own processes
+            # (unpickling runs code; see the README on what the channel trusts).
+            message = pickle.loads(data)
+        except Exception as exc:
+            raise self._garbled(f"it sent bytes that are not a message ({type(exc).__name__})") from exc
+        if not isinstance(message, tuple) or not message:
+            raise self._garbled(f"it sent {type(message).__name__} {message!r:.80}, not a message")
+        return message
+
+    async def recv(self, timeout: float | None = None) -> tuple[Any, ...] | None:
+        """The next message; None if ``timeout`` seconds pass first.
+
+        With ``timeout=None`` it waits until a message comes or the peer is
+        gone; callers bound it with a cancel scope.
+
+        :raises: ``lost(...)`` if the peer closed its end or died.
+        """
+        message = self.poll()
+        if message is not None:
+            return message
+        deadline = None if timeout is None else _now() + timeout
+        while True:
+            remaining = 3600.0 if deadline is None else deadline - _now()
+            if remaining <= 0:
+                return None
+            await self._wait(remaining)
+            message = self.poll()
+            if message is not None:
+                return message
+            if not self.peer_alive():
+                raise self._lost("its process exited")
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Block this thread up to ``timeout`` seconds until the pipe is
+        readable or the peer exited; True if either happened."""
+        fds = [self._fd]
+        watch = self.peer.fd if self.peer is not None else None
+        if watch is not None:
+            fds.append(watch)
+        elif timeout > LIVENESS_PERIOD:
+            # No pidfd: look at the peer now and then while waiting.
+            end = time.monotonic() + timeout
+            while (remaining := end - time.monotonic()) > 0:
+                if self.wait_ready(min(remaining, LIVENESS_PERIOD)) or not self.peer_alive():
+                    return True
+            return False
+        try:
+            return bool(select.select(fds, [], [], timeout)[0])
+        except (OSError, ValueError):
+            return True  # closed: the next read reports it
+
+    def close(self) -> None:
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
