@@ -38,6 +38,9 @@ __all__ = ["PipeEndpoint", "PipeSenderTransport", "PipeUpdate"]
 
 # -- the sender's channel to one worker ----------------------------------------
 
+# Past any version a sender will ever use: released() with it frees all.
+_EVERY_VERSION = 2**63 - 1
+
 # What a worker may send: kind -> length of the tuple.
 _WORKER_MESSAGES = {"hello": 4, "ack": 3, "error": 3}
 
@@ -68,17 +71,28 @@ class PipeSenderTransport:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._posted = 0
         self._closed = False
+        # Why the worker is gone (reason, exit code, signal), once it is.
+        self._gone: tuple[str, int | None, int | None] | None = None
 
     def _lost(self, reason: str) -> WorkerLostError:
-        code: int | None = None
-        sig: int | None = None
-        if self.worker_pid is not None and self.worker_pid != os.getpid():  # (in-process workers never exit)
-            code, sig = exit_status(self.worker_pid, self._process)
-        why = describe_exit(code, sig)
-        if why:
-            reason = f"{why}; {reason}"
-        if sig == signal.SIGSEGV and self._fault_hint:
-            reason = f"{reason}. {self._fault_hint}"
+        if self._gone is None:
+            code: int | None = None
+            sig: int | None = None
+            # (An in-process worker is this very process: it never exits.)
+            if self.worker_pid is not None and self.worker_pid != os.getpid():
+                code, sig = exit_status(self.worker_pid, self._process)
+            why = describe_exit(code, sig)
+            if why:
+                reason = f"{why}; {reason}"
+            if sig == signal.SIGSEGV and self._fault_hint:
+                reason = f"{reason}. {self._fault_hint}"
+            # A closed pipe or an exited process never comes back: later
+            # sends fail at once, and stage nothing more for this worker.
+            self._gone = (reason, code, sig)
+            if code is not None or sig is not None or not self._channel.peer_alive():
+                # Dead for sure: nothing staged is in use by it any more.
+                self._staging.released(self.worker_id, _EVERY_VERSION, None)
+        reason, code, sig = self._gone
         return worker_lost(self.worker_id, self.model_id, reason, exit_code=code, exit_signal=sig)
 
     def _garbled(self, reason: str) -> WorkerProtocolError:
@@ -130,6 +144,8 @@ class PipeSenderTransport:
         return self.layout
 
     def _update(self, packet: Packet) -> tuple[Any, ...]:
+        if self._gone is not None:
+            raise self._lost("")
         threads = max(1, usable_cores() // packet.fanout)
         descriptor = self._staging.descriptor(self.worker_id)
         return ("update", packet.version, packet.manifest.layout_id, descriptor, threads, os.getpid())

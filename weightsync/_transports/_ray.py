@@ -103,11 +103,12 @@ class RayStaging:
         # by wait_all(), by worker id.
         self.calls: dict[int, ray.ObjectRef] = {}
         self.replies: dict[int, Any] = {}
+        self.failed: dict[int, ray.exceptions.RayError] = {}
         self._finished: set[int] = set()
 
     def _put(self, packet: Packet, model_id: str | None) -> None:
         self.ref = None  # (if the previous send was abandoned)
-        self.calls, self.replies, self._finished = {}, {}, set()
+        self.calls, self.replies, self.failed, self._finished = {}, {}, {}, set()
         threads = max(1, usable_cores() // packet.fanout)
         # Everything an actor needs is in the one stored object, the same for
         # all actors: each call then has just two arguments (the function
@@ -126,15 +127,15 @@ class RayStaging:
 
     def wait_all(self) -> None:
         """Block until every call of the current send returned, or until the
-        caller's deadline (the enclosing cancel scope's), and collect the
-        replies of those that returned without an error.
+        caller's deadline (the enclosing cancel scope's), and collect each
+        returned call's reply, or its error (:attr:`failed`).
 
         Only for a caller that is blocked anyway: one ``ray.wait`` and one
         ``ray.get`` for all the actors cost far less than one asyncio future
         per actor, and a dead actor's call returns at once, so deaths are
         still seen promptly.
         """
-        pending = [w for w in self.calls if w not in self.replies]
+        pending = [w for w in self.calls if w not in self.replies and w not in self.failed]
         if not pending:
             return
         deadline = anyio.current_effective_deadline()
@@ -146,7 +147,14 @@ class RayStaging:
         try:
             values = ray.get([self.calls[w] for w in returned])
         except ray.exceptions.RayError:
-            return  # one of them failed: each caller gets its own result
+            # One of them failed: look at each, so that the failure is its
+            # own and every other reply still counts.
+            for w in returned:
+                try:
+                    self.replies[w] = ray.get(self.calls[w])
+                except ray.exceptions.RayError as exc:
+                    self.failed[w] = exc
+            return
         self.replies.update(zip(returned, values, strict=True))
 
     def released(self, worker_id: int, version: int = 0, holding: Any = None) -> None:
@@ -162,7 +170,7 @@ class RayStaging:
 
     async def aclose(self) -> None:
         self.ref = None
-        self.calls, self.replies, self._finished = {}, {}, set()
+        self.calls, self.replies, self.failed, self._finished = {}, {}, {}, set()
 
 
 class RaySenderTransport:
@@ -205,13 +213,16 @@ class RaySenderTransport:
         """The call's result, with every Ray error turned into weightsync's."""
         try:
             return await asyncio.wrap_future(ref.future())
-        except ray.exceptions.RayActorError as exc:
-            # The actor died, was killed, or cannot be reached.
-            raise self._lost(f"the Ray actor died ({type(exc).__name__}: {_first_line(exc)})") from exc
-        except ray.exceptions.RayTaskError as exc:
-            raise self._failed(version, f"{type(exc.cause).__name__}: {exc.cause}") from exc
         except ray.exceptions.RayError as exc:
-            raise self._failed(version, f"{type(exc).__name__}: {_first_line(exc)}") from exc
+            raise self._error_of(exc, version) from exc
+
+    def _error_of(self, exc: ray.exceptions.RayError, version: int) -> WorkerLostError | WorkerApplyError:
+        if isinstance(exc, ray.exceptions.RayActorError):
+            # The actor died, was killed, or cannot be reached.
+            return self._lost(f"the Ray actor died ({type(exc).__name__}: {_first_line(exc)})")
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            return self._failed(version, f"{type(exc.cause).__name__}: {exc.cause}")
+        return self._failed(version, f"{type(exc).__name__}: {_first_line(exc)}")
 
     async def connect(self) -> Manifest | None:
         if self.layout is not None:
@@ -245,6 +256,9 @@ class RaySenderTransport:
             call = staging.calls[self.worker_id]
             if inline_allowed():
                 staging.wait_all()
+            failure = staging.failed.get(self.worker_id)
+            if failure is not None:
+                raise self._error_of(failure, packet.version) from failure
             reply = staging.replies.get(self.worker_id)
             if reply is None:
                 reply = await self._await(call, packet.version)
