@@ -22,7 +22,7 @@ TRAINER = textwrap.dedent(
     import torch
     import weightsync as ws
 
-    which, limit = sys.argv[1], sys.argv[2]
+    which = sys.argv[1]
     model = {"w": torch.randn(64 << 20 >> 2)}  # 64 MiB
     scheme = getattr(ws, which)(timeout=5)
     ours, theirs = mp.Pipe()
@@ -40,22 +40,23 @@ TRAINER = textwrap.dedent(
             mapped = [line for line in maps if "memfd:weightsync" in line]
         return [t for t in out if "weightsync" in t] + mapped
 
-    kind = resource.RLIMIT_NOFILE if limit == "files" else resource.RLIMIT_AS
-    saved = resource.getrlimit(kind)
-    if limit == "files":
-        resource.setrlimit(kind, (len(os.listdir("/proc/self/fd")) - 1, saved[1]))
-    else:
-        with open("/proc/self/status") as status:
-            size = next(int(l.split()[1]) for l in status if l.startswith("VmSize:")) * 1024
-        resource.setrlimit(kind, (size + (16 << 20), saved[1]))
-    try:
-        scheme.send()
-        print("no error")
-    except ws.ResourceExhaustedError as exc:
-        print("error", exc.resource, "|", exc)
-    resource.setrlimit(kind, saved)
-    print("left", memfds())
-    # The resource is back: the next send works, and it is version 1.
+    for limit in ("files", "memory"):
+        kind = resource.RLIMIT_NOFILE if limit == "files" else resource.RLIMIT_AS
+        saved = resource.getrlimit(kind)
+        if limit == "files":
+            resource.setrlimit(kind, (len(os.listdir("/proc/self/fd")) - 1, saved[1]))
+        else:
+            with open("/proc/self/status") as status:
+                size = next(int(l.split()[1]) for l in status if l.startswith("VmSize:")) * 1024
+            resource.setrlimit(kind, (size + (16 << 20), saved[1]))
+        try:
+            scheme.send()
+            print("no error")
+        except ws.ResourceExhaustedError as exc:
+            print("error", exc.resource, "|", exc)
+        resource.setrlimit(kind, saved)
+        print("left", memfds())
+    # The resources are back: the next send works, and it is version 1.
     scheme.get_sender().send_async()
     message = theirs.recv()
     theirs.send(("ack", message[1], None))
@@ -65,19 +66,15 @@ TRAINER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("limit, resource", [("files", "open files"), ("memory", "memory")])
 @pytest.mark.parametrize("which", ["MultiProcessWeightSyncScheme", "SharedMemWeightSyncScheme"])
-def test_the_trainer_out_of_a_resource_is_told_which_and_recovers(
-    which: str, limit: str, resource: str
-) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", TRAINER, which, limit], capture_output=True, text=True, timeout=120
-    )
+def test_the_trainer_out_of_a_resource_is_told_which_and_recovers(which: str) -> None:
+    done = subprocess.run([sys.executable, "-c", TRAINER, which], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert lines[0].startswith(f"error {resource} |"), lines
-    assert lines[1] == "left []", "a half-made segment was left behind"
-    assert lines[2] == "version 1", "the failed send used up a version"
+    for resource, error, left in (("open files", lines[0], lines[1]), ("memory", lines[2], lines[3])):
+        assert error.startswith(f"error {resource} |"), lines
+        assert left == "left []", f"a half-made segment was left behind: {lines}"
+    assert lines[4] == "version 1", "a failed send used up a version"
 
 
 @pytest.mark.parametrize("scheme_name", PIPE_SCHEMES)

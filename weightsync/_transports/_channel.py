@@ -170,9 +170,21 @@ def exit_status(
     deadline = time.monotonic() + _STATUS_WAIT
     while True:
         found = _status_now(pid, process)
-        if found is not None or time.monotonic() >= deadline:
-            return found or (None, None)
+        if found is not None:
+            return found
+        if time.monotonic() >= deadline or not _may_tell(pid, process):
+            return None, None
         time.sleep(0.01)
+
+
+def _may_tell(pid: int, process: multiprocessing.process.BaseProcess | None) -> bool:
+    """Whether waiting can still bring the status: the process still exists
+    (running, or a zombie), or its Process object will learn it."""
+    if process is not None:
+        with contextlib.suppress(ValueError):  # closed: it will never tell
+            process.is_alive()
+            return True
+    return os.path.exists(f"/proc/{pid}")
 
 
 def describe_exit(exit_code: int | None, exit_signal: int | None) -> str:
