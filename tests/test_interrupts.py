@@ -64,7 +64,7 @@ def _interrupt_a_trainer(scheme_name: str, rounds: int, mib: int, seed: int) -> 
 
 @pytest.mark.parametrize("scheme_name", PIPE_SCHEMES)
 def test_ctrl_c_during_sends_is_a_keyboard_interrupt_and_the_next_send_is_exact(scheme_name: str) -> None:
-    _interrupt_a_trainer(scheme_name, rounds=4, mib=64, seed=12)
+    _interrupt_a_trainer(scheme_name, rounds=3, mib=64, seed=12)
 
 
 @pytest.mark.slow
