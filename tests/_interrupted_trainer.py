@@ -1,12 +1,14 @@
 """A trainer that the test interrupts with SIGINT (a terminal's Ctrl-C) while
-it sends. Run as a script: ``python _interrupted_trainer.py SCHEME ROUNDS MIB``.
+it sends. Run as a script:
+``python _interrupted_trainer.py SCHEME[,SCHEME...] ROUNDS MIB``.
 
-Each round it sends back to back until a SIGINT stops it, catches the
-KeyboardInterrupt, sends new weights once and checks that every worker holds
-exactly them. After the last round it sends until the final SIGINT, which it
-lets propagate through ``finally: scheme.shutdown()``, then reports what is
-left in the process (threads, descriptors, mappings, children) on stdout and
-exits with status 3.
+For each scheme in turn, with its own workers: each round it sends back to
+back until a SIGINT stops it, catches the KeyboardInterrupt, sends new
+weights once and checks that every worker holds exactly them; then it shuts
+the scheme down ("next"). After the last scheme's rounds it sends until the
+final SIGINT, which it lets propagate through ``finally: scheme.shutdown()``,
+then reports what is left in the process (threads, descriptors, mappings,
+children) on stdout and exits with status 3.
 """
 
 from __future__ import annotations
@@ -76,9 +78,14 @@ def leftovers() -> dict[str, object]:
     }
 
 
-def main(scheme_name: str, rounds: int, mib: int) -> None:
+def main(scheme_names: list[str], rounds: int, mib: int) -> None:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "weightsync"])
+    for i, name in enumerate(scheme_names):
+        run_scheme(ctx, name, rounds, mib, final=i == len(scheme_names) - 1)
+
+
+def run_scheme(ctx: mp.context.BaseContext, scheme_name: str, rounds: int, mib: int, *, final: bool) -> None:
     scheme = SCHEMES[scheme_name](timeout=30)
     weights = make_weights(mib, seed=0)
     pipes, ctrls, procs = [], [], []
@@ -117,6 +124,9 @@ def main(scheme_name: str, rounds: int, mib: int) -> None:
                     print(f"worker {i} does not hold the weights sent after round {r}: {wrong}", flush=True)
                     sys.exit(4)
             print(f"verified {r}", flush=True)
+        if not final:
+            print("next", flush=True)
+            return
         print("sending final", flush=True)
         while True:
             scheme.send()
@@ -133,7 +143,7 @@ def main(scheme_name: str, rounds: int, mib: int) -> None:
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+        main(sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]))
     except KeyboardInterrupt:
         print("left " + json.dumps(leftovers()), flush=True)
         sys.exit(3)

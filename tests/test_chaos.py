@@ -94,7 +94,7 @@ import weightsync as ws
 
 SEED = int(os.environ.get("WEIGHTSYNC_CHAOS_SEED", "20240611"))
 WORKERS = 4
-SHORT_SECONDS = 3.0
+SHORT_SECONDS = 2.0
 LONG_SECONDS = 60.0
 #: Deadlines of the sends, drawn uniformly.
 TIMEOUTS = (0.75, 1.5)

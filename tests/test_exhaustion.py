@@ -66,7 +66,12 @@ TRAINER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("which", ["MultiProcessWeightSyncScheme", "SharedMemWeightSyncScheme"])
+# Both schemes stage through the same segment code; the second one runs
+# with the slow tests only.
+@pytest.mark.parametrize(
+    "which",
+    ["MultiProcessWeightSyncScheme", pytest.param("SharedMemWeightSyncScheme", marks=pytest.mark.slow)],
+)
 def test_the_trainer_out_of_a_resource_is_told_which_and_recovers(which: str) -> None:
     done = subprocess.run([sys.executable, "-c", TRAINER, which], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -21,12 +21,12 @@ from conftest import PIPE_SCHEMES, Cluster
 TRAINER = Path(__file__).with_name("_interrupted_trainer.py")
 
 
-def _interrupt_a_trainer(scheme_name: str, rounds: int, mib: int, seed: int) -> None:
+def _interrupt_a_trainer(scheme_names: list[str], rounds: int, mib: int, seed: int) -> None:
     chooser = random.Random(seed)
     path = os.pathsep.join([str(TRAINER.parent), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path}
     trainer = subprocess.Popen(
-        [sys.executable, "-X", "faulthandler", str(TRAINER), scheme_name, str(rounds), str(mib)],
+        [sys.executable, "-X", "faulthandler", str(TRAINER), ",".join(scheme_names), str(rounds), str(mib)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -41,13 +41,16 @@ def _interrupt_a_trainer(scheme_name: str, rounds: int, mib: int, seed: int) -> 
         assert line.startswith(prefix), f"expected {prefix!r}, got {lines} / {trainer.stderr.read()}"  # type: ignore[union-attr]
 
     try:
-        expect("ready")
-        for r in range(rounds):
-            expect(f"sending {r}")
-            # Anywhere from before the first send begins to deep into a later one.
-            time.sleep(chooser.uniform(0.0, 0.3))
-            trainer.send_signal(signal.SIGINT)
-            expect(f"verified {r}")
+        for i in range(len(scheme_names)):
+            if i:
+                expect("next")
+            expect("ready")
+            for r in range(rounds):
+                expect(f"sending {r}")
+                # Anywhere from before the first send begins to deep into a later one.
+                time.sleep(chooser.uniform(0.0, 0.3))
+                trainer.send_signal(signal.SIGINT)
+                expect(f"verified {r}")
         expect("sending final")
         time.sleep(chooser.uniform(0.0, 0.3))
         trainer.send_signal(signal.SIGINT)
@@ -62,15 +65,14 @@ def _interrupt_a_trainer(scheme_name: str, rounds: int, mib: int, seed: int) -> 
     assert report == {"mapped": [], "fds": [], "threads": [], "children": []}, report
 
 
-@pytest.mark.parametrize("scheme_name", PIPE_SCHEMES)
-def test_ctrl_c_during_sends_is_a_keyboard_interrupt_and_the_next_send_is_exact(scheme_name: str) -> None:
-    _interrupt_a_trainer(scheme_name, rounds=3, mib=64, seed=12)
+def test_ctrl_c_during_sends_is_a_keyboard_interrupt_and_the_next_send_is_exact() -> None:
+    # Both pipe schemes, one after the other, in one trainer process.
+    _interrupt_a_trainer(PIPE_SCHEMES, rounds=3, mib=64, seed=12)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme_name", PIPE_SCHEMES)
-def test_ctrl_c_during_sends_many_times(scheme_name: str) -> None:
-    _interrupt_a_trainer(scheme_name, rounds=80, mib=256, seed=34)
+def test_ctrl_c_during_sends_many_times() -> None:
+    _interrupt_a_trainer(PIPE_SCHEMES, rounds=80, mib=256, seed=34)
 
 
 def _copy_threads() -> list[threading.Thread]:
