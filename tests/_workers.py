@@ -282,6 +282,13 @@ class RayWorker:
             "errors": [],
         }
 
+    def python_threads(self) -> int:
+        """The Python threads of this actor (Ray's own C++ threads, whose
+        number varies with its RPC load, are not among them)."""
+        import threading
+
+        return threading.active_count()
+
     def node_id(self) -> str:
         import ray
 

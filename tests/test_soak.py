@@ -10,36 +10,34 @@ import os
 import time
 
 import pytest
-from conftest import Cluster, shm_entries
+from conftest import Cluster, RayCluster, shm_entries
 
 WARMUP = 50
-
-
-# Thread pools of gRPC inside a Ray actor, sized by gRPC to the RPC load:
-# they are Ray's, not ours. (In full runs of the suite a pooled Ray actor
-# now and then had one thread more after the sends; the soak alone never
-# did. These are the pools that can grow so.)
-ELASTIC_THREADS = {"grpcpp_sync_ser", "event_engine"}
-
-
-def _threads(pid: int) -> int:
-    count = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/comm") as comm:
-                count += comm.read().strip() not in ELASTIC_THREADS
-        except OSError:
-            pass  # the thread ended meanwhile
-    return count
 
 
 def _resources(pid: int) -> tuple[int, int, int]:
     """Open descriptors, threads and resident KiB of process ``pid``."""
     fds = len(os.listdir(f"/proc/{pid}/fd"))
-    threads = _threads(pid)
+    threads = len(os.listdir(f"/proc/{pid}/task"))
     with open(f"/proc/{pid}/status") as status:
         rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
     return fds, threads, rss
+
+
+def _measure(c: Cluster, pids: list[int]) -> dict[int, tuple[int, int, int]]:
+    """Every process's descriptors, threads and resident KiB. In a Ray actor
+    the threads counted are its Python threads (any thread weightsync could
+    start is one): Ray's C++ threads come and go with the RPC load of the
+    whole machine, which made full runs fail now and then on one of them."""
+    measured = {pid: _resources(pid) for pid in pids}
+    if isinstance(c, RayCluster):
+        import ray
+
+        counts = ray.get([c._ctrl(i, "python_threads") for i in range(len(c.pids))], timeout=30)
+        for pid, count in zip(c.pids, counts, strict=True):
+            fds, _, rss = measured[pid]
+            measured[pid] = (fds, count, rss)
+    return measured
 
 
 def _soak(c: Cluster, sends: int) -> None:
@@ -47,7 +45,7 @@ def _soak(c: Cluster, sends: int) -> None:
     for _ in range(WARMUP):
         c.bump()
         c.sender.send()
-    before = {pid: _resources(pid) for pid in pids}
+    before = _measure(c, pids)
     shm_before = shm_entries()
     first = c.sender.async_sender.version + 1
     started = time.perf_counter()
@@ -59,7 +57,7 @@ def _soak(c: Cluster, sends: int) -> None:
     print(f"\n{c.scheme_name}: {sends} sends to 4 workers at {rate:.0f} sends/s")
     # Measured before the checks below: the test's own state() replies
     # open descriptors for the tensors they carry.
-    after = {pid: _resources(pid) for pid in pids}
+    after = _measure(c, pids)
     expected = c.expected()
     for i in range(4):
         c.assert_has(i, expected)
