@@ -59,6 +59,7 @@ class Segment:
         self.token = token
         self.owner = owner
         self._mmap: mmap.mmap | None = mapping
+        self._ref: SegmentRef | None = None
         with warnings.catch_warnings():
             # A reader's mapping is read-only on purpose; torch warns that it
             # cannot be written, which is exactly the point.
@@ -136,8 +137,12 @@ class Segment:
         self.publish(packet.version)
 
     def ref(self) -> SegmentRef:
-        """How a worker on this host finds this (sender-owned) segment."""
-        return SegmentRef(os.getpid(), self.fd, self.nbytes, self.token)
+        """How a worker on this host finds this (sender-owned) segment.
+
+        Made once: every update of every worker carries it."""
+        if self._ref is None:
+            self._ref = SegmentRef(os.getpid(), self.fd, self.nbytes, self.token)
+        return self._ref
 
     def close(self) -> None:
         """Let go of the mapping and close the descriptor; idempotent.

@@ -71,6 +71,7 @@ class PipeSenderTransport:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._posted = 0
         self._closed = False
+        self._pid = os.getpid()  # (sent with every update: the worker watches it)
         # Why the worker is gone (reason, exit code, signal), once it is.
         self._gone: tuple[str, int | None, int | None] | None = None
 
@@ -148,7 +149,7 @@ class PipeSenderTransport:
             raise self._lost("")
         threads = max(1, usable_cores() // packet.fanout)
         descriptor = self._staging.descriptor(self.worker_id)
-        return ("update", packet.version, packet.manifest.layout_id, descriptor, threads, os.getpid())
+        return ("update", packet.version, packet.manifest.layout_id, descriptor, threads, self._pid)
 
     def post(self, packet: Packet) -> bool:
         if self._channel.try_send(self._update(packet)):
