@@ -18,6 +18,7 @@ The tree::
     │   ├── ResourceExhaustedError           out of open files or memory (``resource`` says which)
     │   ├── SenderLostError                  (worker side) the sender died or shut down
     │   │   └── SenderClosedError            the sender shut down cleanly (shutdown())
+    │   ├── WaitTimeoutError (TimeoutError)  (worker side) an awaited update did not come
     │   └── WeightSyncStateError (RuntimeError)
     │                                        lifecycle misuse: use before init, after
     │                                        shutdown, a send while one is pending
@@ -42,6 +43,7 @@ __all__ = [
     "SenderClosedError",
     "SenderLostError",
     "UnknownWorkerError",
+    "WaitTimeoutError",
     "WeightMismatchError",
     "WeightSyncError",
     "WeightSyncStateError",
@@ -102,6 +104,11 @@ class ResourceExhaustedError(WeightSyncError):
 
 class SenderLostError(WeightSyncError):
     """Raised on a worker when the sender died or shut down its side."""
+
+
+class WaitTimeoutError(WeightSyncError, TimeoutError):
+    """Raised on a worker when the update it waits for (e.g. the initial
+    weights of ``connect()``) did not come in time. The model is untouched."""
 
 
 class SenderClosedError(SenderLostError):

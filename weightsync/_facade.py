@@ -10,16 +10,29 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
 
-from ._exceptions import WeightSyncStateError
+from ._exceptions import (
+    SenderClosedError,
+    SenderLostError,
+    WaitTimeoutError,
+    WeightSyncStateError,
+    out_of_resources,
+)
 from ._receiver import AsyncWeightReceiver
 from ._runtime import RUNTIME
 from ._sender import AsyncWeightSender, SendReport
+from ._stepguard import StepGuard
 
 __all__ = ["WeightReceiver", "WeightSender"]
+
+_log = logging.getLogger("weightsync")
+# How often the applier thread looks at its stop flag while no update comes.
+_APPLIER_POLL = 0.1
 
 
 class WeightSender:
@@ -137,32 +150,59 @@ class WeightReceiver:
     """Blocking front of an :class:`AsyncWeightReceiver`.
 
     Get it from ``scheme.get_receiver()`` after ``scheme.init_on_receiver(...)``.
+
+    A worker takes its updates in one of two ways:
+
+    - at its own safe point, by calling :meth:`receive`;
+    - as they arrive, after :meth:`start_applier`: a thread of weightsync's
+      applies each one between two steps of the model (two forward calls of
+      an ``nn.Module``, or two :meth:`step` blocks), never during one.
     """
 
     def __init__(self, receiver: AsyncWeightReceiver) -> None:
         self._receiver = receiver
         self._closed = False
+        self._guard = StepGuard()
+        self._applier: threading.Thread | None = None
+        self._stop = threading.Event()
+        # Signalled by the applier after each update; guards the two below.
+        self._arrived = threading.Condition()
+        self._reported_version = 0
+        self._applier_error: BaseException | None = None
         RUNTIME.acquire()
 
     @property
     def async_receiver(self) -> AsyncWeightReceiver:
         return self._receiver
 
+    @property
+    def applying_in_background(self) -> bool:
+        """Whether updates are applied as they arrive (:meth:`start_applier`)."""
+        return self._applier is not None
+
     def announce(self) -> None:
         RUNTIME.call(self._receiver.announce)
 
-    def receive(self, timeout: float | None = None) -> int | None:
-        """Apply the newest pending update, if any; see :meth:`AsyncWeightReceiver.receive`.
-
-        Blocks at most ``timeout`` seconds (None: does not wait). On a Ray
-        actor, where updates are applied as they arrive, it never blocks and
-        returns the newest version applied since the previous call, or None.
-        """
+    def _check_open(self) -> None:
         if self._closed:
             raise WeightSyncStateError(
                 f"the receiver of model {self._receiver.model_id!r} is shut down",
                 model_id=self._receiver.model_id,
             )
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        """Apply the newest pending update, if any; see :meth:`AsyncWeightReceiver.receive`.
+
+        Blocks at most ``timeout`` seconds (None: does not wait). Where
+        updates are applied as they arrive (a Ray actor, or after
+        :meth:`start_applier`) it applies nothing: it returns the newest
+        version applied since the previous call, waiting up to ``timeout``
+        for one, or None; after :meth:`start_applier` it raises what stopped
+        the applier (e.g. :class:`SenderLostError`).
+        """
+        self._check_open()
+        if self._applier is not None:
+            return self._take_background(timeout or 0.0)
         # Wait on this thread, outside any event loop, until something may be
         # pending: a poll that finds nothing never enters the loop, and one
         # that does runs the coroutine without it ever suspending.
@@ -171,12 +211,129 @@ class WeightReceiver:
             return None
         return RUNTIME.call(self._receiver.receive, max(deadline - time.monotonic(), 0.0))
 
+    def wait_applied(self, timeout: float) -> int:
+        """Block until one update is applied (the first, at a rendezvous) and
+        return its version.
+
+        :raises WaitTimeoutError: none came within ``timeout`` seconds; the
+            model is untouched.
+        :raises SenderLostError: the sender died or shut down first.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            version = self.receive(max(deadline - time.monotonic(), 0.0))
+            if version is not None:
+                return version
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(
+                    f"no update of model {self._receiver.model_id!r} arrived within {timeout:g} s",
+                    model_id=self._receiver.model_id,
+                )
+
+    # -- applying in the background --------------------------------------------
+    def step(self) -> contextlib.AbstractContextManager[None]:
+        """A block during which no update is applied in the background (for
+        a model that is not an ``nn.Module``, whose forward calls are
+        guarded already). Nests; any number of threads may hold one."""
+        return self._guard.step()
+
+    def set_model(self, model: Any) -> None:
+        """Apply the next updates to ``model`` (same layout) instead; its
+        forward calls become the steps. Waits for an update being applied."""
+        with self._guard.writing(self._stop) as got:
+            self._receiver.set_model(model)
+            if got and self._applier is not None:
+                self._guard.attach(model)
+
+    def start_applier(self) -> None:
+        """Apply every update as it arrives, from now on, on a thread of
+        weightsync's, between two steps of the model. Idempotent.
+
+        Each update is acked once applied (and ``on_update`` ran), as
+        :meth:`receive` would. Does not block.
+        """
+        self._check_open()
+        if self._applier is not None:
+            return
+        self._guard.attach(self._receiver.model)
+        self._reported_version = self._receiver.version
+        thread = threading.Thread(
+            target=self._apply_loop, name=f"weightsync-applier-{self._receiver.model_id}", daemon=True
+        )
+        with out_of_resources("start weightsync's applier thread"):
+            thread.start()
+        self._applier = thread
+
+    def _apply_loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._receiver.wait_ready(_APPLIER_POLL):
+                    continue
+                with self._guard.writing(self._stop) as got:
+                    if not got:
+                        break  # stopping
+                    try:
+                        version = RUNTIME.call(self._receiver.receive, 0.0)
+                    except SenderClosedError as exc:
+                        self._applier_failed(exc)
+                        break
+                    except SenderLostError as exc:
+                        _log.warning("weightsync: %s", exc)
+                        self._applier_failed(exc)
+                        break
+                    except Exception as exc:
+                        # The sender was told (the model is untouched, or the
+                        # update applied and on_update raised); go on.
+                        _log.warning("weightsync: an update was not applied: %s", exc)
+                        self._applier_failed(exc)
+                        continue
+                if version is not None:
+                    with self._arrived:
+                        self._arrived.notify_all()
+        finally:
+            RUNTIME.close_thread_loop()
+            with self._arrived:
+                self._arrived.notify_all()
+
+    def _applier_failed(self, exc: BaseException) -> None:
+        with self._arrived:
+            self._applier_error = exc
+            self._arrived.notify_all()
+
+    def _take_background(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        with self._arrived:
+            while True:
+                version = self._receiver.version
+                if version != self._reported_version:
+                    self._reported_version = version
+                    return version
+                error = self._applier_error
+                if error is not None:
+                    if not isinstance(error, SenderLostError):
+                        self._applier_error = None  # reported once; the applier goes on
+                    raise error
+                left = deadline - time.monotonic()
+                if left <= 0 or self._applier is None or not self._applier.is_alive():
+                    return None
+                self._arrived.wait(left)
+
+    def _stop_applier(self) -> None:
+        self._stop.set()
+        self._guard.wake()
+        thread, self._applier = self._applier, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        self._guard.detach()
+
     def shutdown(self) -> None:
-        """Close the endpoint. Idempotent."""
+        """Stop the applier (after the update it is applying, if any), close
+        the endpoint. Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
+            self._stop_applier()
             RUNTIME.call(self._receiver.aclose)
         finally:
             RUNTIME.release()

@@ -11,7 +11,7 @@ import torch
 from ._copy import check_writable_in_place
 from ._exceptions import ResourceExhaustedError, SenderLostError, WeightMismatchError, WeightSyncStateError
 from ._packet import Manifest
-from ._strategy import model_tensors
+from ._strategy import materialize, model_tensors
 from ._transports._base import Applier, Incoming, WorkerEndpoint
 
 __all__ = ["AsyncWeightReceiver"]
@@ -29,13 +29,25 @@ class AsyncWeightReceiver:
     ``scheme.get_async_receiver()``. ``endpoint`` builds the transport's
     worker endpoint given this receiver (a push endpoint keeps it, to apply
     updates as they arrive).
+
+    ``device``: where a model tensor on the meta device (a model built
+    without storage) gets its storage, at the first update (default: CPU).
+    ``on_update(version)`` runs after each update is applied, before the ack.
     """
 
     def __init__(
-        self, *, model_id: str | None, model: Any, endpoint: Callable[[Applier], WorkerEndpoint]
+        self,
+        *,
+        model_id: str | None,
+        model: Any,
+        endpoint: Callable[[Applier], WorkerEndpoint],
+        device: Any = None,
+        on_update: Callable[[int], Any] | None = None,
     ) -> None:
         self.model_id = model_id
         self.model = model
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.on_update = on_update
         self.version = 0
         self._layout: tuple[str, Manifest, list[torch.Tensor]] | None = None
         self._closed = False
@@ -44,6 +56,12 @@ class AsyncWeightReceiver:
         self._applied = 0
         self._reported = 0
         self.endpoint = endpoint(self)
+
+    def set_model(self, model: Any) -> None:
+        """Apply the next updates to ``model`` (same layout) instead. Not
+        while an update is being applied."""
+        self.model = model
+        self._layout = None
 
     def _manifest(self) -> tuple[Manifest, list[torch.Tensor]]:
         tensors = model_tensors(self.model, model_id=self.model_id)
@@ -78,6 +96,11 @@ class AsyncWeightReceiver:
             # the layout was cached: look the model up again (this raises).
         self._layout = None
         manifest, targets = self._manifest()
+        if manifest.layout_id == incoming.layout_id and materialize(self.model, self.device):
+            # A model built on the meta device gets its storage now, once the
+            # update is known to fit it; it is acked only once it holds the
+            # update. Its tensors are new objects: look them up again.
+            manifest, targets = self._manifest()
         if manifest.layout_id != incoming.layout_id:
             raise WeightMismatchError(
                 f"version {incoming.version} has layout {incoming.layout_id}, but this worker's model "
@@ -101,6 +124,16 @@ class AsyncWeightReceiver:
         incoming.apply(self.model, targets, manifest)
         self._mark_applied(incoming.version)
         return incoming.version
+
+    def _updated(self, version: int) -> Exception | None:
+        """Run ``on_update``; what it raised, if it did."""
+        if self.on_update is None:
+            return None
+        try:
+            self.on_update(version)
+        except Exception as exc:
+            return exc
+        return None
 
     def _mark_applied(self, version: int) -> None:
         self.version = version
@@ -163,6 +196,11 @@ class AsyncWeightReceiver:
             except WeightMismatchError as exc:
                 await self.endpoint.reply(incoming.version, str(exc))
                 return self._take_applied()
+            except Exception as exc:
+                # (e.g. out of memory giving a meta model its storage): the
+                # sender hears why, then the caller.
+                await self.endpoint.reply(incoming.version, f"{type(exc).__name__}: {exc}")
+                raise
             try:
                 if not incoming.is_current():
                     continue  # superseded before we began: the newer update is queued or coming
@@ -180,8 +218,17 @@ class AsyncWeightReceiver:
                 wait = _RECOVERY_TIMEOUT
                 continue
             self._mark_applied(incoming.version)
-            await self.endpoint.reply(incoming.version)
-            return self._take_applied()
+            failed = self._updated(incoming.version)
+            if failed is None:
+                await self.endpoint.reply(incoming.version)
+                return self._take_applied()
+            # The sender hears why; this worker's caller gets its own error.
+            await self.endpoint.reply(
+                incoming.version,
+                f"version {incoming.version} was applied, but on_update raised "
+                f"{type(failed).__name__}: {failed}",
+            )
+            raise failed
 
     async def aclose(self) -> None:
         """Close the endpoint. Idempotent."""

@@ -220,6 +220,16 @@ class Runtime:
             raise KeyboardInterrupt
         return result  # type: ignore[return-value]
 
+    def close_thread_loop(self) -> None:
+        """Close the calling thread's private loop, if it has one (a thread
+        of weightsync's own calls it before it ends)."""
+        loop = getattr(self._local, "loop", None)
+        self._local.loop = None
+        if loop is not None and not loop.is_closed():
+            with self._lock:
+                self._private.discard(loop)
+            loop.close()
+
     # -- lifetime ------------------------------------------------------------
     def acquire(self) -> None:
         """One more sender or receiver relies on the runtime."""

@@ -16,11 +16,14 @@ from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, ClassVar, Literal
 
+import torch
+
 from ._exceptions import WeightSyncStateError
 from ._facade import WeightReceiver, WeightSender
 from ._receiver import AsyncWeightReceiver
 from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, SendReport
 from ._strategy import WeightStrategy, model_of
+from ._torchrl import register_with_torchrl
 from ._transports._base import Applier, SenderTransport, Staging, WorkerEndpoint
 from ._transports._copy_staging import CopyReader, SegmentStaging
 from ._transports._none import NoEndpoint, NoTransport
@@ -79,6 +82,10 @@ class WeightSyncScheme:
         self._async_receiver: AsyncWeightReceiver | None = None
         self._sender: WeightSender | None = None
         self._receiver: WeightReceiver | None = None
+        self._on_update: Callable[[int], Any] | None = None
+        self._synchronized_on_sender = False
+        self._synchronized_on_receiver = False
+        register_with_torchrl(WeightSyncScheme)
 
     # A scheme crosses process boundaries as configuration only: pipes,
     # models and event loops belong to the process that created them.
@@ -97,14 +104,36 @@ class WeightSyncScheme:
     # -- properties -----------------------------------------------------
     @property
     def context(self) -> Any | None:
-        """The context object (e.g. a collector) given at init, if any."""
+        """The context object (e.g. a collector) given at init, if any.
+
+        Settable (torchrl's collectors set it on a worker once its inner
+        collector exists): a context with ``increment_version()`` has it
+        called after each update that follows ``connect()``."""
         return self._context
+
+    @context.setter
+    def context(self, context: Any) -> None:
+        self._context = context
+        if self._async_sender is not None and self._model is None:
+            self._async_sender.context = self._source()
 
     @property
     def model(self) -> Any | None:
         """The model this process synchronises (the worker's model, or the
-        sender's source model), if known."""
+        sender's source model), if known.
+
+        Settable: on a worker, the next updates go to the new model (same
+        layout), whose forward calls become the steps the background applier
+        waits for; on the sender, ``send(None)`` reads it."""
         return self._model
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        self._model = model
+        if self._async_receiver is not None and model is not None:
+            self.get_receiver().set_model(model)
+        elif self._async_sender is not None:
+            self._async_sender.context = self._source()
 
     @property
     def model_id(self) -> str | None:
@@ -114,6 +143,41 @@ class WeightSyncScheme:
     def worker_idx(self) -> int | None:
         """This worker's index (worker side), if set."""
         return self._worker_idx
+
+    @worker_idx.setter
+    def worker_idx(self, worker_idx: int | None) -> None:
+        if self._async_sender is not None and worker_idx is not None:
+            raise WeightSyncStateError(f"{self!r}: a sender has no worker index", model_id=self._model_id)
+        self._worker_idx = worker_idx
+
+    # torchrl's collectors read these four (and set the last two).
+    @property
+    def initialized_on_sender(self) -> bool:
+        """Whether ``init_on_sender`` ran in this process."""
+        return self._async_sender is not None
+
+    @property
+    def initialized_on_receiver(self) -> bool:
+        """Whether ``init_on_receiver`` ran in this process."""
+        return self._async_receiver is not None
+
+    @property
+    def synchronized_on_sender(self) -> bool:
+        """Whether the sender's ``connect()`` finished."""
+        return self._synchronized_on_sender
+
+    @synchronized_on_sender.setter
+    def synchronized_on_sender(self, value: bool) -> None:
+        self._synchronized_on_sender = bool(value)
+
+    @property
+    def synchronized_on_receiver(self) -> bool:
+        """Whether this worker's ``connect()`` finished."""
+        return self._synchronized_on_receiver
+
+    @synchronized_on_receiver.setter
+    def synchronized_on_receiver(self, value: bool) -> None:
+        self._synchronized_on_receiver = bool(value)
 
     @property
     def weights(self) -> Any | None:
@@ -190,7 +254,14 @@ class WeightSyncScheme:
         """Initialise a worker (receiver side) and announce it to the sender.
 
         ``kwargs`` (or the context) give the ``model`` to update in place,
-        and what the transport needs (see each scheme).
+        and what the transport needs (see each scheme). Also:
+
+        - ``on_update(version)``: called after each update is applied,
+          before the ack (an exception in it is reported to the sender);
+        - ``device``: where tensors of a model built on the meta device get
+          their storage at the first update (default: the context's
+          ``policy_device``, else the CPU). Such a model is acked only once
+          it holds the weights.
 
         :raises RuntimeError: this scheme is already initialised here.
         :raises ValueError: no model was given.
@@ -201,17 +272,33 @@ class WeightSyncScheme:
         self._context = context
         self._model = _model_of(self._model_id, context, kwargs)
         self._worker_idx = _from(context, kwargs, "worker_idx")
+        self._on_update = _from(context, kwargs, "on_update")
         if self._model is None and self._needs_model:
             raise ValueError(
                 f"init_on_receiver needs the model to update: pass model=... or a context with get_model() "
                 f"(model {self._model_id!r})"
             )
         endpoint = self._receiver_side(context, kwargs)
+        device = kwargs.get("device", getattr(context, "policy_device", None))
         self._async_receiver = AsyncWeightReceiver(
-            model_id=self._model_id, model=self._model, endpoint=endpoint
+            model_id=self._model_id,
+            model=self._model,
+            endpoint=endpoint,
+            device=device if isinstance(device, str | torch.device) else None,
+            on_update=self._updated if self._announces else None,
         )
         if self._announces:
             self.get_receiver().announce()
+
+    def _updated(self, version: int) -> None:
+        """After each update on a worker: the user's ``on_update``, then the
+        context's version (torchrl's collectors count policy versions)."""
+        if self._on_update is not None:
+            self._on_update(version)
+        if self._synchronized_on_receiver:
+            bump = getattr(self._context, "increment_version", None)
+            if callable(bump):
+                bump()
 
     #: Whether a new worker announces itself over its channel (a push
     #: endpoint is found by the sender instead).
@@ -221,15 +308,60 @@ class WeightSyncScheme:
         """Alias of :meth:`init_on_receiver`."""
         self.init_on_receiver(model_id, context, **kwargs)
 
-    def connect(self, *, worker_idx: int | None = None, timeout: float | None = None) -> None:
-        """Sender: block until every worker (or ``worker_idx``) announced
-        itself. Worker: announce again. Either side: no-op before init."""
+    def connect(
+        self,
+        *,
+        worker_idx: int | None = None,
+        weights: Any = None,
+        timeout: float | None = None,
+        background: bool = True,
+    ) -> SendReport | None:
+        """The rendezvous of the two sides, once the workers are started.
+
+        Sender: block until every worker (or ``worker_idx``) announced itself,
+        then send it the initial weights (``weights``, else the model or
+        context given at init) and wait for its ack. Returns that send's
+        report (None when there was nothing to send: the workers then wait
+        for the first ``send()``).
+
+        Worker: block until the initial weights are applied (a model built on
+        the meta device gets its storage then). Then, with ``background=True``
+        (torchrl's collectors never call ``receive()``), every later update
+        is applied as it arrives, between two forward calls of the model
+        (see :meth:`WeightReceiver.start_applier`); with ``background=False``
+        the worker goes on calling ``receive()``.
+
+        ``timeout``: per phase, default the scheme's ``timeout``. Either side:
+        no-op before init.
+
+        :raises WorkerError: (sender) naming every worker that died, did not
+            show up, or did not apply the initial weights in time.
+        :raises WaitTimeoutError: (worker) no initial weights in time.
+        :raises SenderLostError: (worker) the sender died or shut down first.
+        """
+        wait = self.timeout if timeout is None else timeout
         if self._async_sender is not None:
-            self.get_sender().connect(worker_idx, timeout=timeout)
-        elif self._async_receiver is not None:
+            sender = self.get_sender()
+            sender.connect(worker_idx, timeout=wait)
+            self._connected()
+            report = None
+            if weights is not None or self._source() is not None:
+                report = sender.send(weights, worker_idx, timeout=wait)
+            self._synchronized_on_sender = True
+            return report
+        if self._async_receiver is not None:
             if worker_idx is not None:
                 self._worker_idx = worker_idx
-            self.get_receiver().announce()
+            receiver = self.get_receiver()
+            if not receiver.applying_in_background:
+                receiver.wait_applied(wait)
+            self._synchronized_on_receiver = True
+            if background:
+                receiver.start_applier()
+        return None
+
+    def _connected(self) -> None:
+        """Called on the sender once its workers announced themselves."""
 
     def get_sender(self) -> WeightSender:
         """The blocking sender. :raises RuntimeError: before ``init_on_sender``."""
@@ -315,28 +447,91 @@ class WeightSyncScheme:
 
 class _PipeScheme(WeightSyncScheme):
     """Control over one duplex pipe per worker; bytes through a staging
-    (``_staging_class`` on the sender, ``_reader_class`` on each worker)."""
+    (``_staging_class`` on the sender, ``_reader_class`` on each worker).
+
+    The pipes are the user's (``pipes=`` on the sender, ``pipe=`` on each
+    worker), or the scheme's own: given a multiprocessing context (``ctx=``,
+    as torchrl's collectors pass it) or no pipes at all, ``init_on_sender``
+    makes one pipe per worker (``num_workers``), and the worker ends travel
+    inside the pickled scheme to the workers, where ``worker_idx`` picks
+    each one's end.
+    """
 
     _staging_class: ClassVar[type[SegmentStaging] | type[SlotStaging]]
     _reader_class: ClassVar[type[CopyReader] | type[SlotReader]]
     #: Added to the error of a worker killed by SIGSEGV.
     _fault_hint: ClassVar[str | None] = None
 
+    def _reset(self) -> None:
+        super()._reset()
+        # The ends of the pipes this scheme made: the sender's, and the
+        # workers' (held here until every worker has its own copy).
+        self._own_pipes: list[Connection] = []
+        self._worker_ends: dict[int, Connection] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        if self._worker_ends:
+            state["worker_ends"] = dict(self._worker_ends)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._worker_ends = dict(state.get("worker_ends", {}))
+
     def _sender_pipes(self, context: Any, kwargs: dict[str, Any]) -> list[Connection]:
-        pipes: Sequence[Any] | None = _from(context, kwargs, "pipes")
+        ctx = kwargs.get("ctx")
+        pipes: Sequence[Any] | None = None if ctx is not None else _from(context, kwargs, "pipes")
         if pipes is None:
-            raise ValueError(f"{type(self).__name__}.init_on_sender needs pipes=[...]")
+            return self._make_pipes(ctx, _from(context, kwargs, "num_workers"))
         pipes = list(pipes)
         num_workers = _from(context, kwargs, "num_workers") or len(pipes)
         if num_workers != len(pipes):
             raise ValueError(f"num_workers={num_workers} but {len(pipes)} pipes were given")
         return pipes
 
+    def _make_pipes(self, ctx: Any, num_workers: Any) -> list[Connection]:
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(
+                f"{type(self).__name__}.init_on_sender needs pipes=[...], or num_workers=N (N >= 1) "
+                "for the scheme to make its own"
+            )
+        ctx = ctx if ctx is not None else multiprocessing.get_context()
+        pairs = [ctx.Pipe(duplex=True) for _ in range(num_workers)]
+        self._own_pipes = [ours for ours, _ in pairs]
+        self._worker_ends = {i: theirs for i, (_, theirs) in enumerate(pairs)}
+        return list(self._own_pipes)
+
     def _worker_pipe(self, context: Any, kwargs: dict[str, Any]) -> Connection:
         pipe = _from(context, kwargs, "pipe")
-        if pipe is None:
-            raise ValueError(f"{type(self).__name__}.init_on_worker needs pipe=...")
-        return pipe
+        if pipe is not None:
+            return pipe
+        index = self._worker_idx
+        if not self._worker_ends:
+            raise ValueError(
+                f"{type(self).__name__}.init_on_worker needs pipe=..., or a scheme whose "
+                "init_on_sender made the pipes (and worker_idx=i)"
+            )
+        if not isinstance(index, int) or index not in self._worker_ends:
+            raise ValueError(
+                f"{type(self).__name__}.init_on_worker needs worker_idx=i, one of "
+                f"{sorted(self._worker_ends)} (got {index!r})"
+            )
+        # Keep this worker's end; close the others' (a worker holding another
+        # one's end open would hide that one's death from the sender).
+        ends, self._worker_ends = self._worker_ends, {}
+        for i, end in ends.items():
+            if i != index:
+                end.close()
+        self._own_pipes = [ends[index]]
+        return ends[index]
+
+    def _connected(self) -> None:
+        # Every worker has its end now: the sender's copies would only keep
+        # a dead worker's pipe from closing.
+        for end in self._worker_ends.values():
+            end.close()
+        self._worker_ends = {}
 
     def _sender_side(
         self, context: Any, kwargs: dict[str, Any]
@@ -352,6 +547,17 @@ class _PipeScheme(WeightSyncScheme):
         pipe = self._worker_pipe(context, kwargs)
         model_id, reader = self._model_id, self._reader_class()
         return lambda receiver: PipeEndpoint(pipe, model_id, reader)
+
+    def shutdown(self) -> None:
+        """As :meth:`WeightSyncScheme.shutdown`; also closes the pipes the
+        scheme made."""
+        try:
+            super().shutdown()
+        finally:
+            for pipe in [*self._own_pipes, *self._worker_ends.values()]:
+                pipe.close()
+            self._own_pipes = []
+            self._worker_ends = {}
 
     def create_transport(self, pipe: Any) -> PipeSenderTransport:
         """Legacy: a sender channel over ``pipe``, sharing this scheme's
@@ -462,7 +668,6 @@ class InProcessWeightSyncScheme(_PipeScheme):
     def __init__(self, strategy: StrategyName | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         super().__init__(strategy, timeout=timeout)
         self._rendezvous = _Rendezvous()
-        self._own_pipes: list[Connection] = []
 
     def __copy__(self) -> InProcessWeightSyncScheme:
         clone = type(self)(self.strategy.extract_as, timeout=self.timeout)
@@ -492,14 +697,6 @@ class InProcessWeightSyncScheme(_PipeScheme):
         self._own_pipes = [pipe]
         return pipe
 
-    def shutdown(self) -> None:
-        """As :meth:`WeightSyncScheme.shutdown`; also closes this side's pipes."""
-        try:
-            super().shutdown()
-        finally:
-            for pipe in self._own_pipes:
-                pipe.close()
-            self._own_pipes = []
 
 
 class RayWeightSyncScheme(WeightSyncScheme):
@@ -579,6 +776,23 @@ class RayWeightSyncScheme(WeightSyncScheme):
             kwargs["model"] = kwargs.pop("source_model")
         super().init_on_sender(model_id, context, **kwargs)
 
+    def connect(
+        self,
+        *,
+        worker_idx: int | None = None,
+        weights: Any = None,
+        timeout: float | None = None,
+        background: bool = True,
+    ) -> SendReport | None:
+        """Sender: as :meth:`WeightSyncScheme.connect` (wait for the actors,
+        send the initial weights). Worker: returns at once: an actor applies
+        every update as it arrives anyway, and waiting inside its
+        ``__init__`` would keep it from taking the call that brings them."""
+        if self._async_receiver is not None:
+            self._synchronized_on_receiver = True
+            return None
+        return super().connect(worker_idx=worker_idx, weights=weights, timeout=timeout)
+
     def create_transport(self, actor: Any) -> SenderTransport:
         """Legacy: a sender channel to one Ray actor, sharing this scheme's
         object-store staging once ``init_on_sender`` has run."""
@@ -592,7 +806,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
     def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> EndpointFactory:
         from ._transports._ray import RayEndpoint
 
-        model_id, on_update = self._model_id, _from(context, kwargs, "on_update")
+        model_id, on_update = self._model_id, self._updated
         return lambda receiver: RayEndpoint(model_id, receiver, on_update)
 
 
@@ -636,8 +850,19 @@ class NoWeightSyncScheme(WeightSyncScheme):
         """A transport that moves nothing."""
         return NoTransport()
 
-    def connect(self, *, worker_idx: int | None = None, timeout: float | None = None) -> None:
-        """No-op."""
+    def connect(
+        self,
+        *,
+        worker_idx: int | None = None,
+        weights: Any = None,
+        timeout: float | None = None,
+        background: bool = True,
+    ) -> None:
+        """Nothing to exchange: marks this side synchronised."""
+        if self._async_sender is not None:
+            self._synchronized_on_sender = True
+        elif self._async_receiver is not None:
+            self._synchronized_on_receiver = True
 
     def send(
         self,

@@ -19,7 +19,7 @@ from torch import nn
 from ._exceptions import InvalidWeightsError
 from ._packet import Manifest
 
-__all__ = ["WeightStrategy", "flat_weights", "model_of", "model_tensors"]
+__all__ = ["WeightStrategy", "flat_weights", "materialize", "model_of", "model_tensors"]
 
 StrategyName = Literal["state_dict", "tensordict"]
 
@@ -135,6 +135,42 @@ def model_tensors(model: Any, *, model_id: str | None = None) -> dict[str, torch
         "expected nn.Module, TensorDict or a dict of tensors",
         model_id=model_id,
     )
+
+
+def materialize(model: Any, device: torch.device) -> bool:
+    """Give every tensor of ``model`` that is on the meta device (a model
+    built without storage) empty storage on ``device``. Returns whether any
+    was. The contents are undefined until an update is copied in.
+
+    A module's meta parameter is replaced by a new ``nn.Parameter`` (torch
+    cannot move a tensor off the meta device in place); its other tensors
+    are left alone.
+    """
+    changed = False
+    if isinstance(model, nn.Module):
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None and param.is_meta:
+                    empty = torch.empty_like(param, device=device)
+                    module._parameters[name] = nn.Parameter(empty, requires_grad=param.requires_grad)
+                    changed = True
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None and buffer.is_meta:
+                    module._buffers[name] = torch.empty_like(buffer, device=device)
+                    changed = True
+    elif isinstance(model, TensorDictBase):
+        for key, value in list(model.items(include_nested=True, leaves_only=True)):
+            if value.is_meta:
+                model.set(key, torch.empty_like(value, device=device))
+                changed = True
+    elif isinstance(model, Mapping):
+        for key, value in list(model.items()):
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                model[key] = torch.empty_like(value, device=device)  # type: ignore[index]
+                changed = True
+            elif isinstance(value, Mapping | TensorDictBase):
+                changed = materialize(value, device) or changed
+    return changed
 
 
 class WeightStrategy:
