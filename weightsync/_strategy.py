@@ -160,7 +160,7 @@ def materialize(model: Any, device: torch.device) -> bool:
                     changed = True
     elif isinstance(model, TensorDictBase):
         for key, value in list(model.items(include_nested=True, leaves_only=True)):
-            if value.is_meta:
+            if isinstance(value, torch.Tensor) and value.is_meta:
                 model.set(key, torch.empty_like(value, device=device))
                 changed = True
     elif isinstance(model, Mapping):
