@@ -167,11 +167,21 @@ def stop(conns: list[Connection], timeout: float = 30.0) -> list[ProbeReport]:
 
 
 def scheme_probe(
-    scheme: Any, model_id: str, pipe: Connection, conn: Connection, shapes: dict[str, int], duration: float
+    scheme: Any,
+    model_id: str,
+    pipe: Connection,
+    conn: Connection,
+    shapes: dict[str, int],
+    duration: float,
+    receive_timeout: float = 0.0,
 ) -> None:
     """Worker process for a scheme: its model is ``{name: zeros(numel)}``; it
-    checks the model between two ``receive()`` calls until told to stop,
-    then sends ``("report", ProbeReport)`` over ``conn``."""
+    checks the model between two ``receive(timeout=receive_timeout)`` calls
+    until told to stop, then sends ``("report", ProbeReport)`` over ``conn``.
+
+    With a ``receive_timeout``, the probe waits for the next update and
+    applies it as soon as it is announced, instead of after its current read.
+    """
     from tensordict import TensorDict
 
     torch.set_num_threads(1)
@@ -180,7 +190,7 @@ def scheme_probe(
     try:
         announce_ready(conn)
         report = probe_loop(
-            lambda: model, conn, duration=duration, between=lambda: scheme.receive(timeout=0.0)
+            lambda: model, conn, duration=duration, between=lambda: scheme.receive(timeout=receive_timeout)
         )
         conn.send(("report", report))
     finally:

@@ -1,5 +1,22 @@
 """No torn reads: between two receive() calls a worker's weights all belong
-to one version, while the trainer sends as fast as it can (every scheme).
+to one version, while the trainer sends as fast as it can.
+
+Covers the two pipe-based schemes, MultiProcessWeightSyncScheme and
+SharedMemWeightSyncScheme, with worker processes (the Ray scheme's actors
+are probed in test_ray.py; the in-process scheme shares the multiprocess
+scheme's staging and receiver). Each runs at two paces:
+
+- ``acked``: every send waits for every ack, so the trainer never rewrites
+  its staging while a worker reads it.
+- ``overlapping``: the probes wait for each update and apply it as soon as it
+  is announced, while most sends get a deadline of a millisecond (their
+  ``AckTimeoutError`` is caught) and the next one is written at once, from
+  weights filled beforehand. Under the multiprocess scheme that overwrites
+  the one staging segment during the workers' copies: only the receiver's
+  check of the segment's version around its copy keeps the mix out of the
+  model (with that check removed, this run sees mixed reads). Under the
+  shared scheme it checks that a slot a worker was told about and has not
+  answered for is never rewritten, even once its send timed out.
 
 The same probe shows torn reads with the legacy updater (test_legacy.py).
 """
@@ -14,22 +31,41 @@ import torch
 from conftest import PIPE_SCHEMES, PROCS, SCHEMES, reap
 from tensordict import TensorDict
 
+import weightsync as ws
+
 SHAPES = {f"w{i}": 4 * 1024 * 1024 for i in range(4)}  # 4 x 16 MiB of float32
 SEND_SECONDS = 2.0
+# Overlapping pace: this many sends with a deadline of TINY_DEADLINE seconds,
+# then one that waits for every ack (so every worker ends some copies whole,
+# and the trainer reads the acks that free the shared scheme's slots).
+TINY_DEADLINE = 0.001
+OVERLAPPED_IN_A_ROW = 3
+# The weights the overlapping sends cycle through (every element of one is
+# one value, none of them a version number): nothing to fill between two.
+ROTATION = (-1, -2, -3)
 
 
+@pytest.mark.parametrize("pace", ["acked", "overlapping"])
 @pytest.mark.parametrize("scheme_name", PIPE_SCHEMES)
-def test_workers_never_see_a_mix_of_versions(scheme_name: str) -> None:
+def test_workers_never_see_a_mix_of_versions(scheme_name: str, pace: str) -> None:
     scheme = SCHEMES[scheme_name]()
     trainer = TensorDict({name: torch.zeros(numel) for name, numel in SHAPES.items()}, batch_size=[])
+    rotation = []
+    if pace == "overlapping":
+        for value in ROTATION:
+            weights = trainer.clone()
+            _probe.fill(weights, value)
+            rotation.append(weights)
+    receive_timeout = 0.05 if pace == "overlapping" else 0.0
     conns, pipes, procs = [], [], []
+    sends = timed_out = 0
     try:
         for _ in range(2):
             ours, theirs = PROCS.Pipe()
             ctrl, ctrl_child = PROCS.Pipe()
             proc = PROCS.Process(
                 target=_probe.scheme_probe,
-                args=(scheme, "policy", theirs, ctrl_child, SHAPES, 60.0),
+                args=(scheme, "policy", theirs, ctrl_child, SHAPES, 60.0, receive_timeout),
                 daemon=True,
             )
             proc.start()
@@ -40,9 +76,20 @@ def test_workers_never_see_a_mix_of_versions(scheme_name: str) -> None:
             procs.append(proc)
         scheme.init_on_sender("policy", pipes=pipes, model=trainer)
         _probe.start(conns)
-        sends = 0
         deadline = time.monotonic() + SEND_SECONDS
         while time.monotonic() < deadline:
+            sends += 1
+            if pace == "overlapping" and sends % (OVERLAPPED_IN_A_ROW + 1) != 0:
+                try:
+                    scheme.send(rotation[sends % len(rotation)], timeout=TINY_DEADLINE)
+                except ws.AckTimeoutError:
+                    timed_out += 1
+                continue
+            _probe.fill(trainer, sends)
+            scheme.send(timeout=30)
+        if pace == "overlapping":
+            # A worker whose copy was overwritten waits for a newer version:
+            # the last one reaches every worker whole.
             sends += 1
             _probe.fill(trainer, sends)
             scheme.send(timeout=30)
@@ -54,9 +101,13 @@ def test_workers_never_see_a_mix_of_versions(scheme_name: str) -> None:
             conn.close()
     for report in reports:
         print(
-            f"{scheme_name} probe {report.pid}: {report.reads} reads, {report.consistent} consistent, "
-            f"{report.mixed} mixed, {len(report.versions)} versions seen whole; {sends} sends"
+            f"{scheme_name} {pace} probe {report.pid}: {report.reads} reads, {report.consistent} consistent, "
+            f"{report.mixed} mixed, {len(report.versions)} values seen whole; {sends} sends, "
+            f"{timed_out} timed out"
         )
-        assert report.mixed == 0
+        assert report.mixed == 0, f"{report.mixed} of {report.reads} reads saw two versions mixed"
         assert report.reads > 0
         assert len(report.versions) > 1  # updates landed while it read
+    if pace == "overlapping":
+        # Most sends ended before their workers had applied them.
+        assert timed_out >= sends // 2, (timed_out, sends)
