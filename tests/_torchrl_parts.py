@@ -8,6 +8,8 @@ produced it, and a step that ran on a mix of two versions would show both.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from tensordict.nn import TensorDictModule
 from torch import nn
@@ -35,3 +37,34 @@ def set_version(policy: nn.Module, version: float) -> None:
 
 def versions_in(actions: torch.Tensor) -> set[float]:
     return {float(v) for v in actions.unique()}
+
+
+class StepProbe(nn.Module):
+    """A policy network whose forward call reads its ``SIZE`` parameters one
+    after the other, slowly: action ``i`` is parameter ``i``'s value, so an
+    update that landed during the call shows as two values in one action."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.params = nn.ParameterList(nn.Parameter(torch.zeros(4096)) for _ in range(SIZE))
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        values = []
+        for param in self.params:
+            values.append(param[0].detach().clone())
+            time.sleep(0.0005)  # room for an update to land mid-call, were it allowed to
+        return torch.stack(values).expand(*observation.shape[:-1], SIZE).clone()
+
+
+def make_probe_policy(version: float = 0.0) -> TensorDictModule:
+    policy = TensorDictModule(StepProbe(), in_keys=["observation"], out_keys=["action"])
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.fill_(version)
+    return policy
+
+
+def fill(policy: nn.Module, version: float) -> None:
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.fill_(version)

@@ -49,7 +49,14 @@ def _from(context: Any, kwargs: dict[str, Any], name: str, default: Any = None) 
 
 def _model_of(model_id: str | None, context: Any, kwargs: dict[str, Any]) -> Any:
     model = kwargs.get("model")
-    return model if model is not None else model_of(context, model_id)
+    if model is not None:
+        return model
+    try:
+        return model_of(context, model_id)
+    except (LookupError, ValueError, AttributeError):
+        # A context that holds no such model (yet): e.g. a torchrl collector
+        # whose workers build their policy from a factory.
+        return None
 
 
 StrategyName = Literal["state_dict", "tensordict"]

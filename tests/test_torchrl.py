@@ -1,0 +1,167 @@
+"""weightsync's schemes inside torchrl's own collectors (torchrl 0.14): passed
+as ``weight_sync_schemes={"policy": scheme}``, driven by the collector's
+``update_policy_weights_()``. Real spawned collector workers, torchrl's mock
+environment; each action of a batch is the version of the weights that
+produced it (see ``_torchrl_parts``).
+
+Runs where torchrl is installed (CI's torchrl step: torchrl 0.14 needs
+tensordict < 0.15); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+torchrl = pytest.importorskip("torchrl")
+
+import _torchrl_parts as parts  # noqa: E402
+from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector  # noqa: E402
+from torchrl.weight_update import WeightSyncScheme as TorchRLScheme  # noqa: E402
+
+import weightsync as ws  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+SCHEMES = {
+    "multiprocess": ws.MultiProcessWeightSyncScheme,
+    "shared": ws.SharedMemWeightSyncScheme,
+}
+
+
+def _collect(collector: Any, batches: int) -> Iterator[Any]:
+    try:
+        for i, batch in enumerate(collector):
+            yield batch
+            if i + 1 == batches:
+                break
+    finally:
+        collector.shutdown()
+
+
+@pytest.mark.parametrize("scheme_name", SCHEMES)
+def test_each_batch_of_a_sync_collector_holds_the_version_just_sent(scheme_name: str) -> None:
+    scheme = SCHEMES[scheme_name](timeout=60)
+    assert isinstance(scheme, TorchRLScheme)
+    policy = parts.make_policy(1.0)
+    collector = MultiSyncCollector(
+        [parts.make_env] * 2,
+        policy,
+        frames_per_batch=20,
+        total_frames=-1,
+        weight_sync_schemes={"policy": scheme},
+        track_policy_version=True,
+    )
+    try:
+        assert scheme.initialized_on_sender and scheme.synchronized_on_sender
+        seen = []
+        for i, batch in enumerate(_collect(collector, 5)):
+            # Version i + 1 went out before this batch began: every action is it.
+            seen.append(parts.versions_in(batch["action"]))
+            # torchrl counts the updates after the initial weights.
+            assert int(batch["policy_version"][..., -1].min()) == i
+            parts.set_version(policy, i + 2.0)
+            collector.update_policy_weights_()
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+    assert seen == [{1.0}, {2.0}, {3.0}, {4.0}, {5.0}]
+
+
+@pytest.mark.parametrize("scheme_name", SCHEMES)
+def test_no_step_of_an_async_collector_mixes_two_versions(scheme_name: str) -> None:
+    scheme = SCHEMES[scheme_name](timeout=60)
+    policy = parts.make_probe_policy(1.0)
+    collector = MultiAsyncCollector(
+        [parts.make_env] * 2,
+        policy,
+        frames_per_batch=20,
+        total_frames=-1,
+        weight_sync_schemes={"policy": scheme},
+    )
+    sent = {1.0}
+    steps = mixed = 0
+    seen: set[float] = set()
+    try:
+        for i, batch in enumerate(_collect(collector, 30)):
+            actions = batch["action"].reshape(-1, parts.SIZE)
+            lo, hi = actions.aminmax(dim=-1)
+            steps += len(actions)
+            mixed += int((lo != hi).sum())
+            seen.update(float(v) for v in lo.unique())
+            version = i + 2.0
+            parts.fill(policy, version)
+            collector.update_policy_weights_()  # while the workers step
+            sent.add(version)
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+    print(f"{scheme_name}: {steps} steps, {mixed} mixed, {len(seen)} versions seen")
+    assert mixed == 0
+    assert seen <= sent
+    assert len(seen) > 5  # the updates landed while the workers stepped
+
+
+def test_worker_ids_update_those_workers_only() -> None:
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=60)
+    policy = parts.make_policy(1.0)
+    collector = MultiSyncCollector(
+        [parts.make_env] * 2,
+        policy,
+        frames_per_batch=20,
+        total_frames=-1,
+        weight_sync_schemes={"policy": scheme},
+    )
+    try:
+        batches = _collect(collector, 2)
+        next(batches)
+        parts.set_version(policy, 2.0)
+        collector.update_policy_weights_(worker_ids=[1])
+        batch = next(batches)  # stacked: one row per worker
+        assert parts.versions_in(batch["action"][0]) == {1.0}
+        assert parts.versions_in(batch["action"][1]) == {2.0}
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+
+
+def test_no_weight_sync_scheme_with_a_policy_factory() -> None:
+    # With a policy instance torchrl sends workers a policy on the meta device
+    # that only a synchronising scheme fills (torchrl's own NoWeightSyncScheme
+    # fails there too); each worker builds its own with a factory.
+    scheme = ws.NoWeightSyncScheme()
+    collector = MultiSyncCollector(
+        [parts.make_env] * 2,
+        policy_factory=parts.make_policy,
+        frames_per_batch=20,
+        total_frames=-1,
+        weight_sync_schemes={"policy": scheme},
+    )
+    try:
+        batches = _collect(collector, 2)
+        assert parts.versions_in(next(batches)["action"]) == {0.0}
+        collector.update_policy_weights_()  # nothing moves
+        assert parts.versions_in(next(batches)["action"]) == {0.0}
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+
+
+def test_a_policy_that_does_not_fit_is_refused_at_the_rendezvous_by_name() -> None:
+    # The trainer's policy (read for the weights) and the one each worker
+    # builds differ in layout: the collector fails to start, naming the worker.
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=60)
+    try:
+        with pytest.raises(ws.WeightMismatchError, match="worker 0"):
+            MultiSyncCollector(
+                [parts.make_env],
+                parts.make_policy(1.0),
+                policy_factory=parts.make_probe_policy,
+                frames_per_batch=20,
+                total_frames=-1,
+                weight_sync_schemes={"policy": scheme},
+            )
+    finally:
+        scheme.shutdown()
