@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import CONFORMANCE_SCHEMES, Cluster, new_cluster
+from conftest import CONFORMANCE_SCHEMES, KEEPS_DATA_PTR, Cluster, new_cluster
 from tensordict import TensorDict
 
 import weightsync as ws
@@ -161,13 +161,23 @@ def test_a_worker_with_another_model_is_rejected_before_sending(make_cluster) ->
 
 def test_apply_failure_reaches_the_sender_with_the_workers_message(make_cluster) -> None:
     c = make_cluster(["net", "overlap"])
+    before = c.state(1)["weights"]  # the refusing worker's whole model
     c.bump()
+    sent = c.expected()
+    # Every tensor sent differs from the worker's own: a write into any shows.
+    assert [n for n in before if torch.equal(before[n], sent[n])] == []
     with pytest.raises(ws.WorkerApplyError) as info:
         c.sender.send()
     assert info.value.worker_ids == (1,)
     assert "overlap" in info.value.worker_message
-    c.assert_has(0, c.expected())  # the healthy worker still got it
-    assert not torch.equal(c.state(1)["weights"]["out.weight"], c.expected()["out.weight"])
+    c.assert_has(0, sent)  # the healthy worker still got it
+    after = c.state(1)
+    assert after["same_identity"], "the refusing worker's tensors were replaced"
+    if KEEPS_DATA_PTR[c.scheme_name]:
+        assert after["same_ptr"], "the refusing worker's tensors were moved"
+    assert set(after["weights"]) == set(before)
+    written = [n for n, v in before.items() if not torch.equal(after["weights"][n], v)]
+    assert written == [], f"the refusing worker's model was partly written: {written}"
 
 
 def test_deadline_raises_a_timeout_naming_the_worker(make_cluster) -> None:
