@@ -218,3 +218,33 @@ def test_the_scheme_makes_its_own_pipes_and_the_workers_find_their_ends() -> Non
             conn.close()
         reap(procs)
         scheme.shutdown()
+
+
+def test_a_worker_given_a_new_model_updates_it_from_then_on() -> None:
+    # torchrl's collectors do this when they move a worker's policy to its device.
+    import copy
+    import threading
+
+    trainer_model = Net()
+    trainer = ws.InProcessWeightSyncScheme(timeout=30)
+    trainer.init_on_sender("policy", model=trainer_model, num_workers=1)
+    worker = copy.copy(trainer)
+    first = Net()
+    worker.init_on_worker("policy", model=first, worker_idx=0)
+    try:
+        joined = threading.Thread(target=worker.connect)
+        joined.start()
+        trainer.connect()
+        joined.join(30)
+        assert worker.synchronized_on_receiver and worker.get_receiver().applying_in_background
+        second = copy.deepcopy(first)
+        before = snapshot(first)
+        worker.model = second
+        with torch.no_grad():
+            trainer_model.inp.weight.add_(1.0)
+        trainer.send()
+        assert torch.equal(second.inp.weight, trainer_model.inp.weight)
+        assert all(torch.equal(t, before[name]) for name, t in snapshot(first).items())
+    finally:
+        worker.shutdown()
+        trainer.shutdown()

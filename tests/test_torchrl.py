@@ -10,6 +10,8 @@ tensordict < 0.15); skipped elsewhere.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -165,3 +167,21 @@ def test_a_policy_that_does_not_fit_is_refused_at_the_rendezvous_by_name() -> No
             )
     finally:
         scheme.shutdown()
+
+
+def test_weightsync_imports_torchrl_only_when_asked() -> None:
+    code = "\n".join(
+        [
+            "import sys, weightsync as ws",
+            "early = ws.InProcessWeightSyncScheme()",
+            "assert 'torchrl' not in sys.modules",
+            "from torchrl.weight_update import WeightSyncScheme",
+            # torchrl came later: the scheme registers itself at its init.
+            "early.init_on_sender('policy', num_workers=1)",
+            "assert isinstance(early, WeightSyncScheme)",
+            "early.shutdown()",
+        ]
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    asked = "import weightsync as ws; ws.register_with_torchrl(); import sys; assert 'torchrl' in sys.modules"
+    subprocess.run([sys.executable, "-c", asked], check=True, timeout=120)

@@ -45,6 +45,7 @@ from ._schemes import (
     RayWeightSyncScheme,
     SharedMemWeightSyncScheme,
     WeightSyncScheme,
+    register_with_torchrl,
 )
 from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, SendReport
 
@@ -88,4 +89,5 @@ __all__ = [
     "WorkerLostError",
     "WorkerProtocolError",
     "__version__",
+    "register_with_torchrl",
 ]

@@ -23,7 +23,7 @@ from ._facade import WeightReceiver, WeightSender
 from ._receiver import AsyncWeightReceiver
 from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, SendReport
 from ._strategy import WeightStrategy, model_of
-from ._torchrl import register_with_torchrl
+from ._torchrl import register_with_torchrl as _register
 from ._transports._base import Applier, SenderTransport, Staging, WorkerEndpoint
 from ._transports._copy_staging import CopyReader, SegmentStaging
 from ._transports._none import NoEndpoint, NoTransport
@@ -32,6 +32,7 @@ from ._transports._slot_staging import SlotReader, SlotStaging
 
 __all__ = [
     "InProcessWeightSyncScheme",
+    "register_with_torchrl",
     "MultiProcessWeightSyncScheme",
     "NoWeightSyncScheme",
     "RayWeightSyncMixin",
@@ -92,7 +93,7 @@ class WeightSyncScheme:
         self._on_update: Callable[[int], Any] | None = None
         self._synchronized_on_sender = False
         self._synchronized_on_receiver = False
-        register_with_torchrl(WeightSyncScheme)
+        _register(WeightSyncScheme)
 
     # A scheme crosses process boundaries as configuration only: pipes,
     # models and event loops belong to the process that created them.
@@ -238,6 +239,7 @@ class WeightSyncScheme:
         """
         if self._initialised():
             raise WeightSyncStateError(f"{self!r} is already initialised in this process")
+        _register(WeightSyncScheme)
         self._model_id = model_id if model_id is not None else kwargs.get("model_id", self._model_id)
         self._context = context
         self._model = _model_of(self._model_id, context, kwargs)
@@ -275,6 +277,7 @@ class WeightSyncScheme:
         """
         if self._initialised():
             raise WeightSyncStateError(f"{self!r} is already initialised in this process")
+        _register(WeightSyncScheme)
         self._model_id = model_id if model_id is not None else kwargs.get("model_id", self._model_id)
         self._context = context
         self._model = _model_of(self._model_id, context, kwargs)
@@ -450,6 +453,18 @@ class WeightSyncScheme:
         finally:
             if self._async_receiver is not None:
                 self.get_receiver().shutdown()
+
+
+def register_with_torchrl() -> None:
+    """Make weightsync's schemes pass torchrl's ``isinstance(scheme,
+    torchrl.weight_update.WeightSyncScheme)`` check, importing torchrl.
+
+    Not needed where torchrl is imported before a scheme is initialised (the
+    scheme registers itself then); weightsync never imports torchrl unasked.
+
+    :raises ImportError: torchrl is not installed.
+    """
+    _register(WeightSyncScheme, load=True)
 
 
 class _PipeScheme(WeightSyncScheme):
