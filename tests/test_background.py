@@ -223,6 +223,7 @@ def test_the_scheme_makes_its_own_pipes_and_the_workers_find_their_ends() -> Non
 def test_a_worker_given_a_new_model_updates_it_from_then_on() -> None:
     # torchrl's collectors do this when they move a worker's policy to its device.
     import copy
+    import pickle
     import threading
 
     trainer_model = Net()
@@ -245,6 +246,8 @@ def test_a_worker_given_a_new_model_updates_it_from_then_on() -> None:
         trainer.send()
         assert torch.equal(second.inp.weight, trainer_model.inp.weight)
         assert all(torch.equal(t, before[name]) for name, t in snapshot(first).items())
+        # The hooks that guard its forward calls do not keep it from being pickled.
+        assert torch.equal(pickle.loads(pickle.dumps(second)).inp.weight, second.inp.weight)
     finally:
         worker.shutdown()
         trainer.shutdown()

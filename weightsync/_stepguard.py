@@ -110,12 +110,35 @@ class StepGuard:
         if not isinstance(model, nn.Module):
             return
         self._hooks = [
-            model.register_forward_pre_hook(lambda module, args: self.enter()),
+            model.register_forward_pre_hook(_StepHook(self.enter)),
             # always_call: a forward that raises still ends its step.
-            model.register_forward_hook(lambda module, args, output: self.exit(), always_call=True),
+            model.register_forward_hook(_StepHook(self.exit), always_call=True),
         ]
 
     def detach(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+class _StepHook:
+    """A forward hook that begins or ends a step. A copy of the model
+    (``copy.deepcopy``, pickling) gets an inert hook instead: the guard
+    belongs to this process's receiver, and the copy is not what it updates."""
+
+    def __init__(self, action: Any) -> None:
+        self._action = action
+
+    def __call__(self, *args: Any) -> None:
+        self._action()
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_inert_hook, ())
+
+
+def _inert_hook() -> Any:
+    return _do_nothing
+
+
+def _do_nothing(*args: Any) -> None:
+    return None
