@@ -98,6 +98,66 @@ def snapshot(model: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in tensors_of(model).items()}
 
 
+# What weightsync's shared-memory segments are called in /proc (memfd_create's label).
+MEMFD_LABEL = "memfd:weightsync"
+
+
+def memfd_fds(pid: int | str = "self") -> list[str]:
+    """The descriptors of process ``pid`` that are weightsync segments."""
+    return [fd for fd in described_fds(set(os.listdir(f"/proc/{pid}/fd")), pid) if MEMFD_LABEL in fd]
+
+
+def memfd_maps(pid: int | str = "self") -> list[str]:
+    """The memory mappings (lines of /proc/<pid>/maps) of process ``pid``
+    that are weightsync segments."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return [line.strip() for line in maps if MEMFD_LABEL in line]
+
+
+def described_fds(fds: set[str], pid: int | str = "self") -> list[str]:
+    """``fds`` of process ``pid`` that are open, as "fd -> what it is"."""
+    described = []
+    for fd in sorted(fds, key=int):
+        try:
+            described.append(f"{fd} -> {os.readlink(f'/proc/{pid}/fd/{fd}')}")
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            continue
+    return described
+
+
+def memfd_maps_in_use(tensors: Any) -> tuple[list[str], list[str]]:
+    """This process's mappings of weightsync segments that hold some of
+    ``tensors``' data, and those that hold none. A shared-scheme worker's
+    parameters run on a slot, which stays mapped as long as they do (even
+    after shutdown); nothing else may stay."""
+    tensors = [t for t in tensors if t.numel()]
+    used, unused = [], []
+    for line in memfd_maps():
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        (used if any(start <= t.data_ptr() < end for t in tensors) else unused).append(line)
+    return used, unused
+
+
+def leftovers(tensors: Any, fds_before: set[str]) -> dict[str, list[str]]:
+    """What this process holds of weightsync's once it shut down: its
+    threads, descriptors opened since ``fds_before`` (the segments apart),
+    segment descriptors, and segment mappings that ``tensors`` run on or not.
+
+    Python's ``mmap`` keeps a descriptor of its own for each mapping, so a
+    segment still mapped (under the model) comes with one descriptor."""
+    import threading
+
+    new = described_fds(set(os.listdir("/proc/self/fd")) - fds_before)
+    used, unused = memfd_maps_in_use(tensors)
+    return {
+        "threads": sorted(t.name for t in threading.enumerate()),
+        "new_fds": [fd for fd in new if MEMFD_LABEL not in fd],
+        "memfd_fds": memfd_fds(),
+        "used_memfd_maps": used,
+        "unused_memfd_maps": unused,
+    }
+
+
 def worker_main(
     scheme: ws.WeightSyncScheme,
     model_id: str,
@@ -120,6 +180,7 @@ def worker_main(
     tensors = tensors_of(model)
     ids = {k: id(v) for k, v in tensors.items()}
     ptrs = {k: v.data_ptr() for k, v in tensors.items()}
+    fds_before = set(os.listdir("/proc/self/fd"))
     if pipe is not None:
         scheme.init_on_worker(model_id, pipe=pipe, model=model)
     else:
@@ -189,9 +250,7 @@ def worker_main(
                 time.sleep(poll)
     finally:
         scheme.shutdown()
-        import threading
-
-        ctrl.send(("bye", sorted(t.name for t in threading.enumerate())))
+        ctrl.send(("bye", leftovers(tensors_of(model).values(), fds_before)))
 
 
 def trainer_then_die(scheme: ws.WeightSyncScheme, model_id: str, pipe: Connection, sends: int) -> None:

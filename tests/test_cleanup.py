@@ -1,13 +1,32 @@
-"""Nothing leaks: shared memory, threads, processes, file descriptors."""
+"""Nothing leaks: shared memory, threads, processes, file descriptors.
+
+weightsync's segments are memfd: they never appear in /dev/shm, only as
+``memfd:weightsync`` entries in a process's descriptors (/proc/<pid>/fd) and
+memory mappings (/proc/<pid>/maps). Each test first sees those entries while
+a send is live (so its checks can fail), then checks that they are gone, in
+the trainer and in the workers.
+"""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
+import os
 import time
 
 import pytest
-from _workers import build_model, trainer_then_die
-from conftest import PIPE_SCHEMES, SCHEMES, Cluster, fd_baseline, open_fds, shm_entries, weightsync_threads
+import torch
+from _workers import build_model, leftovers, memfd_fds, memfd_maps, trainer_then_die
+from conftest import (
+    PIPE_SCHEMES,
+    PROCS,
+    SCHEMES,
+    Cluster,
+    fd_baseline,
+    open_fds,
+    shm_entries,
+    weightsync_threads,
+)
 
 import weightsync as ws
 
@@ -28,19 +47,56 @@ def _wait_for(predicate, timeout: float = 10.0) -> bool:
     return predicate()
 
 
+def _assert_live(c: Cluster) -> None:
+    """While the scheme is up, the trainer holds its segments open and
+    mapped, and every worker maps them: the checks below see them."""
+    assert memfd_fds(), "the trainer holds no weightsync segment during a send"
+    assert memfd_maps(), "the trainer maps no weightsync segment during a send"
+    for pid in c.pids:
+        if _alive(pid):
+            assert memfd_maps(pid), f"worker {pid} maps no weightsync segment after a send"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _assert_worker_left_nothing(who: str, what: dict[str, list[str]], scheme_name: str) -> None:
+    """``what`` a worker holds after its shutdown (``_workers.leftovers``)."""
+    assert not any(n.startswith(("weightsync", "AnyIO")) for n in what["threads"]), what
+    assert what["new_fds"] == [], f"{who} keeps descriptors weightsync opened: {what['new_fds']}"
+    assert what["unused_memfd_maps"] == [], f"{who} still maps segments: {what['unused_memfd_maps']}"
+    if scheme_name == "multiprocess":
+        assert what["used_memfd_maps"] == [], f"{who}'s model runs on shared memory: {what}"
+    # The one segment a shared-scheme worker's parameters still run on stays
+    # mapped, with its mapping's descriptor; no other.
+    assert len(what["used_memfd_maps"]) <= 1, what
+    assert len(what["memfd_fds"]) <= len(what["used_memfd_maps"]), f"{who} keeps segments open: {what}"
+
+
+def _assert_trainer_holds_no_segment() -> None:
+    assert _wait_for(lambda: not memfd_fds()), memfd_fds()
+    assert _wait_for(lambda: not memfd_maps()), memfd_maps()
+
+
 def test_shutdown_on_both_sides_leaves_nothing(scheme_name: str) -> None:
     shm_before, fds_before = shm_entries(), fd_baseline()
     c = Cluster(scheme_name, ["net", "net"])
     for _ in range(3):
         c.bump()
         c.sender.send()
-    worker_threads = []
+    _assert_live(c)
+    left = []
     for i in range(2):
         c.ctrls[i].send("stop")
         assert c.ctrls[i].poll(30)
-        tag, names = c.ctrls[i].recv()
+        tag, what = c.ctrls[i].recv()
         assert tag == "bye"
-        worker_threads.append(names)
+        left.append(what)
     for proc in c.procs:
         proc.join(20)
         assert proc.exitcode == 0
@@ -49,17 +105,20 @@ def test_shutdown_on_both_sides_leaves_nothing(scheme_name: str) -> None:
     c.scheme.shutdown()  # idempotent
     for conn in c.ctrls + c.pipes:
         conn.close()
-    assert all(not any(n.startswith(("weightsync", "AnyIO")) for n in names) for names in worker_threads)
+    for i, what in enumerate(left):
+        _assert_worker_left_nothing(f"worker {i}", what, scheme_name)
     assert _wait_for(lambda: not weightsync_threads()), weightsync_threads()
     assert mp.active_children() == []
     assert shm_entries() <= shm_before
     assert _wait_for(lambda: open_fds() <= fds_before), open_fds() - fds_before
+    _assert_trainer_holds_no_segment()
 
 
 def test_sigkilled_worker_leaves_nothing_behind(scheme_name: str) -> None:
     shm_before, fds_before = shm_entries(), fd_baseline()
     c = Cluster(scheme_name, ["net", "net"])
     c.sender.send()
+    _assert_live(c)
     c.kill(0)
     with pytest.raises(ws.WorkerLostError):
         c.sender.send()
@@ -68,24 +127,32 @@ def test_sigkilled_worker_leaves_nothing_behind(scheme_name: str) -> None:
     assert _wait_for(lambda: not weightsync_threads()), weightsync_threads()
     assert _wait_for(lambda: open_fds() <= fds_before), open_fds() - fds_before
     assert mp.active_children() == []
+    _assert_trainer_holds_no_segment()
 
 
 def test_sigkilled_trainer_is_reported_to_the_worker_promptly(scheme_name: str) -> None:
-    ctx = mp.get_context("spawn")
+    """The test process is the worker here; the trainer is a child process
+    that sends twice (its ``inp.weight`` plus 1, then plus 2) and SIGKILLs
+    itself."""
     shm_before = shm_entries()
     scheme = SCHEMES[scheme_name]()
-    ours, theirs = ctx.Pipe()
-    trainer = ctx.Process(target=trainer_then_die, args=(scheme, "policy", theirs, 2), daemon=True)
+    ours, theirs = PROCS.Pipe()
+    trainer = PROCS.Process(target=trainer_then_die, args=(scheme, "policy", theirs, 2), daemon=True)
     trainer.start()
     theirs.close()
     model = build_model("net", seed=3)
+    fds_before = set(os.listdir("/proc/self/fd"))
+    expected = build_model("net", seed=7).state_dict()  # the trainer's model...
+    for _ in range(2):  # ...after its two sends
+        expected["inp.weight"].add_(1)
     scheme.init_on_worker("policy", pipe=ours, model=model)
     try:
-        applied = []
-        while len(applied) < 2:
-            version = scheme.receive(timeout=30)
-            assert version, "the trainer's update did not arrive"
-            applied.append(version)
+        assert scheme.receive(timeout=30) == 1, "the trainer's first update did not arrive"
+        # The trainer now waits for the ack of its second send: it is alive
+        # and holds its segment, which this worker maps.
+        assert memfd_fds(trainer.pid) and memfd_maps(trainer.pid), "the trainer holds no segment"
+        assert memfd_maps(), "this worker maps no segment of the trainer's"
+        assert scheme.receive(timeout=30) == 2, "the trainer's second update did not arrive"
         trainer.join(30)
         assert trainer.exitcode == -9
         started = time.monotonic()
@@ -94,9 +161,22 @@ def test_sigkilled_trainer_is_reported_to_the_worker_promptly(scheme_name: str) 
         assert time.monotonic() - started < 5
         # A killed trainer is not a clean shutdown.
         assert not isinstance(info.value, ws.SenderClosedError)
-        assert float(model.inp.weight.detach().sum()) != 0.0
+        # The worker holds the trainer's last weights, exactly.
+        got = model.state_dict()
+        assert set(got) == set(expected)
+        for name, value in expected.items():
+            assert torch.equal(got[name], value), name
     finally:
         scheme.shutdown()
         ours.close()
     assert shm_entries() <= shm_before
     assert _wait_for(lambda: not weightsync_threads()), weightsync_threads()
+    # Under the shared scheme the model's parameters still run on the dead
+    # trainer's slot: that mapping stays while they do, and no other.
+    what = leftovers(model.state_dict().values(), fds_before)
+    what["threads"] = []  # (this process's threads: checked above)
+    _assert_worker_left_nothing("this worker", what, scheme_name)
+    del model, got, scheme, info  # (the error's traceback holds the receiver, with the model)
+    gc.collect()
+    assert _wait_for(lambda: not memfd_maps()), memfd_maps()
+    assert memfd_fds() == []
