@@ -251,3 +251,21 @@ def test_a_worker_given_a_new_model_updates_it_from_then_on() -> None:
     finally:
         worker.shutdown()
         trainer.shutdown()
+
+
+def test_a_foreign_message_at_the_rendezvous_names_the_worker() -> None:
+    # What torchrl's collector workers send on their own pipes: had the scheme
+    # been given those, connect() would read it. A weightsync error, by name.
+    import multiprocessing
+
+    scheme = ws.MultiProcessWeightSyncScheme(timeout=10)
+    ours, theirs = multiprocessing.Pipe()
+    try:
+        scheme.init_on_sender("policy", pipes=[ours], model=Net())
+        theirs.send({"error": True, "exception_type": "KeyError", "exception_msg": "0"})
+        with pytest.raises(ws.WorkerProtocolError, match="worker 0") as raised:
+            scheme.connect()
+        assert raised.value.worker_ids == (0,)
+    finally:
+        scheme.shutdown()
+        theirs.close()
