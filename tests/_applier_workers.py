@@ -110,3 +110,36 @@ def own_pipe_worker(scheme: ws.WeightSyncScheme, index: int, conn: Connection) -
         pass
     finally:
         scheme.shutdown()
+
+
+def version_worker(
+    scheme: ws.WeightSyncScheme, pipe: Connection | None, conn: Connection, worker_idx: int | None = None
+) -> None:
+    """Worker obeying ``conn``: "version" (reply the version applied),
+    ("wait", v, timeout) (reply ("ok", version) or ("timeout", message)),
+    "background" (start applying in the background), "stop"."""
+    model = Net()
+    if pipe is not None:
+        scheme.init_on_worker("policy", pipe=pipe, model=model)
+    else:
+        scheme.init_on_worker("policy", model=model, worker_idx=worker_idx)
+    receiver = scheme.get_receiver()
+    conn.send(("ready", os.getpid()))
+    try:
+        while conn.poll(60):
+            cmd = conn.recv()
+            if cmd == "stop":
+                break
+            if cmd == "version":
+                conn.send(receiver.version)
+            elif cmd == "background":
+                receiver.start_applier()
+                conn.send("ok")
+            else:
+                _, version, timeout = cmd
+                try:
+                    conn.send(("ok", receiver.wait_for_version(version, timeout)))
+                except ws.WaitTimeoutError as exc:
+                    conn.send(("timeout", str(exc)))
+    finally:
+        scheme.shutdown()

@@ -23,6 +23,7 @@ from ._exceptions import (
     WeightSyncStateError,
     out_of_resources,
 )
+from ._packet import DEFAULT_TIMEOUT
 from ._receiver import AsyncWeightReceiver
 from ._runtime import RUNTIME
 from ._sender import AsyncWeightSender, SendReport
@@ -52,6 +53,11 @@ class WeightSender:
     @property
     def async_sender(self) -> AsyncWeightSender:
         return self._sender
+
+    @property
+    def worker_versions(self) -> dict[int, int | None]:
+        """The last version each worker acked (None: none yet), by worker id."""
+        return self._sender.worker_versions
 
     def _check(self, what: str) -> None:
         if self._closed:
@@ -167,13 +173,18 @@ class WeightReceiver:
         self._stop = threading.Event()
         # Signalled by the applier after each update; guards the two below.
         self._arrived = threading.Condition()
-        self._reported_version = 0
+        self._reported_version: int | None = None
         self._applier_error: BaseException | None = None
         RUNTIME.acquire()
 
     @property
     def async_receiver(self) -> AsyncWeightReceiver:
         return self._receiver
+
+    @property
+    def version(self) -> int | None:
+        """The last version applied on this worker; None before the first."""
+        return self._receiver.version
 
     @property
     def applying_in_background(self) -> bool:
@@ -229,6 +240,37 @@ class WeightReceiver:
                     f"no update of model {self._receiver.model_id!r} arrived within {timeout:g} s",
                     model_id=self._receiver.model_id,
                 )
+
+    def wait_for_version(self, version: int, timeout: float | None = None) -> int:
+        """Block until ``version`` or a newer one is applied; return the
+        version applied. Applies pending updates while it waits (after
+        :meth:`start_applier`, or on a Ray actor, it only waits).
+
+        ``timeout``: seconds (None: the default of 60 s).
+
+        :raises WaitTimeoutError: not applied in time; nothing else changed.
+        :raises SenderLostError: the sender died or shut down first.
+        """
+        self._check_open()
+        if self._applier is None:
+            return RUNTIME.call(self._receiver.wait_for_version, version, timeout)
+        wait = DEFAULT_TIMEOUT if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        with self._arrived:
+            while True:
+                applied = self._receiver.version
+                if applied is not None and applied >= version:
+                    return applied
+                if isinstance(self._applier_error, SenderLostError):
+                    raise self._applier_error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WaitTimeoutError(
+                        f"version {version} of model {self._receiver.model_id!r} was not applied "
+                        f"within {wait:g} s (applied: {applied})",
+                        model_id=self._receiver.model_id,
+                    )
+                self._arrived.wait(left)
 
     # -- applying in the background --------------------------------------------
     def step(self) -> contextlib.AbstractContextManager[None]:

@@ -17,7 +17,21 @@ import torch
 
 from ._exceptions import WeightMismatchError
 
-__all__ = ["ALIGNMENT", "Manifest", "Packet", "Signature", "TensorSpec", "describe_mismatch", "signature_of"]
+__all__ = [
+    "ALIGNMENT",
+    "DEFAULT_TIMEOUT",
+    "Manifest",
+    "Packet",
+    "Signature",
+    "TensorSpec",
+    "describe_mismatch",
+    "signature_of",
+]
+
+#: Seconds a call waits by default: a send for every ack, a worker for an
+#: awaited version. A dead worker or sender is reported long before this; the
+#: deadline is for a peer that stops answering.
+DEFAULT_TIMEOUT = 60.0
 
 # Every slice starts on a cache line, so a byte view can be reinterpreted as
 # any dtype and two tensors never share a line.

@@ -9,8 +9,14 @@ import anyio
 import torch
 
 from ._copy import check_writable_in_place
-from ._exceptions import ResourceExhaustedError, SenderLostError, WeightMismatchError, WeightSyncStateError
-from ._packet import Manifest
+from ._exceptions import (
+    ResourceExhaustedError,
+    SenderLostError,
+    WaitTimeoutError,
+    WeightMismatchError,
+    WeightSyncStateError,
+)
+from ._packet import DEFAULT_TIMEOUT, Manifest
 from ._strategy import materialize, model_tensors
 from ._transports._base import Applier, Incoming, WorkerEndpoint
 
@@ -48,7 +54,8 @@ class AsyncWeightReceiver:
         self.model = model
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.on_update = on_update
-        self.version = 0
+        #: The last version applied; None before the first.
+        self.version: int | None = None
         self._layout: tuple[str, Manifest, list[torch.Tensor]] | None = None
         self._closed = False
         self._announced = False
@@ -229,6 +236,32 @@ class AsyncWeightReceiver:
                 f"{type(failed).__name__}: {failed}",
             )
             raise failed
+
+    async def wait_for_version(self, version: int, timeout: float | None = None) -> int:
+        """Return once ``version`` or a newer one is applied: the version
+        applied. Pending updates are applied while it waits (where updates
+        are applied as they arrive, it only waits).
+
+        ``timeout``: seconds (None: the default of 60 s).
+
+        :raises WaitTimeoutError: not applied in time.
+        :raises SenderLostError: the sender died or shut down first.
+        """
+        wait = DEFAULT_TIMEOUT if timeout is None else timeout
+        deadline = anyio.current_time() + wait
+        while self.version is None or self.version < version:
+            left = deadline - anyio.current_time()
+            if left <= 0:
+                raise WaitTimeoutError(
+                    f"version {version} of model {self.model_id!r} was not applied within {wait:g} s "
+                    f"(applied: {self.version})",
+                    model_id=self.model_id,
+                )
+            if self.endpoint.pushes:
+                await anyio.sleep(min(left, 0.005))
+            else:
+                await self.receive(left)
+        return self.version
 
     async def aclose(self) -> None:
         """Close the endpoint. Idempotent."""

@@ -17,16 +17,12 @@ from ._exceptions import (
     WorkerError,
     combine_worker_errors,
 )
-from ._packet import Manifest, Packet, signature_of
+from ._packet import DEFAULT_TIMEOUT, Manifest, Packet, signature_of
 from ._strategy import WeightStrategy, flat_weights
 from ._transports._base import SenderTransport, Staging
 
-__all__ = ["DEFAULT_TIMEOUT", "AsyncWeightSender", "SendReport"]
+__all__ = ["DEFAULT_TIMEOUT", "AsyncWeightSender", "SendReport"]  # DEFAULT_TIMEOUT: from _packet
 
-#: Seconds a send waits for every ack unless told otherwise. A dead worker is
-#: reported long before this; the deadline is for workers that stop calling
-#: ``receive()``.
-DEFAULT_TIMEOUT = 60.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +59,8 @@ class AsyncWeightSender:
         self.context = context
         self.timeout = timeout
         self.version = 0
+        # The last version each worker acked.
+        self._acked: dict[int, int] = {}
         self._busy = False
         self._closed = False
         self._manifests: dict[Any, Manifest] = {}
@@ -70,6 +68,11 @@ class AsyncWeightSender:
     @property
     def worker_ids(self) -> list[int]:
         return list(self.transports)
+
+    @property
+    def worker_versions(self) -> dict[int, int | None]:
+        """The last version each worker acked (None: none yet), by worker id."""
+        return {wid: self._acked.get(wid) for wid in self.transports}
 
     def _targets(self, worker_ids: int | Iterable[int] | None) -> list[int]:
         if worker_ids is None:
@@ -202,6 +205,9 @@ class AsyncWeightSender:
                 f"ack version {packet.version}",
                 packet.version,
             )
+            for wid in reachable:
+                if wid not in failures:
+                    self._acked[wid] = packet.version
         if failures:
             raise combine_worker_errors(failures, model_id=self.model_id, version=packet.version)
         return SendReport(packet.version, tuple(targets), packet.nbytes, time.perf_counter() - started)

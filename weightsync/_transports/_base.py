@@ -169,6 +169,11 @@ class Applier(Protocol):
 class WorkerEndpoint(Protocol):
     """A worker's end of the control channel."""
 
+    #: True for a push endpoint, which applies updates as they arrive
+    #: (through the receiver it was built with); False for a pull endpoint,
+    #: whose updates wait for ``next_update``.
+    pushes: bool
+
     async def announce(self, manifest: Manifest) -> None:
         """Tell the sender this worker exists and what its model looks like."""
 

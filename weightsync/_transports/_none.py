@@ -30,6 +30,8 @@ class NoTransport:
 class NoEndpoint:
     """A worker endpoint that never has an update."""
 
+    pushes = True  # nothing to pull: a wait only waits
+
     async def announce(self, manifest: Manifest) -> None:
         return None
 

@@ -220,6 +220,8 @@ class PipeUpdate:
 class PipeEndpoint:
     """A worker's end of its pipe; updates are read through ``reader``."""
 
+    pushes = False
+
     def __init__(self, pipe: Connection, model_id: str | None, reader: StagingReader) -> None:
         self.model_id = model_id
         self.reader = reader

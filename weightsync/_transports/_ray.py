@@ -358,6 +358,8 @@ class RayEndpoint:
     :raises WeightSyncStateError: built off the event loop of an async actor.
     """
 
+    pushes = True
+
     def __init__(
         self, model_id: str | None, receiver: Applier, on_update: Callable[[int], Any] | None = None
     ) -> None:
