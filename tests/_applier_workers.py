@@ -143,3 +143,19 @@ def version_worker(
                     conn.send(("timeout", str(exc)))
     finally:
         scheme.shutdown()
+
+
+class RestartingCollector:
+    """A Ray actor (made remote with ``max_restarts``) that registers its
+    model in ``__init__``: after Ray restarts it, it registers again."""
+
+    def __init__(self) -> None:
+        self.model = Net()
+        self.scheme = ws.RayWeightSyncScheme()
+        self.scheme.init_on_worker("policy", model=self.model)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def state(self) -> tuple[dict[str, torch.Tensor], int | None]:
+        return snapshot(self.model), self.scheme.get_receiver().version

@@ -133,6 +133,16 @@ class WeightSender:
             if future.done():
                 self._pending = None
 
+    def add_worker(self, worker_id: int, transport: Any) -> None:
+        """See :meth:`AsyncWeightSender.add_worker` (schemes call it)."""
+        self._check("add_worker()")
+        RUNTIME.call(self._sender.add_worker, worker_id, transport)
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Stop sending to ``worker_id``; see :meth:`AsyncWeightSender.remove_worker`."""
+        self._check("remove_worker()")
+        RUNTIME.call(self._sender.remove_worker, worker_id)
+
     def update_weights(self, weights: Any) -> SendReport:
         """Legacy name of ``send(weights)`` to all workers."""
         return self.send(weights)

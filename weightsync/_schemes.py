@@ -373,6 +373,54 @@ class WeightSyncScheme:
     def _connected(self) -> None:
         """Called on the sender once its workers announced themselves."""
 
+    # -- membership -----------------------------------------------------------
+    def add_worker(
+        self,
+        channel: Any = None,
+        *,
+        worker_id: int | None = None,
+        weights: Any = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Sender: add a worker while the trainer runs, and return its id.
+
+        ``channel`` is what the scheme reaches it by (see each scheme: the
+        trainer's end of a new pipe, a Ray actor handle). ``worker_id``: the
+        id of a worker that died and was restarted, to bring it back under
+        its old id (the old channel is closed); default, a new id. If the
+        sender has sent before (or ``weights`` are given), the new worker
+        gets the latest weights (``weights``, else the model), alone, and
+        this blocks until it applied them (its first ``receive()`` or its
+        ``connect()``), up to ``timeout``; the others get nothing.
+
+        :raises ValueError: a bad ``worker_id`` or channel.
+        :raises WorkerError: the new worker did not apply the weights (it
+            stays a worker: later sends go to it).
+        :raises RuntimeError: before ``init_on_sender``, or during a send.
+        """
+        sender = self.get_sender()
+        if worker_id is not None and (not isinstance(worker_id, int) or worker_id < 0):
+            raise ValueError(f"worker_id must be an int >= 0, not {worker_id!r}")
+        known = self.sender_transports
+        wid = worker_id if worker_id is not None else max(known, default=-1) + 1
+        sender.add_worker(wid, self._new_transport(wid, channel, replaces=wid in known))
+        if weights is not None or (sender.async_sender.version > 0 and self._source() is not None):
+            sender.send(weights, [wid], timeout=timeout)
+        return wid
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Sender: stop sending to ``worker_id`` and free what was held for
+        it; its channel is closed (the worker hears a clean shutdown). Sends
+        to the others go on.
+
+        :raises UnknownWorkerError: no such worker.
+        :raises RuntimeError: before ``init_on_sender``, or during a send.
+        """
+        self.get_sender().remove_worker(worker_id)
+
+    def _new_transport(self, worker_id: int, channel: Any, *, replaces: bool) -> SenderTransport:
+        raise NotImplementedError(f"{type(self).__name__} has no workers to add")
+
     def get_sender(self) -> WeightSender:
         """The blocking sender. :raises RuntimeError: before ``init_on_sender``."""
         if self._sender is None:
@@ -548,6 +596,17 @@ class _PipeScheme(WeightSyncScheme):
         self._own_pipes = [ends[index]]
         return ends[index]
 
+    def _new_transport(self, worker_id: int, channel: Any, *, replaces: bool) -> SenderTransport:
+        """``channel``: the trainer's end of a new duplex pipe to the worker."""
+        if channel is None:
+            raise ValueError(f"{type(self).__name__}.add_worker needs the trainer's end of a new pipe")
+        return self._pipe_transport(channel, worker_id)
+
+    def _pipe_transport(self, pipe: Connection, worker_id: int) -> PipeSenderTransport:
+        staging = self.staging
+        assert staging is not None
+        return PipeSenderTransport(pipe, worker_id, staging, self._model_id, fault_hint=self._fault_hint)
+
     def _connected(self) -> None:
         # Every worker has its end now: the sender's copies would only keep
         # a dead worker's pipe from closing.
@@ -711,6 +770,20 @@ class InProcessWeightSyncScheme(_PipeScheme):
         self._own_pipes = pipes
         return pipes
 
+    def _new_transport(self, worker_id: int, channel: Any, *, replaces: bool) -> SenderTransport:
+        """No channel: the scheme makes the pipe of worker ``worker_id``
+        (whose thread inits its copy with ``worker_idx=worker_id``)."""
+        if channel is not None:
+            raise ValueError("InProcessWeightSyncScheme.add_worker makes its own pipe: pass no channel")
+        if replaces:
+            raise ValueError(
+                "InProcessWeightSyncScheme.add_worker cannot bring back a worker under its old id; "
+                "add it under a new one"
+            )
+        pipe = self._rendezvous.end(worker_id, worker=False)
+        self._own_pipes.append(pipe)
+        return self._pipe_transport(pipe, worker_id)
+
     def _worker_pipe(self, context: Any, kwargs: dict[str, Any]) -> Connection:
         index = _from(context, kwargs, "worker_idx")
         if not isinstance(index, int) or index < 0:
@@ -814,6 +887,15 @@ class RayWeightSyncScheme(WeightSyncScheme):
             self._synchronized_on_receiver = True
             return None
         return super().connect(worker_idx=worker_idx, weights=weights, timeout=timeout)
+
+    def _new_transport(self, worker_id: int, channel: Any, *, replaces: bool) -> SenderTransport:
+        """``channel``: the new actor's handle."""
+        from ._transports._ray import RaySenderTransport, RayStaging
+
+        staging = self.staging
+        if channel is None or not isinstance(staging, RayStaging):
+            raise ValueError("RayWeightSyncScheme.add_worker needs the actor's handle")
+        return RaySenderTransport(channel, worker_id, staging, self._model_id)
 
     def create_transport(self, actor: Any) -> SenderTransport:
         """Legacy: a sender channel to one Ray actor, sharing this scheme's

@@ -19,7 +19,7 @@ from ._exceptions import (
 )
 from ._packet import DEFAULT_TIMEOUT, Manifest, Packet, signature_of
 from ._strategy import WeightStrategy, flat_weights
-from ._transports._base import SenderTransport, Staging
+from ._transports._base import EVERY_VERSION, SenderTransport, Staging
 
 __all__ = ["DEFAULT_TIMEOUT", "AsyncWeightSender", "SendReport"]  # DEFAULT_TIMEOUT: from _packet
 
@@ -251,6 +251,47 @@ class AsyncWeightSender:
                     model_id=self.model_id,
                     version=version,
                 )
+
+    async def add_worker(self, worker_id: int, transport: SenderTransport) -> None:
+        """Send to ``transport`` as worker ``worker_id`` from now on. An
+        existing worker of that id (one that died and was restarted) is
+        replaced: its channel is closed and what was staged for it freed.
+
+        :raises WeightSyncStateError: a send is running, or the sender is closed.
+        """
+        self._check_membership("add_worker()")
+        old = self.transports.get(worker_id)
+        self.transports[worker_id] = transport
+        self._acked.pop(worker_id, None)
+        if old is not None:
+            await self._let_go(worker_id, old)
+
+    async def remove_worker(self, worker_id: int) -> None:
+        """Stop sending to worker ``worker_id``: close its channel (the worker
+        hears a clean shutdown) and free what was staged for it. Sends to the
+        others go on.
+
+        :raises UnknownWorkerError: no such worker.
+        :raises WeightSyncStateError: a send is running, or the sender is closed.
+        """
+        self._check_membership("remove_worker()")
+        self._targets(worker_id)  # raises for an unknown id
+        transport = self.transports.pop(worker_id)
+        self._acked.pop(worker_id, None)
+        await self._let_go(worker_id, transport)
+
+    async def _let_go(self, worker_id: int, transport: SenderTransport) -> None:
+        with anyio.CancelScope(shield=True):
+            if self.staging is not None:
+                self.staging.released(worker_id, EVERY_VERSION, None)
+            await transport.aclose()
+
+    def _check_membership(self, what: str) -> None:
+        self._check_open()
+        if self._busy:
+            raise WeightSyncStateError(
+                f"{what} while a send of model {self.model_id!r} is running", model_id=self.model_id
+            )
 
     def _check_open(self) -> None:
         if self._closed:

@@ -27,6 +27,7 @@ from .._exceptions import WorkerApplyError, WorkerLostError
 from .._packet import Manifest, Packet
 
 __all__ = [
+    "EVERY_VERSION",
     "Applier",
     "Incoming",
     "SenderTransport",
@@ -36,6 +37,11 @@ __all__ = [
     "worker_failed",
     "worker_lost",
 ]
+
+
+#: Past any version a sender will ever use: ``Staging.released(worker, EVERY_VERSION, None)``
+#: frees all that was held for a worker (one that died or was removed).
+EVERY_VERSION = 2**63 - 1
 
 
 def worker_lost(

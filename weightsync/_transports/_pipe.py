@@ -30,16 +30,13 @@ import torch
 from .._copy import usable_cores
 from .._exceptions import SenderClosedError, SenderLostError, WorkerLostError, WorkerProtocolError
 from .._packet import Manifest, Packet
-from ._base import Staging, StagingReader, worker_failed, worker_lost
+from ._base import EVERY_VERSION, Staging, StagingReader, worker_failed, worker_lost
 from ._channel import PipeChannel, describe_exit, exit_status, started_here
 
 __all__ = ["PipeEndpoint", "PipeSenderTransport", "PipeUpdate"]
 
 
 # -- the sender's channel to one worker ----------------------------------------
-
-# Past any version a sender will ever use: released() with it frees all.
-_EVERY_VERSION = 2**63 - 1
 
 # What a worker may send: kind -> length of the tuple.
 _WORKER_MESSAGES = {"hello": 4, "ack": 3, "error": 3}
@@ -92,7 +89,7 @@ class PipeSenderTransport:
             self._gone = (reason, code, sig)
             if code is not None or sig is not None or not self._channel.peer_alive():
                 # Dead for sure: nothing staged is in use by it any more.
-                self._staging.released(self.worker_id, _EVERY_VERSION, None)
+                self._staging.released(self.worker_id, EVERY_VERSION, None)
         reason, code, sig = self._gone
         return worker_lost(self.worker_id, self.model_id, reason, exit_code=code, exit_signal=sig)
 
