@@ -2,6 +2,16 @@
 
 The default run sends 200 times per scheme; ``pytest -m slow``
 runs the soak with thousands. Both print the sends per second reached.
+
+Per process (the trainer and every worker): descriptors, threads and
+weightsync's shared-memory mappings may not grow at all, memory mappings of
+any kind by a few at most (a leak per send would add hundreds), and private
+resident memory (``RssAnon``) by a fixed allowance (the allocator's and
+Ray's own growth) plus an eighth of the model's bytes per send: with a
+136 KiB model, a leak of a copy of the weights per send fails, and so does
+one of 20 KiB per send. Shared memory is left out of the resident figure:
+a Ray process touches more pages of Ray's object store as it goes, and a
+pipe scheme's segments are counted as mappings and descriptors.
 """
 
 from __future__ import annotations
@@ -10,38 +20,54 @@ import os
 import time
 
 import pytest
+from _workers import MEMFD_LABEL, tensors_of
 from conftest import Cluster, RayCluster, shm_entries
 
 WARMUP = 50
+# Private resident memory a process may gain whatever the number of sends,
+# in KiB: the allocator's arenas, and under Ray its own bookkeeping.
+RSS_SLACK_KIB = {"multiprocess": 1024, "shared": 1024, "ray": 4096}
+# ... plus this share of the model's bytes per send.
+RSS_PER_SEND = 1 / 8
+# Mappings a process may gain (the allocator maps large blocks of its own).
+MAPS_SLACK = 8
 
 
-def _resources(pid: int) -> tuple[int, int, int]:
-    """Open descriptors, threads and resident KiB of process ``pid``."""
-    fds = len(os.listdir(f"/proc/{pid}/fd"))
-    threads = len(os.listdir(f"/proc/{pid}/task"))
+def _resources(pid: int) -> dict[str, int]:
+    """Open descriptors, threads, private resident KiB, memory mappings and
+    mappings of weightsync segments of process ``pid``."""
     with open(f"/proc/{pid}/status") as status:
-        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-    return fds, threads, rss
+        rss = next(int(line.split()[1]) for line in status if line.startswith("RssAnon:"))
+    with open(f"/proc/{pid}/maps") as maps:
+        lines = maps.readlines()
+    return {
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "threads": len(os.listdir(f"/proc/{pid}/task")),
+        "rss_kib": rss,
+        "maps": len(lines),
+        "memfd_maps": sum(MEMFD_LABEL in line for line in lines),
+    }
 
 
-def _measure(c: Cluster, pids: list[int]) -> dict[int, tuple[int, int, int]]:
-    """Every process's descriptors, threads and resident KiB. In a Ray actor
-    the threads counted are its Python threads (any thread weightsync could
-    start is one): Ray's C++ threads come and go with the RPC load of the
-    whole machine, which made full runs fail now and then on one of them."""
+def _measure(c: Cluster, pids: list[int]) -> dict[int, dict[str, int]]:
+    """Every process's resources. In a Ray actor the threads counted are its
+    Python threads (any thread weightsync could start is one): Ray's C++
+    threads come and go with the RPC load of the whole machine, which made
+    full runs fail now and then on one of them."""
     measured = {pid: _resources(pid) for pid in pids}
     if isinstance(c, RayCluster):
         import ray
 
         counts = ray.get([c._ctrl(i, "python_threads") for i in range(len(c.pids))], timeout=30)
         for pid, count in zip(c.pids, counts, strict=True):
-            fds, _, rss = measured[pid]
-            measured[pid] = (fds, count, rss)
+            measured[pid]["threads"] = count
     return measured
 
 
 def _soak(c: Cluster, sends: int) -> None:
     pids = [os.getpid(), *c.pids]
+    model_kib = sum(t.numel() * t.element_size() for t in tensors_of(c.model).values()) / 1024
+    rss_allowed = RSS_SLACK_KIB[c.scheme_name] + sends * model_kib * RSS_PER_SEND
     for _ in range(WARMUP):
         c.bump()
         c.sender.send()
@@ -63,19 +89,26 @@ def _soak(c: Cluster, sends: int) -> None:
         c.assert_has(i, expected)
         assert c.state(i)["applied"][-1] == first + sends - 1
     for pid in pids:
-        (fds0, threads0, rss0), (fds1, threads1, rss1) = before[pid], after[pid]
+        was, now = before[pid], after[pid]
         who = "trainer" if pid == os.getpid() else f"worker pid {pid}"
-        assert fds1 <= fds0, f"{who}: descriptors grew from {fds0} to {fds1}"
-        assert threads1 <= threads0, f"{who}: threads grew from {threads0} to {threads1}"
-        assert rss1 - rss0 < 16 * 1024, f"{who}: resident memory grew by {rss1 - rss0} KiB"
+        grew = {key: now[key] - was[key] for key in was}
+        print(f"{who}: {was} grew by {grew}")
+        assert grew["fds"] <= 0, f"{who}: descriptors grew from {was['fds']} to {now['fds']}"
+        assert grew["threads"] <= 0, f"{who}: threads grew from {was['threads']} to {now['threads']}"
+        assert grew["memfd_maps"] <= 0, f"{who}: weightsync mappings grew by {grew['memfd_maps']}"
+        assert grew["maps"] <= MAPS_SLACK, f"{who}: memory mappings grew by {grew['maps']}"
+        assert grew["rss_kib"] <= rss_allowed, (
+            f"{who}: private resident memory grew by {grew['rss_kib']} KiB in {sends} sends of a "
+            f"{model_kib:.1f} KiB model (allowed: {rss_allowed:.0f} KiB)"
+        )
     assert shm_entries() <= shm_before
 
 
 def test_hundreds_of_sends_leak_nothing(make_cluster) -> None:
-    _soak(make_cluster(["net"] * 4), sends=200)
+    _soak(make_cluster(["soak"] * 4, trainer_kind="soak"), sends=200)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_thousands_of_sends_leak_nothing(make_cluster) -> None:
-    _soak(make_cluster(["net"] * 4), sends=5000)
+    _soak(make_cluster(["soak"] * 4, trainer_kind="soak"), sends=5000)
