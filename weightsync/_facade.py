@@ -26,7 +26,7 @@ from ._exceptions import (
 from ._packet import DEFAULT_TIMEOUT
 from ._receiver import AsyncWeightReceiver
 from ._runtime import RUNTIME
-from ._sender import AsyncWeightSender, SendReport
+from ._sender import AsyncWeightSender, Keys, SendReport
 from ._stepguard import StepGuard
 
 __all__ = ["WeightReceiver", "WeightSender"]
@@ -85,15 +85,20 @@ class WeightSender:
         worker_ids: int | Iterable[int] | None = None,
         *,
         timeout: float | None = None,
+        keys: Keys | None = None,
+        partial: bool = False,
     ) -> SendReport:
         """Send and block until every targeted worker applied and acked.
 
-        Arguments and errors as :meth:`AsyncWeightSender.send`.
+        Arguments (a partial update included) and errors as
+        :meth:`AsyncWeightSender.send`.
 
         :raises RuntimeError: a ``send_async()`` is pending.
         """
         self._check("send()")
-        return RUNTIME.call(lambda: self._sender.send(weights, worker_ids, timeout=timeout))
+        return RUNTIME.call(
+            lambda: self._sender.send(weights, worker_ids, timeout=timeout, keys=keys, partial=partial)
+        )
 
     def send_async(
         self,
@@ -101,8 +106,11 @@ class WeightSender:
         worker_ids: int | Iterable[int] | None = None,
         *,
         timeout: float | None = None,
+        keys: Keys | None = None,
+        partial: bool = False,
     ) -> None:
         """Start a send and return at once; :meth:`wait_async` finishes it.
+        Arguments as :meth:`send`.
 
         The weights are read before the acks come in, but not necessarily
         before this returns: do not change them until ``wait_async()`` returns.
@@ -110,7 +118,9 @@ class WeightSender:
         :raises RuntimeError: a previous ``send_async()`` is still pending.
         """
         self._check("send_async()")
-        self._pending = RUNTIME.start(lambda: self._sender.send(weights, worker_ids, timeout=timeout))
+        self._pending = RUNTIME.start(
+            lambda: self._sender.send(weights, worker_ids, timeout=timeout, keys=keys, partial=partial)
+        )
 
     def wait_async(self, timeout: float | None = None) -> SendReport:
         """Block until the pending ``send_async()`` is done; re-raise its error.

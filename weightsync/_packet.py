@@ -120,6 +120,22 @@ class Manifest:
         ]
         raise WeightMismatchError(describe_mismatch(missing, extra, wrong, where=where), model_id=model_id)
 
+    def check_within(self, other: Manifest, *, model_id: str | None, where: str) -> None:
+        """Raise :class:`WeightMismatchError` unless every tensor of this
+        (partial) layout is in ``other`` (the layout of ``where``) with the
+        same dtype and shape; a name ``where`` lacks is named."""
+        if other.layout_id == self.layout_id:
+            return
+        theirs = {name: (dtype, shape) for name, dtype, shape in other.signature}
+        extra = [n for n, _, _ in self.signature if n not in theirs]
+        wrong = [
+            f"{n}: {shape} {dtype} vs {theirs[n][1]} {theirs[n][0]}"
+            for n, dtype, shape in self.signature
+            if n in theirs and theirs[n] != (dtype, shape)
+        ]
+        if extra or wrong:
+            raise WeightMismatchError(describe_mismatch([], extra, wrong, where=where), model_id=model_id)
+
 
 def describe_mismatch(missing: list[str], extra: list[str], wrong: list[str], *, where: str) -> str:
     parts = []
@@ -148,6 +164,14 @@ class Packet:
     #: How many workers this packet goes to; each may copy with
     #: ``usable_cores() // fanout`` threads without oversubscribing the host.
     fanout: int = 1
+    #: A partial update: some of the model's tensors, the others untouched.
+    partial: bool = False
+
+    @property
+    def subset(self) -> Signature | None:
+        """What a worker needs to find a partial update's tensors (their
+        names, dtypes and shapes); None for a whole model."""
+        return self.manifest.signature if self.partial else None
 
     @property
     def nbytes(self) -> int:

@@ -16,7 +16,7 @@ from ._exceptions import (
     WeightMismatchError,
     WeightSyncStateError,
 )
-from ._packet import DEFAULT_TIMEOUT, Manifest
+from ._packet import DEFAULT_TIMEOUT, Manifest, Signature
 from ._strategy import materialize, model_tensors
 from ._transports._base import Applier, Incoming, WorkerEndpoint
 
@@ -26,6 +26,13 @@ __all__ = ["AsyncWeightReceiver"]
 # deadline can see that), the receiver waits this long for the newer version
 # before giving up, so it never returns with a mix of two versions.
 _RECOVERY_TIMEOUT = 60.0
+
+
+def _still_fit(targets: list[torch.Tensor], manifest: Manifest) -> bool:
+    """Whether cached targets still have their layout's shapes and dtypes."""
+    return all(
+        t.shape == s.shape and t.dtype == s.dtype for t, s in zip(targets, manifest.specs, strict=True)
+    )
 
 
 class AsyncWeightReceiver:
@@ -57,6 +64,8 @@ class AsyncWeightReceiver:
         #: The last version applied; None before the first.
         self.version: int | None = None
         self._layout: tuple[str, Manifest, list[torch.Tensor]] | None = None
+        # The layouts of partial updates seen: layout id -> (manifest, targets).
+        self._subsets: dict[str, tuple[Manifest, list[torch.Tensor]]] = {}
         self._closed = False
         self._announced = False
         # Updates applied so far, and how many of them receive() reported.
@@ -69,6 +78,7 @@ class AsyncWeightReceiver:
         while an update is being applied."""
         self.model = model
         self._layout = None
+        self._subsets = {}
 
     def _manifest(self) -> tuple[Manifest, list[torch.Tensor]]:
         tensors = model_tensors(self.model, model_id=self.model_id)
@@ -93,11 +103,12 @@ class AsyncWeightReceiver:
 
         :raises WeightMismatchError: the update does not fit the model.
         """
+        if incoming.subset is not None:
+            return self._subset_targets(incoming.layout_id, incoming.subset, incoming.version)
         layout = self._layout
         if layout is not None and layout[0] == incoming.layout_id:
             _, manifest, targets = layout
-            specs = manifest.specs
-            if all(t.shape == s.shape and t.dtype == s.dtype for t, s in zip(targets, specs, strict=True)):
+            if _still_fit(targets, manifest):
                 return targets, manifest
             # A tensor of the model was re-pointed to another shape since
             # the layout was cached: look the model up again (this raises).
@@ -116,6 +127,29 @@ class AsyncWeightReceiver:
             )
         check_writable_in_place(zip(manifest.names, targets, strict=True), model_id=self.model_id)
         self._layout = (manifest.layout_id, manifest, targets)
+        return targets, manifest
+
+    def _subset_targets(
+        self, layout_id: str, subset: Signature, version: int
+    ) -> tuple[list[torch.Tensor], Manifest]:
+        """The model's tensors that a partial update writes, in its order."""
+        cached = self._subsets.get(layout_id)
+        if cached is not None and _still_fit(cached[1], cached[0]):
+            return cached[1], cached[0]
+        manifest = Manifest.from_signature(subset)
+        tensors = model_tensors(self.model, model_id=self.model_id)
+        manifest.check_within(
+            Manifest.of(tensors), model_id=self.model_id, where=f"this worker's model (version {version})"
+        )
+        targets = manifest.ordered(tensors)
+        if any(t.is_meta for t in tensors.values()):
+            raise WeightMismatchError(
+                f"version {version} is a partial update, but this worker's model is on the meta device "
+                "(no storage yet): it needs a whole update first",
+                model_id=self.model_id,
+            )
+        check_writable_in_place(zip(manifest.names, targets, strict=True), model_id=self.model_id)
+        self._subsets[layout_id] = (manifest, targets)
         return targets, manifest
 
     def apply(self, incoming: Incoming) -> int:

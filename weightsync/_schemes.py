@@ -21,7 +21,7 @@ import torch
 from ._exceptions import WeightSyncStateError
 from ._facade import WeightReceiver, WeightSender
 from ._receiver import AsyncWeightReceiver
-from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, SendReport
+from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, Keys, SendReport
 from ._strategy import WeightStrategy, model_of
 from ._torchrl import register_with_torchrl as _register
 from ._transports._base import Applier, SenderTransport, Staging, WorkerEndpoint
@@ -482,9 +482,12 @@ class WeightSyncScheme:
         worker_ids: int | Iterable[int] | None = None,
         *,
         timeout: float | None = None,
+        keys: Keys | None = None,
+        partial: bool = False,
     ) -> SendReport | None:
-        """Blocking send to ``worker_ids`` (default all); see :meth:`WeightSender.send`."""
-        return self.get_sender().send(weights, worker_ids, timeout=timeout)
+        """Blocking send to ``worker_ids`` (default all), whole or partial
+        (``keys=``, ``partial=True``); see :meth:`WeightSender.send`."""
+        return self.get_sender().send(weights, worker_ids, timeout=timeout, keys=keys, partial=partial)
 
     def receive(self, timeout: float | None = None) -> int | None:
         """Apply the newest pending update; see :meth:`WeightReceiver.receive`."""
@@ -974,6 +977,8 @@ class NoWeightSyncScheme(WeightSyncScheme):
         worker_ids: int | Iterable[int] | None = None,
         *,
         timeout: float | None = None,
+        keys: Keys | None = None,
+        partial: bool = False,
     ) -> None:
         """No-op send: does nothing."""
         return None

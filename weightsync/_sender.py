@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,15 +13,19 @@ import torch
 from ._exceptions import (
     AckTimeoutError,
     UnknownWorkerError,
+    WeightMismatchError,
     WeightSyncStateError,
     WorkerError,
     combine_worker_errors,
 )
-from ._packet import DEFAULT_TIMEOUT, Manifest, Packet, signature_of
+from ._packet import DEFAULT_TIMEOUT, Manifest, Packet, describe_mismatch, signature_of
 from ._strategy import WeightStrategy, flat_weights
 from ._transports._base import EVERY_VERSION, SenderTransport, Staging
 
-__all__ = ["DEFAULT_TIMEOUT", "AsyncWeightSender", "SendReport"]  # DEFAULT_TIMEOUT: from _packet
+__all__ = ["DEFAULT_TIMEOUT", "AsyncWeightSender", "Keys", "SendReport"]  # DEFAULT_TIMEOUT: from _packet
+
+#: Which weights a partial send takes: names, or a test on names.
+Keys = Iterable[str] | Callable[[str], bool]
 
 
 
@@ -61,6 +65,9 @@ class AsyncWeightSender:
         self.version = 0
         # The last version each worker acked.
         self._acked: dict[int, int] = {}
+        # The workers that may take a partial update: they acked a whole one,
+        # and every send to them since.
+        self._whole: set[int] = set()
         self._busy = False
         self._closed = False
         self._manifests: dict[Any, Manifest] = {}
@@ -99,16 +106,40 @@ class AsyncWeightSender:
             manifest = self._manifests[signature] = Manifest.from_signature(signature)
         return manifest
 
-    def prepare(self, weights: Any = None, *, fanout: int = 1) -> Packet:
+    def prepare(
+        self, weights: Any = None, *, fanout: int = 1, keys: Keys | None = None, partial: bool = False
+    ) -> Packet:
         """Extract ``weights`` (None: the context's model) into the next
-        packet. The version is taken only once the packet is staged: a send
-        rejected before anything moved does not use one up.
+        packet: all of them, or (``keys``) those named. The version is taken
+        only once the packet is staged: a send rejected before anything
+        moved does not use one up.
 
         :raises InvalidWeightsError: the weights hold something unsendable.
+        :raises WeightMismatchError: ``keys`` names something the weights lack.
+        :raises ValueError: ``keys`` selects nothing.
         """
         tensors = flat_weights(weights, context=self.context, model_id=self.model_id)
+        if keys is not None:
+            tensors = self._select(tensors, keys)
+            partial = True
         manifest = self._manifest(tensors)
-        return Packet(self.version + 1, manifest, manifest.ordered(tensors), fanout)
+        return Packet(self.version + 1, manifest, manifest.ordered(tensors), fanout, partial)
+
+    def _select(self, tensors: dict[str, torch.Tensor], keys: Keys) -> dict[str, torch.Tensor]:
+        if callable(keys):
+            chosen = {name: t for name, t in tensors.items() if keys(name)}
+        else:
+            names = [keys] if isinstance(keys, str) else list(keys)
+            unknown = [n for n in names if n not in tensors]
+            if unknown:
+                raise WeightMismatchError(
+                    describe_mismatch([], unknown, [], where="the weights sent (keys=)"),
+                    model_id=self.model_id,
+                )
+            chosen = {name: tensors[name] for name in names}
+        if not chosen:
+            raise ValueError(f"keys= selects no weight of model {self.model_id!r}: nothing to send")
+        return chosen
 
     async def connect(
         self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None
@@ -131,6 +162,8 @@ class AsyncWeightSender:
         worker_ids: int | Iterable[int] | None = None,
         *,
         timeout: float | None = None,
+        keys: Keys | None = None,
+        partial: bool = False,
     ) -> SendReport:
         """Send weights and return once every targeted worker applied and acked them.
 
@@ -138,6 +171,13 @@ class AsyncWeightSender:
         ``TensorDict`` or a dict of tensors. ``worker_ids``: None (all), one id,
         or a list. ``timeout``: seconds for the whole send (default: the
         scheme's timeout). The weights may be changed again once this returns.
+
+        A partial update (``partial=True``: ``weights`` holds some of the
+        model's tensors; or ``keys``: names, or a test on names, picking
+        tensors of ``weights``) writes exactly those tensors on every
+        targeted worker, at once, and leaves the others as they are; only
+        their bytes move. Each must be in every worker's model, with its
+        dtype and shape (checked before anything moves).
 
         :raises ValueError: ``worker_ids`` is empty (nothing was sent).
         :raises UnknownWorkerError: a worker id is unknown (nothing was sent).
@@ -149,7 +189,9 @@ class AsyncWeightSender:
         :raises WorkerApplyError: a worker failed to apply; carries its message.
         :raises ResourceExhaustedError: out of open files or memory for the
             staging (nothing was sent).
-        :raises WeightSyncStateError: another send is running, or the sender is closed.
+        :raises WeightSyncStateError: another send is running, or the sender
+            is closed, or a partial update targets a worker that has not
+            applied a whole one (or missed a send since; nothing was sent).
         """
         self._check_open()
         if self._busy:
@@ -158,17 +200,22 @@ class AsyncWeightSender:
             )
         self._busy = True
         try:
-            return await self._send(weights, worker_ids, timeout)
+            return await self._send(weights, worker_ids, timeout, keys, partial)
         finally:
             self._busy = False
 
     async def _send(
-        self, weights: Any, worker_ids: int | Iterable[int] | None, timeout: float | None
+        self,
+        weights: Any,
+        worker_ids: int | Iterable[int] | None,
+        timeout: float | None,
+        keys: Keys | None = None,
+        partial: bool = False,
     ) -> SendReport:
         started = time.perf_counter()
         deadline = anyio.current_time() + (self.timeout if timeout is None else timeout)
         targets = self._targets(worker_ids)
-        packet = self.prepare(weights, fanout=len(targets))
+        packet = self.prepare(weights, fanout=len(targets), keys=keys, partial=partial)
         failures: dict[int, WorkerError] = {}
 
         # Every target's layout must be known before anything is staged, so a
@@ -179,12 +226,18 @@ class AsyncWeightSender:
                 pending, lambda t: t.connect(), deadline, failures, "announce itself", packet.version
             )
         reachable = [w for w in targets if w not in failures]
+        check = packet.manifest.check_within if packet.partial else packet.manifest.check_matches
         for wid in reachable:
             layout = self.transports[wid].layout
             if layout is not None:
-                packet.manifest.check_matches(
-                    layout, model_id=self.model_id, where=f"the model of worker {wid}"
-                )
+                check(layout, model_id=self.model_id, where=f"the model of worker {wid}")
+        behind = [w for w in reachable if packet.partial and w not in self._whole]
+        if behind:
+            raise WeightSyncStateError(
+                f"a partial update of model {self.model_id!r} cannot go to worker(s) {behind}: they "
+                "have not applied a whole update, or missed a send since; send them the whole model first",
+                model_id=self.model_id,
+            )
 
         if reachable:
             if self.staging is not None:
@@ -206,8 +259,12 @@ class AsyncWeightSender:
                 packet.version,
             )
             for wid in reachable:
-                if wid not in failures:
+                if wid in failures:
+                    self._whole.discard(wid)
+                else:
                     self._acked[wid] = packet.version
+                    if not packet.partial:
+                        self._whole.add(wid)
         if failures:
             raise combine_worker_errors(failures, model_id=self.model_id, version=packet.version)
         return SendReport(packet.version, tuple(targets), packet.nbytes, time.perf_counter() - started)
@@ -263,6 +320,7 @@ class AsyncWeightSender:
         old = self.transports.get(worker_id)
         self.transports[worker_id] = transport
         self._acked.pop(worker_id, None)
+        self._whole.discard(worker_id)
         if old is not None:
             await self._let_go(worker_id, old)
 
@@ -278,6 +336,7 @@ class AsyncWeightSender:
         self._targets(worker_id)  # raises for an unknown id
         transport = self.transports.pop(worker_id)
         self._acked.pop(worker_id, None)
+        self._whole.discard(worker_id)
         await self._let_go(worker_id, transport)
 
     async def _let_go(self, worker_id: int, transport: SenderTransport) -> None:

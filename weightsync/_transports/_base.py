@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .._exceptions import WorkerApplyError, WorkerLostError
-from .._packet import Manifest, Packet
+from .._packet import Manifest, Packet, Signature
 
 __all__ = [
     "EVERY_VERSION",
@@ -147,6 +147,9 @@ class Incoming(Protocol):
 
     version: int
     layout_id: str
+    #: A partial update's layout (names, dtypes, shapes of the tensors it
+    #: writes); None for the whole model.
+    subset: Signature | None
 
     def is_current(self) -> bool:
         """Whether the bytes behind this update still hold its version (the

@@ -8,7 +8,8 @@ travel here::
     worker -> sender   ("hello", model_id, pid, signature)
                        ("ack", version, holding)      holding: what the worker runs on now
                        ("error", version, message)
-    sender -> worker   ("update", version, layout_id, descriptor, copy_threads, sender_pid)
+    sender -> worker   ("update", version, layout_id, descriptor, copy_threads, sender_pid, subset)
+                       subset: a partial update's signature, or None
                        ("close",)
 
 The sender checks every message it reads (:class:`WorkerProtocolError` for
@@ -29,7 +30,7 @@ import torch
 
 from .._copy import usable_cores
 from .._exceptions import SenderClosedError, SenderLostError, WorkerLostError, WorkerProtocolError
-from .._packet import Manifest, Packet
+from .._packet import Manifest, Packet, Signature
 from ._base import EVERY_VERSION, Staging, StagingReader, worker_failed, worker_lost
 from ._channel import PipeChannel, describe_exit, exit_status, started_here
 
@@ -146,7 +147,15 @@ class PipeSenderTransport:
             raise self._lost("")
         threads = max(1, usable_cores() // packet.fanout)
         descriptor = self._staging.descriptor(self.worker_id)
-        return ("update", packet.version, packet.manifest.layout_id, descriptor, threads, self._pid)
+        return (
+            "update",
+            packet.version,
+            packet.manifest.layout_id,
+            descriptor,
+            threads,
+            self._pid,
+            packet.subset,
+        )
 
     def post(self, packet: Packet) -> bool:
         if self._channel.try_send(self._update(packet)):
@@ -200,6 +209,7 @@ class PipeUpdate:
     descriptor: Any
     threads: int
     endpoint: PipeEndpoint
+    subset: Signature | None = None
 
     def is_current(self) -> bool:
         try:
@@ -236,11 +246,11 @@ class PipeEndpoint:
     def _handle(self, message: tuple, latest: PipeUpdate | None) -> PipeUpdate | None:
         kind = message[0]
         if kind == "update":
-            if len(message) != 6:
+            if len(message) != 7:
                 raise self.lost(f"it sent {message!r:.80}, which is not a message")
-            _, version, layout_id, descriptor, threads, sender_pid = message
+            _, version, layout_id, descriptor, threads, sender_pid, subset = message
             self._channel.watch(sender_pid)
-            return PipeUpdate(version, layout_id, descriptor, threads, self)
+            return PipeUpdate(version, layout_id, descriptor, threads, self, subset)
         if kind == "close":
             raise SenderClosedError(
                 f"the sender of model {self.model_id!r} shut down", model_id=self.model_id
@@ -248,7 +258,10 @@ class PipeEndpoint:
         return latest
 
     def _drain(self, latest: PipeUpdate | None) -> PipeUpdate | None:
-        # Only the newest update can still be read: skip the older ones.
+        # Only the newest update can still be read: skip the older ones. (A
+        # partial update is never skipped so: the sender moves on from one
+        # only once this worker acked it, or no longer sends partial
+        # updates to it.)
         while (message := self._channel.poll()) is not None:
             latest = self._handle(message, latest)
         return latest

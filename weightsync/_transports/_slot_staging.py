@@ -39,12 +39,14 @@ class SlotStaging:
         self._version = 0
         self._views: dict[tuple[bytes, str], list[torch.Tensor]] = {}
         # Per worker: the slots it was told about (token -> newest version
-        # told) and has not answered for, and the slot it runs on.
+        # told) and has not answered for, and the slots it runs on (more
+        # than one after partial updates: each tensor runs on the slot of
+        # the last update that wrote it).
         self._told: dict[int, dict[bytes, int]] = {}
-        self._holding: dict[int, bytes] = {}
+        self._holding: dict[int, frozenset[bytes]] = {}
 
     def _busy(self) -> set[bytes]:
-        busy = set(self._holding.values())
+        busy: set[bytes] = set().union(*self._holding.values())
         for told in self._told.values():
             busy |= told.keys()
         return busy
@@ -79,10 +81,10 @@ class SlotStaging:
         return self.current.ref()
 
     def released(self, worker_id: int, version: int, holding: Any) -> None:
-        if holding is None:
+        if not holding:
             self._holding.pop(worker_id, None)  # a fresh worker runs on its own memory
         else:
-            self._holding[worker_id] = holding
+            self._holding[worker_id] = frozenset(holding)
         # Updates up to this version are answered: the worker is past them.
         told = self._told.get(worker_id)
         if told:
@@ -102,7 +104,8 @@ class SlotReader:
 
     def __init__(self) -> None:
         self._segments = AttachedSegments(keep_one=False)
-        self._holding: bytes | None = None
+        # The slot each re-pointed tensor runs on (by the tensor's id).
+        self._on: dict[int, bytes] = {}
 
     def is_current(self, descriptor: SegmentRef, version: int) -> bool:
         return self._segments.holds(descriptor, version)
@@ -133,10 +136,11 @@ class SlotReader:
         for target, source, o in zip(targets, sources, own, strict=True):
             if not o:
                 target.data = source
-        self._holding = descriptor.token
+                self._on[id(target)] = descriptor.token
 
-    def holding(self) -> bytes | None:
-        return self._holding
+    def holding(self) -> frozenset[bytes] | None:
+        """The slots this worker's tensors run on (None: none yet)."""
+        return frozenset(self._on.values()) or None
 
     def close(self) -> None:
         # The model may still run on these views: a slot stays mapped until
