@@ -55,6 +55,24 @@ def test_bench_prints_table_and_writes_json(tmp_path: Path, capsys: pytest.Captu
     assert _shm() <= shm_before
 
 
+def test_bench_partial_updates_move_their_share_and_are_verified(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    args = ["--size", "0.25", "--workers", "2", "--tensors", "20", "--partial", "0.1", "1"]
+    code = main(["bench", *args, "--repeats", "2", "--warmup", "0", "--json", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    lines = printed.out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("scheme"))
+    assert "sent" in lines[header]
+    sent = [line.split()[4] for line in lines[header + 2 : header + 4]]
+    assert sent[1] == "all" and sent[0].endswith("%") and 5 <= int(sent[0][:-1]) <= 20
+    cases = json.loads(out.read_text())["cases"]
+    assert [case["partial"] for case in cases] == [0.1, 1.0]
+    assert cases[0]["packet_nbytes"] < cases[1]["packet_nbytes"] / 4
+
+
 def test_bench_fails_when_a_worker_holds_other_weights() -> None:
     # Through ``python -m weightsync`` too: the hidden hook makes worker 0
     # change its model after applying, so the first verification must fail.

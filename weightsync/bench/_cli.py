@@ -110,6 +110,16 @@ def _parser() -> argparse.ArgumentParser:
         help="numbers of tensors the bytes are split into (default: %(default)s)",
     )
     bench.add_argument(
+        "--partial",
+        nargs="+",
+        type=float,
+        default=list(_DEFAULTS.partials),
+        metavar="FRACTION",
+        help="fractions of the model each send writes, as partial updates of its first tensors by "
+        "name (weightsync's schemes only; use many --tensors for small fractions; the sent column "
+        "shows the share moved; memcpy and floor stay those of the whole model) (default: %(default)s)",
+    )
+    bench.add_argument(
         "--repeats", type=int, default=_DEFAULTS.repeats, help="timed sends per case (default: %(default)s)"
     )
     bench.add_argument(
@@ -177,6 +187,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             sizes_mib=tuple(args.size),
             workers=tuple(args.workers),
             tensors=tuple(args.tensors),
+            partials=tuple(args.partial),
             repeats=args.repeats,
             warmup=args.warmup,
             timeout=args.timeout,

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import weightsync as ws
 
@@ -101,17 +102,22 @@ def _run_scheme(
     model = GeneratedMLP(shapes, fill="pattern", dtype=case.dtype)
     named = dict(sorted(model.state_dict().items()))
     names = list(named)
-    tensors = list(named.values())
+    keys = _partial_keys(named, case.partial)
+    # A send changes only what it writes, so every worker can be checked whole.
+    tensors = list(named.values()) if keys is None else [named[k] for k in keys]
     scheme = SCHEMES[case.scheme].factory(config.timeout)
     try:
         scheme.init_on_sender(MODEL_ID, model=model, **pool.sender_args(index))
         pool.start_case(index, scheme, shapes)
         sender = scheme.get_sender()
         sender.connect(timeout=config.timeout)
+        if keys is not None:
+            report = sender.send()  # a partial update goes to workers that hold the whole model
+            pool.verify(report.version, names, tensor_checksums(named))
         for step in range(config.warmup + config.repeats):
             change_model(tensors, step)
             start = time.perf_counter()
-            report = sender.send()
+            report = sender.send(keys=keys)
             elapsed = time.perf_counter() - start
             pool.verify(report.version, names, tensor_checksums(named))
             if step >= config.warmup:
@@ -127,6 +133,22 @@ def _run_scheme(
             scheme.shutdown()
         finally:
             pool.end_case(index)
+
+
+def _partial_keys(named: dict[str, Any], fraction: float) -> list[str] | None:
+    """The first tensors by name that hold ``fraction`` of the bytes (at
+    least one), or None for the whole model."""
+    if fraction >= 1.0:
+        return None
+    total = sum(t.numel() * t.element_size() for t in named.values())
+    keys: list[str] = []
+    taken = 0
+    for name, tensor in named.items():
+        if keys and taken >= fraction * total:
+            break
+        keys.append(name)
+        taken += tensor.numel() * tensor.element_size()
+    return keys
 
 
 def _measure_references(result: CaseResult, repeats: int) -> None:

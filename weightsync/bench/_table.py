@@ -15,6 +15,7 @@ _COLUMNS = (
     ("MiB", 7, ".2f"),
     ("workers", 7, "d"),
     ("tensors", 7, "d"),
+    ("sent", 5, "s"),
     ("copy", 7, "s"),
     ("torn", 4, "s"),
     ("median ms", 9, ".3f"),
@@ -46,6 +47,7 @@ def format_row(result: CaseResult) -> str:
         r.nbytes / MIB,
         r.case.workers,
         r.case.tensors,
+        _sent_cell(r),
         copy,
         torn,
         r.median_s * 1e3,
@@ -62,6 +64,14 @@ def format_row(result: CaseResult) -> str:
     )
     cells = zip(_COLUMNS, values, strict=True)
     return "  ".join(f"{v:<{w}{fmt}}" if fmt == "s" else f"{v:>{w}{fmt}}" for (_, w, fmt), v in cells)
+
+
+def _sent_cell(result: CaseResult) -> str:
+    """The share of the model's bytes each send moved: "all", or a percentage
+    for a partial update (``--partial``)."""
+    if result.case.partial >= 1.0 or not result.nbytes:
+        return "all"
+    return f"{100 * result.packet_nbytes / result.nbytes:.0f}%"
 
 
 def _memory_cell(memory: PeakMemory | None) -> str:

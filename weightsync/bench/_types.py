@@ -273,6 +273,9 @@ class Case:
     workers: int
     tensors: int
     dtype: str = "float32"
+    # The fraction of the model's bytes each send writes (1.0: all of it; less:
+    # a partial update of the first tensors by name that hold that much).
+    partial: float = 1.0
 
     @property
     def nbytes(self) -> int:
@@ -301,6 +304,7 @@ class BenchConfig:
     worker_threads: int | None = 1
     dtype: str = "float32"
     compare: tuple[str, ...] = ()
+    partials: tuple[float, ...] = (1.0,)
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.schemes if s not in SCHEMES]
@@ -315,6 +319,10 @@ class BenchConfig:
             (all(s > 0 for s in self.sizes_mib), "sizes must be positive"),
             (all(w >= 1 for w in self.workers), "worker counts must be at least 1"),
             (all(t >= 1 for t in self.tensors), "tensor counts must be at least 1"),
+            (
+                bool(self.partials) and all(0 < f <= 1 for f in self.partials),
+                "partial fractions must be in (0, 1]",
+            ),
             (self.repeats >= 1, "repeats must be at least 1"),
             (self.warmup >= 0, "warmup must not be negative"),
             (self.timeout > 0, "timeout must be positive"),
@@ -330,9 +338,11 @@ class BenchConfig:
         """Every combination, sizes outermost, so the big cases come last;
         at each size the schemes first, then the alternatives."""
         return [
-            Case(scheme, size, workers, tensors, self.dtype)
+            Case(scheme, size, workers, tensors, self.dtype, partial)
             for size in self.sizes_mib
             for scheme in (*self.schemes, *self.compare)
+            # Partial updates are weightsync's: the alternatives send whole models.
+            for partial in (self.partials if scheme in SCHEMES else (1.0,))
             for tensors in self.tensors
             for workers in self.workers
         ]
@@ -395,9 +405,14 @@ class CaseResult:
         return max(self.send_s)
 
     @property
+    def moved_nbytes(self) -> int:
+        """Bytes each send moves: the model's, or a partial update's."""
+        return self.nbytes if self.case.partial >= 1.0 else self.packet_nbytes
+
+    @property
     def gbps_aggregate(self) -> float:
         """Bytes per second (1e9) all workers together receive at the median."""
-        return self.case.workers * self.nbytes / self.median_s / 1e9
+        return self.case.workers * self.moved_nbytes / self.median_s / 1e9
 
     @property
     def median_s(self) -> float:
@@ -410,7 +425,7 @@ class CaseResult:
     @property
     def gbps(self) -> float:
         """Bytes per second (1e9) each worker receives at the median."""
-        return self.nbytes / self.median_s / 1e9
+        return self.moved_nbytes / self.median_s / 1e9
 
     @property
     def memcpy_median_s(self) -> float:
