@@ -87,6 +87,7 @@ class WeightSender:
         timeout: float | None = None,
         keys: Keys | None = None,
         partial: bool = False,
+        verify: bool | None = None,
     ) -> SendReport:
         """Send and block until every targeted worker applied and acked.
 
@@ -97,7 +98,9 @@ class WeightSender:
         """
         self._check("send()")
         return RUNTIME.call(
-            lambda: self._sender.send(weights, worker_ids, timeout=timeout, keys=keys, partial=partial)
+            lambda: self._sender.send(
+                weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
+            )
         )
 
     def send_async(
@@ -108,6 +111,7 @@ class WeightSender:
         timeout: float | None = None,
         keys: Keys | None = None,
         partial: bool = False,
+        verify: bool | None = None,
     ) -> None:
         """Start a send and return at once; :meth:`wait_async` finishes it.
         Arguments as :meth:`send`.
@@ -119,7 +123,9 @@ class WeightSender:
         """
         self._check("send_async()")
         self._pending = RUNTIME.start(
-            lambda: self._sender.send(weights, worker_ids, timeout=timeout, keys=keys, partial=partial)
+            lambda: self._sender.send(
+                weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
+            )
         )
 
     def wait_async(self, timeout: float | None = None) -> SendReport:

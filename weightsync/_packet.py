@@ -166,6 +166,9 @@ class Packet:
     fanout: int = 1
     #: A partial update: some of the model's tensors, the others untouched.
     partial: bool = False
+    #: With ``verify``: one digest per tensor, in manifest order (see
+    #: ``_digest``), which each worker checks before it applies the update.
+    digests: tuple[int, ...] | None = None
 
     @property
     def subset(self) -> Signature | None:

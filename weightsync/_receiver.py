@@ -9,6 +9,7 @@ import anyio
 import torch
 
 from ._copy import check_writable_in_place
+from ._digest import mismatched
 from ._exceptions import (
     ResourceExhaustedError,
     SenderLostError,
@@ -162,9 +163,26 @@ class AsyncWeightReceiver:
             (nothing was written).
         """
         targets, manifest = self._targets(incoming)
+        refused = self._corrupt(incoming, manifest)
+        if refused is not None:
+            raise WeightMismatchError(refused, model_id=self.model_id)
         incoming.apply(self.model, targets, manifest)
         self._mark_applied(incoming.version)
         return incoming.version
+
+    def _corrupt(self, incoming: Incoming, manifest: Manifest) -> str | None:
+        """Why the update's bytes are not what the sender digested (None:
+        they are, or it sent no digests). Read before the model is written."""
+        if incoming.digests is None:
+            return None
+        bad = mismatched(manifest.names, incoming.sources(manifest), incoming.digests, incoming.threads)
+        if not bad:
+            return None
+        shown = ", ".join(bad[:5]) + (f", ... ({len(bad)} in all)" if len(bad) > 5 else "")
+        return (
+            f"version {incoming.version} failed its integrity check: the bytes of {shown} differ from "
+            "what the sender sent; the model was left as it was"
+        )
 
     def _updated(self, version: int) -> Exception | None:
         """Run ``on_update``; what it raised, if it did."""
@@ -245,6 +263,12 @@ class AsyncWeightReceiver:
             try:
                 if not incoming.is_current():
                     continue  # superseded before we began: the newer update is queued or coming
+                refused = self._corrupt(incoming, manifest)
+                if refused is not None:
+                    if not incoming.is_current():
+                        continue  # overwritten while we read it: not corrupt, superseded
+                    await self.endpoint.reply(incoming.version, refused)
+                    return self._take_applied()
                 incoming.apply(self.model, targets, manifest)
             except ResourceExhaustedError as exc:
                 # Nothing was written (the staging could not even be mapped):

@@ -70,15 +70,19 @@ class WeightSyncScheme:
     Subclasses provide the transports (``_sender_side`` / ``_receiver_side``).
     ``strategy`` is the form weights are handed back in (default: the
     class's ``default_strategy``); ``timeout`` is the default deadline of a
-    send, in seconds.
+    send, in seconds; ``verify`` the default of ``send(verify=...)``: an
+    end-to-end check of every tensor (the ``verify`` extra).
     """
 
     default_strategy: ClassVar[StrategyName] = "tensordict"
     _needs_model = True
 
-    def __init__(self, strategy: StrategyName | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self, strategy: StrategyName | None = None, *, timeout: float = DEFAULT_TIMEOUT, verify: bool = False
+    ) -> None:
         self.strategy = WeightStrategy(strategy or self.default_strategy)
         self.timeout = timeout
+        self.verify = verify
         self._reset()
 
     def _reset(self) -> None:
@@ -98,11 +102,17 @@ class WeightSyncScheme:
     # A scheme crosses process boundaries as configuration only: pipes,
     # models and event loops belong to the process that created them.
     def __getstate__(self) -> dict[str, Any]:
-        return {"strategy": self.strategy.extract_as, "timeout": self.timeout, "model_id": self._model_id}
+        return {
+            "strategy": self.strategy.extract_as,
+            "timeout": self.timeout,
+            "verify": self.verify,
+            "model_id": self._model_id,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.strategy = WeightStrategy(state["strategy"])
         self.timeout = state["timeout"]
+        self.verify = state.get("verify", False)
         self._reset()
         self._model_id = state["model_id"]
 
@@ -251,6 +261,7 @@ class WeightSyncScheme:
             staging=staging,
             context=self._source(),
             timeout=self.timeout,
+            verify=self.verify,
         )
 
     def _source(self) -> Any:
@@ -484,10 +495,14 @@ class WeightSyncScheme:
         timeout: float | None = None,
         keys: Keys | None = None,
         partial: bool = False,
+        verify: bool | None = None,
     ) -> SendReport | None:
         """Blocking send to ``worker_ids`` (default all), whole or partial
-        (``keys=``, ``partial=True``); see :meth:`WeightSender.send`."""
-        return self.get_sender().send(weights, worker_ids, timeout=timeout, keys=keys, partial=partial)
+        (``keys=``, ``partial=True``), checked end to end with ``verify``;
+        see :meth:`WeightSender.send`."""
+        return self.get_sender().send(
+            weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
+        )
 
     def receive(self, timeout: float | None = None) -> int | None:
         """Apply the newest pending update; see :meth:`WeightReceiver.receive`."""
@@ -749,12 +764,14 @@ class InProcessWeightSyncScheme(_PipeScheme):
     _staging_class = SegmentStaging
     _reader_class = CopyReader
 
-    def __init__(self, strategy: StrategyName | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
-        super().__init__(strategy, timeout=timeout)
+    def __init__(
+        self, strategy: StrategyName | None = None, *, timeout: float = DEFAULT_TIMEOUT, verify: bool = False
+    ) -> None:
+        super().__init__(strategy, timeout=timeout, verify=verify)
         self._rendezvous = _Rendezvous()
 
     def __copy__(self) -> InProcessWeightSyncScheme:
-        clone = type(self)(self.strategy.extract_as, timeout=self.timeout)
+        clone = type(self)(self.strategy.extract_as, timeout=self.timeout, verify=self.verify)
         clone._rendezvous = self._rendezvous
         clone._model_id = self._model_id
         return clone
@@ -979,6 +996,7 @@ class NoWeightSyncScheme(WeightSyncScheme):
         timeout: float | None = None,
         keys: Keys | None = None,
         partial: bool = False,
+        verify: bool | None = None,
     ) -> None:
         """No-op send: does nothing."""
         return None

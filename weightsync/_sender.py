@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ from typing import Any
 import anyio
 import torch
 
+from ._copy import usable_cores
+from ._digest import digests
 from ._exceptions import (
     AckTimeoutError,
     UnknownWorkerError,
@@ -18,6 +21,7 @@ from ._exceptions import (
     WorkerError,
     combine_worker_errors,
 )
+from ._offload import run_blocking
 from ._packet import DEFAULT_TIMEOUT, Manifest, Packet, describe_mismatch, signature_of
 from ._strategy import WeightStrategy, flat_weights
 from ._transports._base import EVERY_VERSION, SenderTransport, Staging
@@ -55,8 +59,12 @@ class AsyncWeightSender:
         staging: Staging | None = None,
         context: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
+        verify: bool = False,
     ) -> None:
         self.model_id = model_id
+        #: Whether sends carry digests that each worker checks (the default
+        #: of ``send(verify=None)``).
+        self.verify = verify
         self.strategy = strategy
         self.transports: dict[int, SenderTransport] = dict(transports)
         self.staging = staging
@@ -164,6 +172,7 @@ class AsyncWeightSender:
         timeout: float | None = None,
         keys: Keys | None = None,
         partial: bool = False,
+        verify: bool | None = None,
     ) -> SendReport:
         """Send weights and return once every targeted worker applied and acked them.
 
@@ -178,6 +187,12 @@ class AsyncWeightSender:
         targeted worker, at once, and leaves the others as they are; only
         their bytes move. Each must be in every worker's model, with its
         dtype and shape (checked before anything moves).
+
+        ``verify`` (default: the scheme's): the sender digests every tensor
+        it sends, and each worker checks the bytes it is about to apply
+        against them; one that differs refuses the update (a
+        :class:`WorkerApplyError` naming the worker and the tensors) and its
+        model is left as it was.
 
         :raises ValueError: ``worker_ids`` is empty (nothing was sent).
         :raises UnknownWorkerError: a worker id is unknown (nothing was sent).
@@ -200,7 +215,7 @@ class AsyncWeightSender:
             )
         self._busy = True
         try:
-            return await self._send(weights, worker_ids, timeout, keys, partial)
+            return await self._send(weights, worker_ids, timeout, keys, partial, verify)
         finally:
             self._busy = False
 
@@ -211,6 +226,7 @@ class AsyncWeightSender:
         timeout: float | None,
         keys: Keys | None = None,
         partial: bool = False,
+        verify: bool | None = None,
     ) -> SendReport:
         started = time.perf_counter()
         deadline = anyio.current_time() + (self.timeout if timeout is None else timeout)
@@ -240,6 +256,10 @@ class AsyncWeightSender:
             )
 
         if reachable:
+            if self.verify if verify is None else verify:
+                threads = usable_cores()
+                sums = await run_blocking(packet.nbytes, digests, packet.tensors, threads)
+                packet = dataclasses.replace(packet, digests=sums)
             if self.staging is not None:
                 await self.staging.stage(packet)
             self.version = packet.version  # bytes moved: the version is used

@@ -150,10 +150,18 @@ class Incoming(Protocol):
     #: A partial update's layout (names, dtypes, shapes of the tensors it
     #: writes); None for the whole model.
     subset: Signature | None
+    #: The sender's digest of each tensor (manifest order), or None.
+    digests: tuple[int, ...] | None
+    #: Threads this worker may use for the update's copies and digests.
+    threads: int
 
     def is_current(self) -> bool:
         """Whether the bytes behind this update still hold its version (the
         sender has not begun overwriting them)."""
+
+    def sources(self, manifest: Manifest) -> list[torch.Tensor]:
+        """The update's bytes as tensors of ``manifest`` (read-only views of
+        what :meth:`apply` writes from), for checking ``digests``."""
 
     def apply(self, model: Any, targets: list[torch.Tensor], manifest: Manifest) -> None:
         """Write the update into ``targets`` (the model's tensors in
@@ -220,6 +228,9 @@ class StagingReader(Protocol):
         self, descriptor: Any, model: Any, targets: list[torch.Tensor], manifest: Manifest, threads: int
     ) -> None:
         """Write the staged update into ``targets`` (copy, or re-point)."""
+
+    def sources(self, descriptor: Any, manifest: Manifest) -> list[torch.Tensor]:
+        """Read-only views of the staged tensors of ``manifest``."""
 
     def holding(self) -> Any:
         """What the worker runs on now, for its ack (None: its own memory)."""

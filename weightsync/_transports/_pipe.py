@@ -8,8 +8,9 @@ travel here::
     worker -> sender   ("hello", model_id, pid, signature)
                        ("ack", version, holding)      holding: what the worker runs on now
                        ("error", version, message)
-    sender -> worker   ("update", version, layout_id, descriptor, copy_threads, sender_pid, subset)
+    sender -> worker   ("update", version, layout_id, descriptor, copy_threads, sender_pid, subset, digests)
                        subset: a partial update's signature, or None
+                       digests: the tensors' digests (verify=True), or None
                        ("close",)
 
 The sender checks every message it reads (:class:`WorkerProtocolError` for
@@ -155,6 +156,7 @@ class PipeSenderTransport:
             threads,
             self._pid,
             packet.subset,
+            packet.digests,
         )
 
     def post(self, packet: Packet) -> bool:
@@ -210,10 +212,17 @@ class PipeUpdate:
     threads: int
     endpoint: PipeEndpoint
     subset: Signature | None = None
+    digests: tuple[int, ...] | None = None
 
     def is_current(self) -> bool:
         try:
             return self.endpoint.reader.is_current(self.descriptor, self.version)
+        except (OSError, ValueError) as exc:
+            raise self.endpoint.lost(f"its staging memory cannot be opened ({exc})") from exc
+
+    def sources(self, manifest: Manifest) -> list[torch.Tensor]:
+        try:
+            return self.endpoint.reader.sources(self.descriptor, manifest)
         except (OSError, ValueError) as exc:
             raise self.endpoint.lost(f"its staging memory cannot be opened ({exc})") from exc
 
@@ -246,11 +255,11 @@ class PipeEndpoint:
     def _handle(self, message: tuple, latest: PipeUpdate | None) -> PipeUpdate | None:
         kind = message[0]
         if kind == "update":
-            if len(message) != 7:
+            if len(message) != 8:
                 raise self.lost(f"it sent {message!r:.80}, which is not a message")
-            _, version, layout_id, descriptor, threads, sender_pid, subset = message
+            _, version, layout_id, descriptor, threads, sender_pid, subset, digests = message
             self._channel.watch(sender_pid)
-            return PipeUpdate(version, layout_id, descriptor, threads, self, subset)
+            return PipeUpdate(version, layout_id, descriptor, threads, self, subset, digests)
         if kind == "close":
             raise SenderClosedError(
                 f"the sender of model {self.model_id!r} shut down", model_id=self.model_id

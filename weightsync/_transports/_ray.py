@@ -113,7 +113,15 @@ class RayStaging:
         # Everything an actor needs is in the one stored object, the same for
         # all actors: each call then has just two arguments (the function
         # and this), and Ray's cost per call grows with each argument.
-        header = (model_id, self.token, packet.version, packet.manifest.layout_id, threads, packet.subset)
+        header = (
+            model_id,
+            self.token,
+            packet.version,
+            packet.manifest.layout_id,
+            threads,
+            packet.subset,
+            packet.digests,
+        )
         self.ref = ray.put((header, tuple(_byte_view(t) for t in packet.tensors)))
         self.version = packet.version
 
@@ -314,7 +322,7 @@ def apply_on_actor(actor: Any, update: tuple[tuple[Any, ...], Sequence[np.ndarra
     """Runs on the actor (through ``__ray_call__``): apply one update, given
     as (header, byte arrays), to the model registered under the header's
     model id."""
-    (model_id, sender, version, layout_id, threads, subset), arrays = update
+    (model_id, sender, version, layout_id, threads, subset, digests), arrays = update
     endpoint = _ENDPOINTS.get(model_id)
     if endpoint is None:
         return (
@@ -322,7 +330,7 @@ def apply_on_actor(actor: Any, update: tuple[tuple[Any, ...], Sequence[np.ndarra
             f"no model {model_id!r} is registered in this actor: call "
             f"RayWeightSyncScheme.init_on_worker({model_id!r}, model=...) inside the actor",
         )
-    return endpoint.run(sender, RayUpdate(version, layout_id, arrays, threads, subset))
+    return endpoint.run(sender, RayUpdate(version, layout_id, arrays, threads, subset, digests))
 
 
 @dataclass(eq=False)
@@ -335,9 +343,13 @@ class RayUpdate:
     arrays: Sequence[np.ndarray]
     threads: int
     subset: Signature | None = None
+    digests: tuple[int, ...] | None = None
 
     def is_current(self) -> bool:
         return True
+
+    def sources(self, manifest: Manifest) -> list[torch.Tensor]:
+        return _tensor_views(self.arrays, manifest)
 
     def apply(self, model: Any, targets: list[torch.Tensor], manifest: Manifest) -> None:
         if len(self.arrays) != len(manifest.specs):

@@ -110,6 +110,9 @@ class SlotReader:
     def is_current(self, descriptor: SegmentRef, version: int) -> bool:
         return self._segments.holds(descriptor, version)
 
+    def sources(self, descriptor: SegmentRef, manifest: Manifest) -> list[torch.Tensor]:
+        return self._segments.views(descriptor, manifest)
+
     def apply(
         self,
         descriptor: SegmentRef,
