@@ -55,22 +55,27 @@ def test_bench_prints_table_and_writes_json(tmp_path: Path, capsys: pytest.Captu
     assert _shm() <= shm_before
 
 
-def test_bench_partial_updates_move_their_share_and_are_verified(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_bench_partial_and_verified_sends(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
-    args = ["--size", "0.25", "--workers", "2", "--tensors", "20", "--partial", "0.1", "1"]
+    args = ["--size", "0.25", "--workers", "2", "--tensors", "20", "--partial", "0.1", "1", "--verify"]
     code = main(["bench", *args, "--repeats", "2", "--warmup", "0", "--json", str(out)])
     printed = capsys.readouterr()
     assert code == 0, printed.err
     lines = printed.out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("scheme"))
-    assert "sent" in lines[header]
-    sent = [line.split()[4] for line in lines[header + 2 : header + 4]]
-    assert sent[1] == "all" and sent[0].endswith("%") and 5 <= int(sent[0][:-1]) <= 20
+    assert "sent" in lines[header] and "verify" in lines[header]
+    rows = [line.split() for line in lines[header + 2 : header + 6]]
+    assert [row[5] for row in rows] == ["no", "yes", "no", "yes"]
+    sent = [row[4] for row in rows]
+    assert sent[2:] == ["all", "all"] and sent[0] == sent[1] and 5 <= int(sent[0].rstrip("%")) <= 20
     cases = json.loads(out.read_text())["cases"]
-    assert [case["partial"] for case in cases] == [0.1, 1.0]
-    assert cases[0]["packet_nbytes"] < cases[1]["packet_nbytes"] / 4
+    assert [(case["partial"], case["verify"]) for case in cases] == [
+        (0.1, False),
+        (0.1, True),
+        (1.0, False),
+        (1.0, True),
+    ]
+    assert cases[0]["packet_nbytes"] < cases[2]["packet_nbytes"] / 4
 
 
 def test_bench_fails_when_a_worker_holds_other_weights() -> None:

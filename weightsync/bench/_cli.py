@@ -120,6 +120,12 @@ def _parser() -> argparse.ArgumentParser:
         "shows the share moved; memcpy and floor stay those of the whole model) (default: %(default)s)",
     )
     bench.add_argument(
+        "--verify",
+        action="store_true",
+        help="run each of weightsync's cases twice: unchecked, and with send(verify=True) (every "
+        "tensor digested by the trainer and checked by each worker); needs the verify extra",
+    )
+    bench.add_argument(
         "--repeats", type=int, default=_DEFAULTS.repeats, help="timed sends per case (default: %(default)s)"
     )
     bench.add_argument(
@@ -188,6 +194,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             workers=tuple(args.workers),
             tensors=tuple(args.tensors),
             partials=tuple(args.partial),
+            verify=(False, True) if args.verify else (False,),
             repeats=args.repeats,
             warmup=args.warmup,
             timeout=args.timeout,

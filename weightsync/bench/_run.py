@@ -117,7 +117,7 @@ def _run_scheme(
         for step in range(config.warmup + config.repeats):
             change_model(tensors, step)
             start = time.perf_counter()
-            report = sender.send(keys=keys)
+            report = sender.send(keys=keys, verify=case.verify)
             elapsed = time.perf_counter() - start
             pool.verify(report.version, names, tensor_checksums(named))
             if step >= config.warmup:

@@ -276,6 +276,8 @@ class Case:
     # The fraction of the model's bytes each send writes (1.0: all of it; less:
     # a partial update of the first tensors by name that hold that much).
     partial: float = 1.0
+    # Whether each send is checked end to end (send(verify=True)).
+    verify: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -305,6 +307,7 @@ class BenchConfig:
     dtype: str = "float32"
     compare: tuple[str, ...] = ()
     partials: tuple[float, ...] = (1.0,)
+    verify: tuple[bool, ...] = (False,)
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.schemes if s not in SCHEMES]
@@ -338,11 +341,13 @@ class BenchConfig:
         """Every combination, sizes outermost, so the big cases come last;
         at each size the schemes first, then the alternatives."""
         return [
-            Case(scheme, size, workers, tensors, self.dtype, partial)
+            Case(scheme, size, workers, tensors, self.dtype, partial, verify)
             for size in self.sizes_mib
             for scheme in (*self.schemes, *self.compare)
-            # Partial updates are weightsync's: the alternatives send whole models.
+            # Partial and verified updates are weightsync's: the alternatives
+            # send whole models, unchecked.
             for partial in (self.partials if scheme in SCHEMES else (1.0,))
+            for verify in (self.verify if scheme in SCHEMES else (False,))
             for tensors in self.tensors
             for workers in self.workers
         ]
