@@ -9,10 +9,12 @@ from collections.abc import Iterator
 
 import anyio
 import pytest
+import torch
 from conftest import Cluster
 
 import weightsync as ws
 from weightsync._runtime import RUNTIME as LOOP
+from weightsync._segment import WRITING, Segment
 
 
 # The facade and the loops are the same for every transport: one scheme is enough.
@@ -94,27 +96,47 @@ def test_blocking_call_from_the_library_loop_thread_raises(cluster: Cluster) -> 
 
 
 def test_sends_from_several_threads_never_interleave(cluster: Cluster) -> None:
+    """Three threads send five different sets of weights each, all at once.
+    A send that finds another in progress is refused (and uses no version);
+    every other send completes alone: the versions are consecutive, every
+    worker applied each of them in order, and ends with exactly the weights
+    of the newest one."""
+    first = cluster.sender.send().version + 1
+    start = threading.Barrier(3)
+    sent: dict[int, dict[str, torch.Tensor]] = {}  # version -> the weights it carried
+    refused: list[ws.WeightSyncStateError] = []
     errors: list[BaseException] = []
-    done: list[int] = []
 
-    def trainer_thread() -> None:
-        for _ in range(5):
+    def weights(value: int) -> dict[str, torch.Tensor]:
+        return {k: torch.full_like(v, value) for k, v in cluster.expected().items()}
+
+    def trainer_thread(k: int) -> None:
+        start.wait()
+        for i in range(5):
+            mine = weights(100 * (k + 1) + i)
             try:
-                done.append(cluster.sender.send().version)
-            except ws.WeightSyncStateError:
-                pass  # another thread's send was in progress: refused, not mixed
+                sent[cluster.sender.send(mine).version] = mine
+            except ws.WeightSyncStateError as exc:
+                refused.append(exc)
             except BaseException as exc:
                 errors.append(exc)
 
-    threads = [threading.Thread(target=trainer_thread) for _ in range(3)]
+    threads = [threading.Thread(target=trainer_thread, args=(k,)) for k in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert not errors and done
-    last = cluster.sender.send().version
+    print(f"{len(sent)} sends completed, {len(refused)} refused")
+    assert not errors, errors
+    assert len(sent) + len(refused) == 15
+    assert all("in progress" in str(exc) for exc in refused), refused
+    versions = sorted(sent)
+    assert versions == list(range(first, first + len(sent))), "a version was used twice or skipped"
+    assert cluster.sender.async_sender.version == versions[-1]
     for i in range(3):
-        assert cluster.state(i)["applied"][-1] == last
+        applied = [v for v in cluster.state(i)["applied"] if v >= first]
+        assert applied == versions, f"worker {i} applied {applied}"
+        cluster.assert_has(i, sent[versions[-1]])
 
 
 @pytest.mark.asyncio
@@ -130,13 +152,28 @@ async def test_async_trainer_awaits_sends(make_cluster) -> None:
         assert c.state(i)["applied"][-1] == report.version
 
 
+def _segments(c: Cluster) -> list[Segment]:
+    staging = c.scheme.staging
+    segment = getattr(staging, "segment", None)  # the multiprocess scheme's one segment
+    return [segment] if segment is not None else list(getattr(staging, "slots", []))  # the shared scheme's
+
+
 @pytest.mark.asyncio
-async def test_a_send_does_not_block_the_event_loop(make_cluster) -> None:
-    c = make_cluster(["net"])
+@pytest.mark.parametrize(
+    ("scheme_name", "kind"), [("multiprocess", "net"), ("multiprocess", "big"), ("shared", "big")]
+)
+async def test_a_send_does_not_block_the_event_loop(make_cluster, scheme_name: str, kind: str) -> None:
+    """While a send waits for an ack, the loop it runs on keeps running. A
+    ``big`` model (32 MiB, past the size that a send copies inline) is written
+    into the staging on a thread: a task of the same loop sees the staging
+    marked as being written, which it never could if the copy blocked the
+    loop. (A ``net`` model is under 1 MiB, copied inline.)"""
+    c = make_cluster([kind], trainer_kind=kind)
     sender = c.scheme.get_async_sender()
     await sender.send()
     c.pause(0)
     ticks = 0
+    saw_writing = 0
     report: list[ws.SendReport] = []
 
     async def ticker() -> None:
@@ -145,21 +182,30 @@ async def test_a_send_does_not_block_the_event_loop(make_cluster) -> None:
             ticks += 1
             await anyio.sleep(0.005)
 
+    async def watcher() -> None:
+        nonlocal saw_writing
+        while not report:
+            saw_writing += any(s.published() == WRITING for s in _segments(c))
+            await anyio.sleep(0)
+
     async def resume_later() -> None:
         await anyio.sleep(0.5)
         await anyio.to_thread.run_sync(c.resume, 0)
 
     async def send() -> None:
         c.bump()
-        report.append(await sender.send(timeout=10))
+        report.append(await sender.send(timeout=30))
 
     started = time.monotonic()
     async with anyio.create_task_group() as group:
         group.start_soon(ticker)
+        group.start_soon(watcher)
         group.start_soon(resume_later)
         group.start_soon(send)
     assert time.monotonic() - started >= 0.5
     assert ticks >= 30, f"the loop ran only {ticks} ticks during a 0.5 s send"
+    if kind == "big":
+        assert saw_writing > 0, "the loop never ran while the staging was written"
     c.assert_has(0, c.expected())
 
 
