@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import multiprocessing as mp
 import os
 import signal
@@ -27,11 +28,25 @@ PROCS.set_forkserver_preload(["torch", "tensordict", "weightsync", "_workers", "
 READY_TIMEOUT = 90.0
 
 # The conformance suite runs over every scheme listed here.
-SCHEMES: dict[str, Callable[[], ws.WeightSyncScheme]] = {
-    "multiprocess": lambda: ws.MultiProcessWeightSyncScheme(timeout=30),
-    "shared": lambda: ws.SharedMemWeightSyncScheme(timeout=30),
-    "ray": lambda: ws.RayWeightSyncScheme(timeout=30),
+SCHEME_CLASSES: dict[str, type[ws.WeightSyncScheme]] = {
+    "multiprocess": ws.MultiProcessWeightSyncScheme,
+    "shared": ws.SharedMemWeightSyncScheme,
+    "ray": ws.RayWeightSyncScheme,
 }
+# The tests' schemes send with a deadline of 30 s unless told otherwise.
+TEST_TIMEOUT = 30.0
+SCHEMES: dict[str, Callable[..., ws.WeightSyncScheme]] = {
+    name: functools.partial(cls, timeout=TEST_TIMEOUT) for name, cls in SCHEME_CLASSES.items()
+}
+
+
+def make_scheme(scheme_name: str, timeout: float | None = TEST_TIMEOUT) -> ws.WeightSyncScheme:
+    """A scheme with the given deadline; ``timeout=None`` gives none, so the
+    scheme keeps the library's default."""
+    cls = ws.InProcessWeightSyncScheme if scheme_name == "inprocess" else SCHEME_CLASSES[scheme_name]
+    return cls() if timeout is None else cls(timeout=timeout)
+
+
 # The schemes whose workers are processes joined by the user's pipes.
 PIPE_SCHEMES = ["multiprocess", "shared"]
 # The conformance suite also runs over the in-process scheme (worker threads).
@@ -54,11 +69,16 @@ class Cluster:
     """One trainer-side scheme (in the test process) and N worker processes."""
 
     def __init__(
-        self, scheme_name: str, kinds: list[str], model_id: str = "policy", trainer_kind: str = "net"
+        self,
+        scheme_name: str,
+        kinds: list[str],
+        model_id: str = "policy",
+        trainer_kind: str = "net",
+        timeout: float | None = TEST_TIMEOUT,
     ) -> None:
         self.scheme_name = scheme_name
         self.model_id = model_id
-        self.scheme = SCHEMES[scheme_name]()
+        self.scheme = make_scheme(scheme_name, timeout)
         self.model = build_model(trainer_kind, seed=7)
         self.procs: list[Any] = []
         self.ctrls: list[Any] = []
@@ -158,10 +178,16 @@ class ThreadCluster(Cluster):
     is a thread of this process running the same loop, on its own copy of
     the scheme."""
 
-    def __init__(self, kinds: list[str], model_id: str = "policy", trainer_kind: str = "net") -> None:
+    def __init__(
+        self,
+        kinds: list[str],
+        model_id: str = "policy",
+        trainer_kind: str = "net",
+        timeout: float | None = TEST_TIMEOUT,
+    ) -> None:
         self.scheme_name = "inprocess"
         self.model_id = model_id
-        self.scheme = ws.InProcessWeightSyncScheme(timeout=30)
+        self.scheme = make_scheme("inprocess", timeout)
         self.model = build_model(trainer_kind, seed=7)
         self.procs: list[Any] = []
         self.ctrls: list[Any] = []
@@ -206,6 +232,10 @@ class ThreadCluster(Cluster):
             conn.close()
 
 
+# The custom resources of the two Ray test nodes, for pinning actors.
+RAY_NODES = ("head_node", "second_node")
+
+
 class RayRuntime:
     """The test session's Ray: a two-node cluster on this machine (Ray's own
     ``ray.cluster_utils.Cluster``), and a pool of worker actors reused from
@@ -218,9 +248,9 @@ class RayRuntime:
 
         node = {"num_cpus": 1, "object_store_memory": 256 << 20}
         self.nodes = RayTestCluster(
-            initialize_head=True, head_node_args={**node, "resources": {"head_node": 1}}
+            initialize_head=True, head_node_args={**node, "resources": {RAY_NODES[0]: 1}}
         )
-        self.nodes.add_node(**node, resources={"second_node": 1})
+        self.nodes.add_node(**node, resources={RAY_NODES[1]: 1})
         tests_dir = os.path.dirname(os.path.abspath(__file__))
         ray.init(
             address=self.nodes.address,
@@ -230,15 +260,31 @@ class RayRuntime:
         # No CPU is reserved per actor: tests start more actors than cores.
         self.actor_class = ray.remote(num_cpus=0, concurrency_groups={"ctrl": 1})(RayWorker)
         self.idle: list[Any] = []
+        self.node_of: dict[Any, str] = {}  # actor -> the node resource it is pinned to
 
-    def actor(self, **options: Any) -> Any:
-        """A fresh actor (``options`` as for ``.options()``, e.g. placement)."""
-        return self.actor_class.options(**options).remote()
+    def actor(self, node: str | None = None, **options: Any) -> Any:
+        """A fresh actor (``options`` as for ``.options()``), pinned to
+        ``node`` (one of :data:`RAY_NODES`) if given."""
+        if node is not None:
+            options = {"resources": {node: 0.01}, **options}
+        actor = self.actor_class.options(**options).remote()
+        if node is not None:
+            self.node_of[actor] = node
+        return actor
 
     def take(self, n: int) -> list[Any]:
-        taken = self.idle[:n]
-        del self.idle[:n]
-        return taken + [self.actor() for _ in range(n - len(taken))]
+        """``n`` actors, alternately on the head node and the second node:
+        any two or more span both."""
+        taken = []
+        for i in range(n):
+            node = RAY_NODES[i % len(RAY_NODES)]
+            idle = next((a for a in self.idle if self.node_of.get(a) == node), None)
+            if idle is not None:
+                self.idle.remove(idle)
+                taken.append(idle)
+            else:
+                taken.append(self.actor(node))
+        return taken
 
     def give_back(self, actors: list[Any]) -> None:
         self.idle.extend(actors)
@@ -275,13 +321,14 @@ class RayCluster(Cluster):
         model_id: str = "policy",
         trainer_kind: str = "net",
         actors: list[Any] | None = None,
+        timeout: float | None = TEST_TIMEOUT,
     ) -> None:
         import ray
 
         self.scheme_name = "ray"
         self.model_id = model_id
         self.runtime = runtime
-        self.scheme = SCHEMES["ray"]()
+        self.scheme = make_scheme("ray", timeout)
         self.model = build_model(trainer_kind, seed=7)
         self.actors = actors if actors is not None else runtime.take(len(kinds))
         self.dead: set[int] = set()
@@ -294,6 +341,9 @@ class RayCluster(Cluster):
                 ],
                 timeout=READY_TIMEOUT,
             )
+            if actors is None and len(self.actors) > 1:
+                nodes = ray.get([self._ctrl(i, "node_id") for i in range(len(self.actors))], timeout=30)
+                assert len(set(nodes)) == len(RAY_NODES), f"the actors are not on both nodes: {nodes}"
             self.scheme.init_on_sender(model_id, remote_collectors=self.actors, model=self.model)
         except BaseException:
             self.close()
@@ -346,12 +396,17 @@ def new_cluster(
     kinds: list[str],
     model_id: str = "policy",
     trainer_kind: str = "net",
+    timeout: float | None = TEST_TIMEOUT,
 ) -> Cluster:
+    """A cluster of ``scheme_name`` whose scheme sends with a deadline of
+    ``timeout`` seconds (None: the library's default)."""
     if scheme_name == "ray":
-        return RayCluster(request.getfixturevalue("ray_runtime"), kinds, model_id, trainer_kind)
+        return RayCluster(
+            request.getfixturevalue("ray_runtime"), kinds, model_id, trainer_kind, timeout=timeout
+        )
     if scheme_name == "inprocess":
-        return ThreadCluster(kinds, model_id, trainer_kind)
-    return Cluster(scheme_name, kinds, model_id, trainer_kind)
+        return ThreadCluster(kinds, model_id, trainer_kind, timeout=timeout)
+    return Cluster(scheme_name, kinds, model_id, trainer_kind, timeout=timeout)
 
 
 @pytest.fixture(params=list(SCHEMES))
@@ -372,8 +427,13 @@ def make_cluster(request: pytest.FixtureRequest, scheme_name: str) -> Iterator[C
     """A factory of clusters for tests that kill, pause or break workers."""
     made: list[Cluster] = []
 
-    def make(kinds: list[str], model_id: str = "policy", trainer_kind: str = "net") -> Cluster:
-        c = new_cluster(request, scheme_name, kinds, model_id, trainer_kind)
+    def make(
+        kinds: list[str],
+        model_id: str = "policy",
+        trainer_kind: str = "net",
+        timeout: float | None = TEST_TIMEOUT,
+    ) -> Cluster:
+        c = new_cluster(request, scheme_name, kinds, model_id, trainer_kind, timeout)
         made.append(c)
         return c
 
