@@ -382,6 +382,12 @@ class RayProbe:
         time.sleep(seconds)
         return first, _probe.span(self.weights)
 
+    def timed_rollout(self, seconds: float) -> dict[str, Any]:
+        """``rollout``, with when it ended (``time.monotonic()``: one clock
+        for every process of this machine, which runs both Ray test nodes)."""
+        first, last = self.rollout(seconds)
+        return {"first": first, "last": last, "ended": time.monotonic()}
+
     def applied(self) -> list[int]:
         return list(self.versions)
 
