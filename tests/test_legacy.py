@@ -400,12 +400,12 @@ def test_workers_read_the_buffer_while_it_is_overwritten() -> None:
     give, shown.
 
     Torn reads depend on scheduling, so the assertion on them was checked
-    first: on the 2-core development machine eight runs gave 22 to 44 mixed
-    reads per probe (about a third of all reads, ~18 updates per run). An
+    first: on the 2-core development machine runs gave 22 to 44 mixed reads
+    per probe, a third to a half of all reads (~18 updates per run). An
     update writes 64 MiB for tens of milliseconds while a probe reads
     continuously, so a read that overlaps a write, on any machine where
-    the processes run at once, is near certain over two seconds; the total
-    over both probes is asserted.
+    the processes run at once, is near certain over two seconds; what is
+    asserted is that the two probes together saw at least one mixed read.
     """
     server = TensorDict({f"w{i}": torch.zeros(NUMEL) for i in range(TENSORS)}, batch_size=[])
     buffer = server.clone().share_memory_()
