@@ -177,7 +177,7 @@ def test_bench_all_schemes_with_alternatives_writes_json_and_plot(
         for line in lines
         if line.split()[:1] in (["multiprocess"], ["shared"], ["pickle-pipe"], ["bare-shm"])
     }
-    assert {name: row[4] for name, row in rows.items()} == {
+    assert {name: row[6] for name, row in rows.items()} == {
         "multiprocess": "private",
         "shared": "shared",
         "pickle-pipe": "private",
@@ -279,7 +279,7 @@ def test_bench_ray_scheme_and_ray_put_on_ray_actors(tmp_path: Path) -> None:
     # Exit 0: every send of both cases passed verification.
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("ray")]
-    assert [(row[0], row[2], row[4], row[5]) for row in rows] == [
+    assert [(row[0], row[2], row[6], row[7]) for row in rows] == [
         ("ray", "2", "private", "no"),
         ("ray-put", "2", "private", "no"),
     ]
