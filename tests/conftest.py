@@ -273,15 +273,18 @@ class RayRuntime:
         return actor
 
     def take(self, n: int) -> list[Any]:
-        """``n`` actors, alternately on the head node and the second node:
-        any two or more span both."""
-        taken = []
+        """``n`` actors, idle ones first; any two or more span both nodes."""
+        taken: list[Any] = []
         for i in range(n):
-            node = RAY_NODES[i % len(RAY_NODES)]
-            idle = next((a for a in self.idle if self.node_of.get(a) == node), None)
-            if idle is not None:
-                self.idle.remove(idle)
-                taken.append(idle)
+            idle = {node: [a for a in self.idle if self.node_of.get(a) == node] for node in RAY_NODES}
+            missing = [node for node in RAY_NODES if node not in {self.node_of[a] for a in taken}]
+            # The slots left must cover the nodes not used yet; among the
+            # nodes allowed, the one with the most idle actors.
+            allowed = missing if n - i <= len(missing) else list(RAY_NODES)
+            node = max(allowed, key=lambda nd: len(idle[nd]))
+            if idle[node]:
+                self.idle.remove(idle[node][0])
+                taken.append(idle[node][0])
             else:
                 taken.append(self.actor(node))
         return taken
