@@ -17,6 +17,7 @@ pipe scheme's segments are counted as mappings and descriptors.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -50,10 +51,11 @@ def _resources(pid: int) -> dict[str, int]:
 
 
 def _measure(c: Cluster, pids: list[int]) -> dict[int, dict[str, int]]:
-    """Every process's resources. In a Ray actor the threads counted are its
-    Python threads (any thread weightsync could start is one): Ray's C++
-    threads come and go with the RPC load of the whole machine, which made
-    full runs fail now and then on one of them."""
+    """Every process's resources. Under Ray the threads counted, in the actors
+    and in the trainer (the Ray driver), are Python threads (any thread
+    weightsync could start is one): Ray's C++ threads come and go with the
+    RPC load of the whole machine, which made full runs fail now and then on
+    one of them."""
     measured = {pid: _resources(pid) for pid in pids}
     if isinstance(c, RayCluster):
         import ray
@@ -61,6 +63,7 @@ def _measure(c: Cluster, pids: list[int]) -> dict[int, dict[str, int]]:
         counts = ray.get([c._ctrl(i, "python_threads") for i in range(len(c.pids))], timeout=30)
         for pid, count in zip(c.pids, counts, strict=True):
             measured[pid]["threads"] = count
+        measured[os.getpid()]["threads"] = threading.active_count()
     return measured
 
 
