@@ -72,6 +72,8 @@ def build_model(kind: str, seed: int = 0) -> Any:
     """A worker's or trainer's model: an ``nn.Module``, or for ``"dict"`` a
     plain dict of tensors with the names and shapes of :class:`Net`'s state."""
     torch.manual_seed(seed)
+    if kind == "probe":
+        return probe_weights()
     if kind == "dict":
         return {k: v.detach().clone() for k, v in Net().state_dict().items()}
     if kind == "big":

@@ -37,30 +37,20 @@ def _sender(actors: list, model: object, model_id: str = "probe") -> ws.RayWeigh
 
 
 def test_actors_on_two_nodes_get_every_update(ray_runtime: RayRuntime) -> None:
-    remote = ray.remote(num_cpus=0)(RayProbe)
-    actors = [
-        remote.options(resources={"head_node": 0.01}).remote(ws.RayWeightSyncScheme()),
-        remote.options(resources={"second_node": 0.01}).remote(ws.RayWeightSyncScheme()),
-    ]
-    weights = probe_weights()
-    scheme = _sender(actors, weights)
+    c = RayCluster(ray_runtime, ["probe", "probe"], trainer_kind="probe")  # one actor on each node
     try:
-        nodes = ray.get(
-            [a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for a in actors]
-        )
+        nodes = ray.get([c._ctrl(i, "node_id") for i in range(2)], timeout=30)
         assert nodes[0] != nodes[1], "the actors must run on different nodes"
         for version in (1, 2, 3):
-            _probe.fill(weights, version)
-            report = scheme.send()
+            _probe.fill(c.model, version)
+            report = c.sender.send()
             assert report.version == version
             # 16 MiB crossed to the second node's object store each time.
-            spans = ray.get([a.rollout.remote(0.0) for a in actors])
-            assert all(first == last == (version, version) for first, last in spans)
-        assert ray.get([a.applied.remote() for a in actors]) == [[1, 2, 3], [1, 2, 3]]
+            for i in range(2):
+                assert _probe.span(c.state(i)["weights"]) == (version, version)
+        assert [c.state(i)["applied"] for i in range(2)] == [[1, 2, 3], [1, 2, 3]]
     finally:
-        scheme.shutdown()
-        for actor in actors:
-            ray.kill(actor)
+        c.close()
 
 
 def test_a_plain_actor_applies_an_update_between_its_method_calls(ray_runtime: RayRuntime) -> None:
