@@ -234,6 +234,8 @@ class ThreadCluster(Cluster):
 
 # The custom resources of the two Ray test nodes, for pinning actors.
 RAY_NODES = ("head_node", "second_node")
+# Idle test actors kept ready on each node once a test gave its actors back.
+SPARE_ACTORS = 2
 
 
 class RayRuntime:
@@ -291,6 +293,16 @@ class RayRuntime:
 
     def give_back(self, actors: list[Any]) -> None:
         self.idle.extend(actors)
+        self._top_up()
+
+    def _top_up(self) -> None:
+        """Start actors until :data:`SPARE_ACTORS` are idle on each node. An
+        actor spends seconds of CPU importing torch: started here, between
+        two tests, it is ready when a later test takes it. (Starting one opens
+        no descriptor and no thread in this process; the first call does.)"""
+        for node in RAY_NODES:
+            for _ in range(SPARE_ACTORS - sum(self.node_of.get(a) == node for a in self.idle)):
+                self.idle.append(self.actor(node))
 
     def close(self) -> None:
         import ray
