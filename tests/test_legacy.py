@@ -3,7 +3,6 @@ shared buffers, and the torn reads that come with them."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from typing import Any
 
@@ -11,13 +10,12 @@ import _probe
 import pytest
 import torch
 from _workers import build_model
-from conftest import reap
+from conftest import PROCS, reap
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 import weightsync as ws
 
-SPAWN = mp.get_context("spawn")
 CPU = torch.device("cpu")
 
 
@@ -413,8 +411,8 @@ def test_workers_read_the_buffer_while_it_is_overwritten() -> None:
     conns, procs = [], []
     try:
         for _ in range(2):
-            ours, theirs = SPAWN.Pipe()
-            proc = SPAWN.Process(target=_probe.shared_buffer_probe, args=(buffer, theirs, 30.0), daemon=True)
+            ours, theirs = PROCS.Pipe()
+            proc = PROCS.Process(target=_probe.shared_buffer_probe, args=(buffer, theirs, 30.0), daemon=True)
             proc.start()
             theirs.close()
             conns.append(ours)
