@@ -422,20 +422,6 @@ class MixinRayWorker(ws.RayWeightSyncMixin):
         return snapshot(self.model), self.scheme.receive()
 
 
-class LateRayWorker:
-    """An actor that registers its model only when told to."""
-
-    def __init__(self) -> None:
-        self.model = build_model("net", seed=4)
-
-    def register(self, scheme: ws.WeightSyncScheme) -> None:
-        self.scheme = scheme
-        scheme.init_on_worker("policy", model=self.model)
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return snapshot(self.model)
-
-
 class TwoModelRayWorker:
     """An actor holding two models, each synchronised by its own scheme."""
 

@@ -15,7 +15,6 @@ import torch
 from _workers import (
     AsyncActorRegisteringLate,
     AsyncRayProbe,
-    LateRayWorker,
     MixinRayWorker,
     RayProbe,
     TwoModelRayWorker,
@@ -135,20 +134,21 @@ def test_an_actor_with_the_mixin_is_updated_through_its_method(ray_runtime: RayR
 
 
 def test_an_actor_that_registers_late_is_waited_for_until_the_deadline(ray_runtime: RayRuntime) -> None:
-    actor = ray.remote(num_cpus=0)(LateRayWorker).remote()
+    [actor] = ray_runtime.take(1)  # a test actor with no model registered
     model = _probe_net()
     scheme = _sender([actor], model, model_id="policy")
     try:
         with pytest.raises(ws.AckTimeoutError, match="worker 0") as info:
             scheme.send(timeout=1.0)
         assert "announce" in str(info.value)
-        ray.get(actor.register.remote(ws.RayWeightSyncScheme()))
+        ray.get(actor.setup.remote(ws.RayWeightSyncScheme(), "policy", "net"))
         scheme.send()
-        weights = ray.get(actor.weights.remote())
+        weights = ray.get(actor.state.options(concurrency_group="ctrl").remote())["weights"]
         assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
     finally:
         scheme.shutdown()
-        ray.kill(actor)
+        ray.get(actor.teardown.remote(), timeout=30)
+        ray_runtime.give_back([actor])
 
 
 def test_two_models_on_the_same_actors_are_kept_apart(ray_runtime: RayRuntime) -> None:
