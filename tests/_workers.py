@@ -305,6 +305,23 @@ class RayWorker:
         if self.scheme is not None:
             self.scheme.shutdown()
             self.scheme = None
+        for scheme in getattr(self, "two_schemes", ()):
+            scheme.shutdown()
+        self.two_schemes: tuple[ws.WeightSyncScheme, ...] = ()
+
+    def setup_two_models(self, policy_scheme: ws.WeightSyncScheme, value_scheme: ws.WeightSyncScheme) -> int:
+        """Hold two models instead, each synchronised by its own scheme (as
+        :class:`TwoModelRayWorker`)."""
+        self.teardown()
+        self.models = {"policy": build_model("net", seed=5), "value": build_model("wide", seed=6)}
+        policy_scheme.init_on_worker("policy", model=self.models["policy"])
+        value_scheme.init_on_worker("value", model=self.models["value"])
+        self.two_schemes = (policy_scheme, value_scheme)
+        return os.getpid()
+
+    def weights(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The two models of :meth:`setup_two_models`."""
+        return {name: snapshot(model) for name, model in self.models.items()}
 
     def hold(self, limit: float = 60.0) -> None:
         """Keep the actor busy (no update can run) until released."""
@@ -420,19 +437,6 @@ class MixinRayWorker(ws.RayWeightSyncMixin):
 
     def state(self) -> tuple[dict[str, torch.Tensor], int | None]:
         return snapshot(self.model), self.scheme.receive()
-
-
-class TwoModelRayWorker:
-    """An actor holding two models, each synchronised by its own scheme."""
-
-    def __init__(self, policy_scheme: ws.WeightSyncScheme, value_scheme: ws.WeightSyncScheme) -> None:
-        self.models = {"policy": build_model("net", seed=5), "value": build_model("wide", seed=6)}
-        policy_scheme.init_on_worker("policy", model=self.models["policy"])
-        value_scheme.init_on_worker("value", model=self.models["value"])
-        self.schemes = (policy_scheme, value_scheme)
-
-    def weights(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {name: snapshot(model) for name, model in self.models.items()}
 
 
 def two_model_worker(

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from _workers import TwoModelRayWorker, build_model, two_model_worker
+from _workers import build_model, two_model_worker
 from conftest import PIPE_SCHEMES, PROCS, SCHEMES, Cluster, RayRuntime, reap
 
 import weightsync as ws
@@ -95,8 +95,8 @@ def test_two_models_over_the_same_worker_processes_from_two_threads(scheme_name:
 
 def test_two_models_over_the_same_ray_actors_from_two_threads(ray_runtime: RayRuntime) -> None:
     ray = pytest.importorskip("ray")
-    remote = ray.remote(num_cpus=0)(TwoModelRayWorker)
-    actors = [remote.remote(ws.RayWeightSyncScheme(), ws.RayWeightSyncScheme()) for _ in range(2)]
+    actors = ray_runtime.take(2)  # test actors, one on each node
+    ray.get([a.setup_two_models.remote(ws.RayWeightSyncScheme(), ws.RayWeightSyncScheme()) for a in actors])
     trainers = {"policy": build_model("net", seed=21), "value": build_model("wide", seed=22)}
     schemes: dict[str, ws.WeightSyncScheme] = {}
     try:
@@ -110,8 +110,8 @@ def test_two_models_over_the_same_ray_actors_from_two_threads(ray_runtime: RayRu
     finally:
         for scheme in schemes.values():
             scheme.shutdown()
-        for actor in actors:
-            ray.kill(actor)
+        ray.get([a.teardown.remote() for a in actors], timeout=30)
+        ray_runtime.give_back(actors)
 
 
 def test_blocking_background_and_awaited_sends_mixed(make_cluster) -> None:

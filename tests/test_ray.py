@@ -17,7 +17,6 @@ from _workers import (
     AsyncRayProbe,
     MixinRayWorker,
     RayProbe,
-    TwoModelRayWorker,
     build_model,
     probe_weights,
     register_off_the_loop,
@@ -152,8 +151,8 @@ def test_an_actor_that_registers_late_is_waited_for_until_the_deadline(ray_runti
 
 
 def test_two_models_on_the_same_actors_are_kept_apart(ray_runtime: RayRuntime) -> None:
-    remote = ray.remote(num_cpus=0)(TwoModelRayWorker)
-    actors = [remote.remote(ws.RayWeightSyncScheme(), ws.RayWeightSyncScheme()) for _ in range(2)]
+    actors = ray_runtime.take(2)  # test actors, one on each node
+    ray.get([a.setup_two_models.remote(ws.RayWeightSyncScheme(), ws.RayWeightSyncScheme()) for a in actors])
     trainers = {"policy": build_model("net", seed=21), "value": build_model("wide", seed=22)}
     schemes = {name: _sender(actors, model, model_id=name) for name, model in trainers.items()}
     try:
@@ -168,8 +167,8 @@ def test_two_models_on_the_same_actors_are_kept_apart(ray_runtime: RayRuntime) -
     finally:
         for scheme in schemes.values():
             scheme.shutdown()
-        for actor in actors:
-            ray.kill(actor)
+        ray.get([a.teardown.remote() for a in actors], timeout=30)
+        ray_runtime.give_back(actors)
 
 
 def _probe_net() -> torch.nn.Module:
