@@ -15,8 +15,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "weightsync"
 LAYERS: list[set[str]] = [
     {"_exceptions"},
     {"_packet"},
-    {"_copy", "_offload", "_strategy", "_stepguard", "_torchrl", "_digest"},
-    {"_segment"},
+    {"_copy", "_offload", "_strategy", "_stepguard", "_torchrl"},
+    {"_segment", "_digest"},
     {"_transports._base", "_transports._channel"},
     {
         "_transports",

@@ -33,6 +33,14 @@ SCHEMES = {
 }
 
 
+def _collector(cls: Any, scheme: Any, policy: Any = None, **kwargs: Any) -> Any:
+    """A collector of 2 mock environments (unless ``kwargs`` say otherwise),
+    20 frames a batch, no end, with ``scheme`` as its policy's scheme."""
+    kwargs.setdefault("create_env_fn", [parts.make_env] * 2)
+    schemes = {"policy": scheme}
+    return cls(policy=policy, frames_per_batch=20, total_frames=-1, weight_sync_schemes=schemes, **kwargs)
+
+
 def _collect(collector: Any, batches: int) -> Iterator[Any]:
     try:
         for i, batch in enumerate(collector):
@@ -48,14 +56,7 @@ def test_each_batch_of_a_sync_collector_holds_the_version_just_sent(scheme_name:
     scheme = SCHEMES[scheme_name](timeout=60)
     assert isinstance(scheme, TorchRLScheme)
     policy = parts.make_policy(1.0)
-    collector = MultiSyncCollector(
-        [parts.make_env] * 2,
-        policy,
-        frames_per_batch=20,
-        total_frames=-1,
-        weight_sync_schemes={"policy": scheme},
-        track_policy_version=True,
-    )
+    collector = _collector(MultiSyncCollector, scheme, policy, track_policy_version=True)
     try:
         assert scheme.initialized_on_sender and scheme.synchronized_on_sender
         seen = []
@@ -76,13 +77,7 @@ def test_each_batch_of_a_sync_collector_holds_the_version_just_sent(scheme_name:
 def test_no_step_of_an_async_collector_mixes_two_versions(scheme_name: str) -> None:
     scheme = SCHEMES[scheme_name](timeout=60)
     policy = parts.make_probe_policy(1.0)
-    collector = MultiAsyncCollector(
-        [parts.make_env] * 2,
-        policy,
-        frames_per_batch=20,
-        total_frames=-1,
-        weight_sync_schemes={"policy": scheme},
-    )
+    collector = _collector(MultiAsyncCollector, scheme, policy)
     sent = {1.0}
     steps = mixed = 0
     seen: set[float] = set()
@@ -109,13 +104,7 @@ def test_no_step_of_an_async_collector_mixes_two_versions(scheme_name: str) -> N
 def test_worker_ids_update_those_workers_only() -> None:
     scheme = ws.MultiProcessWeightSyncScheme(timeout=60)
     policy = parts.make_policy(1.0)
-    collector = MultiSyncCollector(
-        [parts.make_env] * 2,
-        policy,
-        frames_per_batch=20,
-        total_frames=-1,
-        weight_sync_schemes={"policy": scheme},
-    )
+    collector = _collector(MultiSyncCollector, scheme, policy)
     try:
         batches = _collect(collector, 2)
         next(batches)
@@ -134,13 +123,7 @@ def test_no_weight_sync_scheme_with_a_policy_factory() -> None:
     # that only a synchronising scheme fills (torchrl's own NoWeightSyncScheme
     # fails there too); each worker builds its own with a factory.
     scheme = ws.NoWeightSyncScheme()
-    collector = MultiSyncCollector(
-        [parts.make_env] * 2,
-        policy_factory=parts.make_policy,
-        frames_per_batch=20,
-        total_frames=-1,
-        weight_sync_schemes={"policy": scheme},
-    )
+    collector = _collector(MultiSyncCollector, scheme, policy_factory=parts.make_policy)
     try:
         batches = _collect(collector, 2)
         assert parts.versions_in(next(batches)["action"]) == {0.0}
@@ -157,13 +140,12 @@ def test_a_policy_that_does_not_fit_is_refused_at_the_rendezvous_by_name() -> No
     scheme = ws.MultiProcessWeightSyncScheme(timeout=60)
     try:
         with pytest.raises(ws.WeightMismatchError, match="worker 0"):
-            MultiSyncCollector(
-                [parts.make_env],
+            _collector(
+                MultiSyncCollector,
+                scheme,
                 parts.make_policy(1.0),
+                create_env_fn=[parts.make_env],
                 policy_factory=parts.make_probe_policy,
-                frames_per_batch=20,
-                total_frames=-1,
-                weight_sync_schemes={"policy": scheme},
             )
     finally:
         scheme.shutdown()

@@ -17,12 +17,20 @@ import ctypes
 import os
 import threading
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
 from ._exceptions import WeightMismatchError
 
-__all__ = ["CopyPlan", "PARALLEL_COPY_BYTES", "check_writable_in_place", "copy_tensors", "usable_cores"]
+__all__ = [
+    "PARALLEL_COPY_BYTES",
+    "CopyPlan",
+    "byte_view",
+    "check_writable_in_place",
+    "copy_tensors",
+    "usable_cores",
+]
 
 # Below this size one thread is faster than starting others.
 PARALLEL_COPY_BYTES = 4 << 20
@@ -151,6 +159,15 @@ def copy_tensors(
 ) -> None:
     """Copy ``sources`` into ``destinations`` once (see :class:`CopyPlan`)."""
     CopyPlan(destinations, sources).run(threads)
+
+
+def byte_view(tensor: torch.Tensor) -> Any:
+    """``tensor``'s bytes as a flat numpy ``uint8`` array, without a copy
+    when it is a plain contiguous CPU tensor (else of a dense CPU copy)."""
+    t = tensor.detach()
+    if not _plain(t):
+        t = t.cpu().resolve_conj().resolve_neg().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def check_writable_in_place(

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ._copy import byte_view
 from ._exceptions import WeightSyncStateError
 
 __all__ = ["digests", "mismatched"]
@@ -34,22 +35,14 @@ def _xxh3() -> Any:
     return xxhash.xxh3_64_intdigest
 
 
-def _bytes_of(tensor: torch.Tensor) -> Any:
-    """``tensor``'s bytes as a buffer, without a copy for a plain CPU tensor."""
-    t = tensor.detach()
-    if not (t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()):
-        t = t.cpu().resolve_conj().resolve_neg().contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
 def digests(tensors: Sequence[torch.Tensor], threads: int = 1) -> tuple[int, ...]:
     """One digest per tensor, of its bytes in row-major order."""
     digest = _xxh3()
     total = sum(t.numel() * t.element_size() for t in tensors)
     if threads <= 1 or len(tensors) < 2 or total < _PARALLEL_BYTES:
-        return tuple(digest(_bytes_of(t)) for t in tensors)
+        return tuple(digest(byte_view(t)) for t in tensors)
     with ThreadPoolExecutor(min(threads, len(tensors)), thread_name_prefix="weightsync-digest") as pool:
-        return tuple(pool.map(lambda t: digest(_bytes_of(t)), tensors))
+        return tuple(pool.map(lambda t: digest(byte_view(t)), tensors))
 
 
 def mismatched(

@@ -248,25 +248,6 @@ class WeightReceiver:
             return None
         return RUNTIME.call(self._receiver.receive, max(deadline - time.monotonic(), 0.0))
 
-    def wait_applied(self, timeout: float) -> int:
-        """Block until one update is applied (the first, at a rendezvous) and
-        return its version.
-
-        :raises WaitTimeoutError: none came within ``timeout`` seconds; the
-            model is untouched.
-        :raises SenderLostError: the sender died or shut down first.
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            version = self.receive(max(deadline - time.monotonic(), 0.0))
-            if version is not None:
-                return version
-            if time.monotonic() >= deadline:
-                raise WaitTimeoutError(
-                    f"no update of model {self._receiver.model_id!r} arrived within {timeout:g} s",
-                    model_id=self._receiver.model_id,
-                )
-
     def wait_for_version(self, version: int, timeout: float | None = None) -> int:
         """Block until ``version`` or a newer one is applied; return the
         version applied. Applies pending updates while it waits (after

@@ -375,7 +375,7 @@ class WeightSyncScheme:
                 self._worker_idx = worker_idx
             receiver = self.get_receiver()
             if not receiver.applying_in_background:
-                receiver.wait_applied(wait)
+                receiver.wait_for_version(1, wait)  # any version: the initial weights
             self._synchronized_on_receiver = True
             if background:
                 receiver.start_applier()
@@ -620,8 +620,12 @@ class _PipeScheme(WeightSyncScheme):
             raise ValueError(f"{type(self).__name__}.add_worker needs the trainer's end of a new pipe")
         return self._pipe_transport(channel, worker_id)
 
-    def _pipe_transport(self, pipe: Connection, worker_id: int) -> PipeSenderTransport:
-        staging = self.staging
+    def _pipe_transport(
+        self, pipe: Connection, worker_id: int, staging: Staging | None = None
+    ) -> PipeSenderTransport:
+        """The sender's channel to worker ``worker_id`` over ``pipe``, through
+        ``staging`` (default: the sender's)."""
+        staging = staging if staging is not None else self.staging
         assert staging is not None
         return PipeSenderTransport(pipe, worker_id, staging, self._model_id, fault_hint=self._fault_hint)
 
@@ -636,9 +640,9 @@ class _PipeScheme(WeightSyncScheme):
         self, context: Any, kwargs: dict[str, Any]
     ) -> tuple[dict[int, SenderTransport], Staging | None]:
         staging = self._staging_class()
+        pipes = self._sender_pipes(context, kwargs)
         transports: dict[int, SenderTransport] = {
-            i: PipeSenderTransport(pipe, i, staging, self._model_id, fault_hint=self._fault_hint)
-            for i, pipe in enumerate(self._sender_pipes(context, kwargs))
+            i: self._pipe_transport(pipe, i, staging) for i, pipe in enumerate(pipes)
         }
         return transports, staging
 

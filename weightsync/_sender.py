@@ -247,7 +247,7 @@ class AsyncWeightSender:
             layout = self.transports[wid].layout
             if layout is not None:
                 check(layout, model_id=self.model_id, where=f"the model of worker {wid}")
-        behind = [w for w in reachable if packet.partial and w not in self._whole]
+        behind = [w for w in reachable if w not in self._whole] if packet.partial else []
         if behind:
             raise WeightSyncStateError(
                 f"a partial update of model {self.model_id!r} cannot go to worker(s) {behind}: they "

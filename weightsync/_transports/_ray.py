@@ -47,7 +47,7 @@ import ray
 import ray.exceptions
 import torch
 
-from .._copy import copy_tensors, usable_cores
+from .._copy import byte_view, copy_tensors, usable_cores
 from .._exceptions import (
     SenderLostError,
     WeightMismatchError,
@@ -64,15 +64,6 @@ __all__ = ["RayEndpoint", "RaySenderTransport", "RayStaging", "RayUpdate", "appl
 # How long connect() waits between asking an actor whether its model is
 # registered yet (it doubles up to the maximum).
 _CONNECT_POLL = (0.02, 0.5)
-
-
-def _byte_view(tensor: torch.Tensor) -> np.ndarray:
-    """``tensor``'s bytes as a flat numpy array, without a copy when it is a
-    plain contiguous CPU tensor."""
-    t = tensor.detach()
-    if not (t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()):
-        t = t.cpu().resolve_conj().resolve_neg().contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def _tensor_views(arrays: Sequence[np.ndarray], manifest: Manifest) -> list[torch.Tensor]:
@@ -122,7 +113,7 @@ class RayStaging:
             packet.subset,
             packet.digests,
         )
-        self.ref = ray.put((header, tuple(_byte_view(t) for t in packet.tensors)))
+        self.ref = ray.put((header, tuple(byte_view(t) for t in packet.tensors)))
         self.version = packet.version
 
     async def stage(self, packet: Packet) -> None:
