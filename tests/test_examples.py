@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+# Interpreters that import torch, several at once: CI runs these in a step of
+# their own (pytest -m extended).
+pytestmark = pytest.mark.extended
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 RUNS = {
     "async_trainer.py": ["--workers", "2", "--steps", "6"],

@@ -110,6 +110,7 @@ def test_ray_actors_join_and_leave(ray_runtime: Any) -> None:
         cluster.close()
 
 
+@pytest.mark.extended  # Ray restarts the actor: a new process that imports torch
 def test_a_ray_actor_restarted_by_ray_rejoins_with_no_trainer_action(ray_runtime: Any) -> None:
     import ray
 
