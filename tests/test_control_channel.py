@@ -123,5 +123,3 @@ def test_garbage_reaches_the_user_as_weightsync_errors_only(worker: FakeWorker) 
         with pytest.raises(ws.WeightSyncError):
             worker.sender.wait_async()
     _a_good_send_works(worker)
-
-

@@ -12,6 +12,7 @@ import torch
 from conftest import CONFORMANCE_SCHEMES, Cluster, new_cluster
 
 import weightsync as ws
+from weightsync._digest import BLOCK, copy_with_digests, digests, mismatched
 from weightsync._packet import Manifest
 from weightsync._strategy import flat_weights
 
@@ -78,3 +79,42 @@ def test_bytes_that_changed_on_the_way_are_refused_by_name(
             c.assert_has(i, c.expected())
     finally:
         c.close()
+
+
+def _odd_tensors() -> list[torch.Tensor]:
+    """A block and a half, no bytes, two blocks and a few bytes (one tensor
+    cut over threads), a small one."""
+    gen = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(3 * BLOCK // 8, generator=gen),
+        torch.empty(0),
+        torch.randint(0, 255, (2 * BLOCK + 7,), dtype=torch.uint8, generator=gen),
+        torch.randn(5, 3, generator=gen, dtype=torch.float64),
+    ]
+
+
+def test_digests_do_not_depend_on_threads_or_on_being_taken_while_copying() -> None:
+    tensors = _odd_tensors()
+    one = digests(tensors, threads=1)
+    assert len(one) == 2 + 1 + 3 + 1  # blocks: 2, the empty tensor's 1, 3, 1
+    assert digests(tensors, threads=3) == one
+    copies = [torch.zeros_like(t) for t in tensors]
+    assert copy_with_digests(copies, tensors, threads=3) == one
+    assert all(torch.equal(c, t) for c, t in zip(copies, tensors, strict=True))
+    # A source that is not a plain tensor (a transposed view) goes through
+    # torch's copy, and the copies are digested: the same digests.
+    square = torch.randn(64, 64)
+    into = torch.zeros(64, 64)
+    assert copy_with_digests([into], [square.t()], threads=2) == digests([square.t().contiguous()])
+    assert torch.equal(into, square.t())
+
+
+def test_a_changed_byte_names_its_tensor_whatever_block_it_is_in() -> None:
+    tensors = _odd_tensors()
+    names = ["a", "empty", "b", "c"]
+    sums = digests(tensors)
+    assert mismatched(names, tensors, sums, threads=2) == []
+    tensors[2][BLOCK + 3] ^= 1  # the middle block of b
+    tensors[3][4, 2] += 1.0
+    assert mismatched(names, tensors, sums, threads=2) == ["b", "c"]
+    assert mismatched(names, tensors, sums[:-1]) == names  # a malformed list refuses all

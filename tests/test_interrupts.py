@@ -136,4 +136,3 @@ def test_a_copy_interrupted_by_keyboard_interrupt_waits_for_its_helpers() -> Non
     assert interrupted
     plan.run(threads=4)
     assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
-

@@ -16,7 +16,8 @@ LAYERS: list[set[str]] = [
     {"_exceptions"},
     {"_packet"},
     {"_copy", "_offload", "_strategy", "_stepguard", "_torchrl"},
-    {"_segment", "_digest"},
+    {"_digest"},
+    {"_segment"},
     {"_transports._base", "_transports._channel"},
     {
         "_transports",

@@ -14,9 +14,10 @@ its owner believes the copy is over, and none is unmapped under a copy.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +30,9 @@ __all__ = [
     "byte_view",
     "check_writable_in_place",
     "copy_tensors",
+    "plain",
+    "run_on_threads",
+    "split_evenly",
     "usable_cores",
 ]
 
@@ -38,17 +42,12 @@ PARALLEL_COPY_BYTES = 4 << 20
 Span = tuple[int, int, int]  # (destination address, source address, bytes)
 
 
-def _plain(tensor: torch.Tensor) -> bool:
+def plain(tensor: torch.Tensor) -> bool:
+    """A dense CPU tensor whose bytes are its values (no lazy conj or neg bit)."""
     return tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
 
 
-def _memmove_spans(
-    spans: list[Span], began: threading.Event | None = None, keep_alive: object = None
-) -> None:
-    # ``keep_alive`` holds the tensors behind the raw addresses for as long
-    # as this thread copies: their memory cannot be freed or unmapped under it.
-    if began is not None:
-        began.set()
+def _memmove_spans(spans: list[Span]) -> None:
     for dst, src, size in spans:
         ctypes.memmove(dst, src, size)
 
@@ -82,10 +81,54 @@ def _join_all(helpers: Iterable[tuple[threading.Thread, threading.Event]]) -> No
                 if began.wait(1.0):
                     helper.join()
                 break
-            except BaseException as exc:  # KeyboardInterrupt: the copy still runs, wait for it
+            except BaseException as exc:  # KeyboardInterrupt: the work still runs, wait for it
                 interruption = interruption or exc
     if interruption is not None:
         raise interruption
+
+
+def _helper(job: Callable[[], None], began: threading.Event, keep_alive: object) -> None:
+    # ``keep_alive`` holds the tensors behind the job's raw addresses for as
+    # long as it runs: their memory cannot be freed or unmapped under it.
+    began.set()
+    job()
+
+
+def run_on_threads(
+    jobs: Sequence[Callable[[], None]], keep_alive: object = None, name: str = "weightsync-copy"
+) -> None:
+    """Run ``jobs[0]`` on the calling thread and each other job on a helper
+    thread of its own; return once every job ended. An interruption
+    (KeyboardInterrupt) is raised only after every helper ended, so no job
+    touches memory its owner believes is free again."""
+    helpers: list[tuple[threading.Thread, threading.Event]] = []
+    try:
+        for job in jobs[1:]:
+            began = threading.Event()
+            helper = threading.Thread(target=_helper, args=(job, began, keep_alive), name=name, daemon=True)
+            helpers.append((helper, began))
+            helper.start()
+        if jobs:
+            jobs[0]()
+    finally:
+        _join_all(helpers)
+
+
+def split_evenly(sizes: Sequence[int], parts: int) -> list[tuple[int, int]]:
+    """Cut the items of ``sizes`` into at most ``parts`` runs ``[lo, hi)`` of
+    consecutive items with about equal sums."""
+    total = sum(sizes)
+    share = max(1, -(-total // max(parts, 1)))
+    runs: list[tuple[int, int]] = []
+    lo, acc = 0, 0
+    for i, size in enumerate(sizes):
+        acc += size
+        if acc >= share and len(runs) < parts - 1:
+            runs.append((lo, i + 1))
+            lo, acc = i + 1, 0
+    if lo < len(sizes) or not runs:
+        runs.append((lo, len(sizes)))
+    return runs
 
 
 class CopyPlan:
@@ -108,7 +151,7 @@ class CopyPlan:
                 raise ValueError(
                     f"cannot copy {src.dtype}{tuple(src.shape)} into {dst.dtype}{tuple(dst.shape)}"
                 )
-            if _plain(dst) and _plain(src):
+            if plain(dst) and plain(src):
                 size = dst.numel() * dst.element_size()
                 if size:
                     self.spans.append((dst.data_ptr(), src.data_ptr(), size))
@@ -134,21 +177,7 @@ class CopyPlan:
             _memmove_spans(self.spans)
         else:
             shares = _split(self.spans, self.total, parts)
-            helpers: list[tuple[threading.Thread, threading.Event]] = []
-            try:
-                for share in shares[1:]:
-                    began = threading.Event()
-                    helper = threading.Thread(
-                        target=_memmove_spans,
-                        args=(share, began, self._keep),
-                        name="weightsync-copy",
-                        daemon=True,
-                    )
-                    helpers.append((helper, began))
-                    helper.start()
-                _memmove_spans(shares[0])
-            finally:
-                _join_all(helpers)
+            run_on_threads([functools.partial(_memmove_spans, share) for share in shares], self._keep)
         if self.slow_dst:
             with torch.inference_mode():
                 torch._foreach_copy_(self.slow_dst, self.slow_src)
@@ -165,7 +194,7 @@ def byte_view(tensor: torch.Tensor) -> Any:
     """``tensor``'s bytes as a flat numpy ``uint8`` array, without a copy
     when it is a plain contiguous CPU tensor (else of a dense CPU copy)."""
     t = tensor.detach()
-    if not _plain(t):
+    if not plain(t):
         t = t.cpu().resolve_conj().resolve_neg().contiguous()
     return t.reshape(-1).view(torch.uint8).numpy()
 

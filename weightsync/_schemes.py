@@ -817,7 +817,6 @@ class InProcessWeightSyncScheme(_PipeScheme):
         return pipe
 
 
-
 class RayWeightSyncScheme(WeightSyncScheme):
     """Weights to Ray actors through Ray's object store, on one machine or a cluster.
 

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from ._copy import copy_tensors, usable_cores
+from ._digest import copy_with_digests
 from ._exceptions import out_of_resources
 from ._packet import Manifest, Packet
 
@@ -128,13 +129,22 @@ class Segment:
         assert self._mmap is not None
         _VERSION.pack_into(self._mmap, 0, version)
 
-    def write(self, views: list[torch.Tensor], packet: Packet) -> None:
+    def write(
+        self, views: list[torch.Tensor], packet: Packet, digest: bool = False
+    ) -> tuple[int, ...] | None:
         """Copy ``packet``'s tensors into ``views`` (of this segment) and
-        publish its version. Blocks; run it through ``run_blocking``."""
+        publish its version; with ``digest``, digest each block as it is
+        copied and return the digests (else None). Blocks; run it through
+        ``run_blocking``."""
         self.begin_write()
         # Workers read only once this is published: all cores are ours meanwhile.
-        copy_tensors(views, packet.tensors, threads=usable_cores())
+        sums = None
+        if digest:
+            sums = copy_with_digests(views, packet.tensors, threads=usable_cores())
+        else:
+            copy_tensors(views, packet.tensors, threads=usable_cores())
         self.publish(packet.version)
+        return sums
 
     def ref(self) -> SegmentRef:
         """How a worker on this host finds this (sender-owned) segment.

@@ -32,7 +32,6 @@ __all__ = ["DEFAULT_TIMEOUT", "AsyncWeightSender", "Keys", "SendReport"]  # DEFA
 Keys = Iterable[str] | Callable[[str], bool]
 
 
-
 @dataclass(frozen=True)
 class SendReport:
     """What a successful send did: the version and the workers that applied it."""
@@ -256,12 +255,15 @@ class AsyncWeightSender:
             )
 
         if reachable:
-            if self.verify if verify is None else verify:
-                threads = usable_cores()
-                sums = await run_blocking(packet.nbytes, digests, packet.tensors, threads)
-                packet = dataclasses.replace(packet, digests=sums)
+            verifying = self.verify if verify is None else verify
+            sums: tuple[int, ...] | None = None
             if self.staging is not None:
-                await self.staging.stage(packet)
+                # A staging digests what it stages, each block as it is copied.
+                sums = await self.staging.stage(packet, verifying)
+            if verifying:
+                if sums is None:
+                    sums = await run_blocking(packet.nbytes, digests, packet.tensors, usable_cores())
+                packet = dataclasses.replace(packet, digests=sums)
             self.version = packet.version  # bytes moved: the version is used
             # Notify every worker first, so none waits for the task group's
             # bookkeeping; the tasks then only gather the acks.

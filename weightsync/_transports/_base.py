@@ -81,8 +81,10 @@ def worker_failed(worker_id: int, model_id: str | None, version: int, message: s
 class Staging(Protocol):
     """Where a send's bytes wait for the workers."""
 
-    async def stage(self, packet: Packet) -> None:
-        """Make ``packet``'s bytes available to the workers.
+    async def stage(self, packet: Packet, digest: bool = False) -> tuple[int, ...] | None:
+        """Make ``packet``'s bytes available to the workers; with ``digest``,
+        return the digests of its tensors (see ``_digest``), taken as they
+        were staged, else None.
 
         After it returns the caller may change its weights again.
         """

@@ -41,9 +41,9 @@ class SegmentStaging:
             self._views = (manifest.layout_id, manifest.views(self.segment.data))
         return self.segment, self._views[1]
 
-    async def stage(self, packet: Packet) -> None:
+    async def stage(self, packet: Packet, digest: bool = False) -> tuple[int, ...] | None:
         segment, views = self._ensure(packet.manifest)
-        await run_blocking(packet.nbytes, segment.write, views, packet)
+        return await run_blocking(packet.nbytes, segment.write, views, packet, digest)
 
     def descriptor(self, worker_id: int) -> SegmentRef:
         assert self.segment is not None, "stage() comes first"

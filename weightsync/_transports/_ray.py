@@ -48,6 +48,7 @@ import ray.exceptions
 import torch
 
 from .._copy import byte_view, copy_tensors, usable_cores
+from .._digest import digests
 from .._exceptions import (
     SenderLostError,
     WeightMismatchError,
@@ -97,8 +98,11 @@ class RayStaging:
         self.failed: dict[int, ray.exceptions.RayError] = {}
         self._finished: set[int] = set()
 
-    def _put(self, packet: Packet, model_id: str | None) -> None:
+    def _put(self, packet: Packet, model_id: str | None, digest: bool) -> tuple[int, ...] | None:
         self.ref = None  # (if the previous send was abandoned)
+        # The digests travel in the stored object's header: taken first, in
+        # a pass of their own (ray.put's copy cannot digest as it goes).
+        sums = digests(packet.tensors, usable_cores()) if digest else None
         self.calls, self.replies, self.failed, self._finished = {}, {}, {}, set()
         threads = max(1, usable_cores() // packet.fanout)
         # Everything an actor needs is in the one stored object, the same for
@@ -111,14 +115,15 @@ class RayStaging:
             packet.manifest.layout_id,
             threads,
             packet.subset,
-            packet.digests,
+            sums,
         )
         self.ref = ray.put((header, tuple(byte_view(t) for t in packet.tensors)))
         self.version = packet.version
+        return sums
 
-    async def stage(self, packet: Packet) -> None:
+    async def stage(self, packet: Packet, digest: bool = False) -> tuple[int, ...] | None:
         # A put is one memcpy into shared memory: not cancellable halfway.
-        await run_blocking(packet.nbytes, self._put, packet, self.model_id)
+        return await run_blocking(packet.nbytes, self._put, packet, self.model_id, digest)
 
     def descriptor(self, worker_id: int) -> ray.ObjectRef:
         assert self.ref is not None, "stage() comes first"

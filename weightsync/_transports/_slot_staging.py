@@ -65,15 +65,16 @@ class SlotStaging:
         self.slots.append(slot)
         return slot
 
-    async def stage(self, packet: Packet) -> None:
+    async def stage(self, packet: Packet, digest: bool = False) -> tuple[int, ...] | None:
         slot = self._choose(packet.manifest)
         key = (slot.token, packet.manifest.layout_id)
         views = self._views.get(key)
         if views is None:
             assert slot.data is not None
             views = self._views[key] = packet.manifest.views(slot.data)
-        await run_blocking(packet.nbytes, slot.write, views, packet)
+        sums = await run_blocking(packet.nbytes, slot.write, views, packet, digest)
         self.current, self._version = slot, packet.version
+        return sums
 
     def descriptor(self, worker_id: int) -> SegmentRef:
         assert self.current is not None, "stage() comes first"
