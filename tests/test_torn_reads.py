@@ -109,5 +109,7 @@ def test_workers_never_see_a_mix_of_versions(scheme_name: str, pace: str) -> Non
         assert report.reads > 0
         assert len(report.versions) > 1  # updates landed while it read
     if pace == "overlapping":
-        # Most sends ended before their workers had applied them.
-        assert timed_out >= sends // 2, (timed_out, sends)
+        # Many sends ended before their workers had applied them: 3 in 4 get
+        # a 1 ms deadline, and the shared scheme's workers, which copy
+        # nothing, make about half of those in time on 2 cores.
+        assert timed_out >= sends // 3, (timed_out, sends)
