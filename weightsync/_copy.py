@@ -28,6 +28,7 @@ __all__ = [
     "PARALLEL_COPY_BYTES",
     "CopyPlan",
     "byte_view",
+    "check_same_layout",
     "check_writable_in_place",
     "copy_tensors",
     "plain",
@@ -131,6 +132,13 @@ def split_evenly(sizes: Sequence[int], parts: int) -> list[tuple[int, int]]:
     return runs
 
 
+def check_same_layout(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """:raises ValueError: the two differ in shape or dtype. Raw copies
+    trust sizes: never make one between tensors that differ."""
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(f"cannot copy {src.dtype}{tuple(src.shape)} into {dst.dtype}{tuple(dst.shape)}")
+
+
 class CopyPlan:
     """A copy of ``sources`` into ``destinations`` (same shapes and dtypes),
     worked out once and run as often as the tensors stay the same.
@@ -146,11 +154,7 @@ class CopyPlan:
         self.slow_dst: list[torch.Tensor] = []
         self.slow_src: list[torch.Tensor] = []
         for dst, src in zip(destinations, sources, strict=True):
-            if dst.shape != src.shape or dst.dtype != src.dtype:
-                # Raw copies trust sizes: never make one between tensors that differ.
-                raise ValueError(
-                    f"cannot copy {src.dtype}{tuple(src.shape)} into {dst.dtype}{tuple(dst.shape)}"
-                )
+            check_same_layout(dst, src)
             if plain(dst) and plain(src):
                 size = dst.numel() * dst.element_size()
                 if size:

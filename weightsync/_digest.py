@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ._copy import byte_view, copy_tensors, plain, run_on_threads, split_evenly
+from ._copy import byte_view, check_same_layout, copy_tensors, plain, run_on_threads, split_evenly
 from ._exceptions import WeightSyncStateError
 
 __all__ = ["BLOCK", "copy_with_digests", "digests", "mismatched"]
@@ -68,6 +68,11 @@ def _on_threads(
 def digests(tensors: Sequence[torch.Tensor], threads: int = 1) -> tuple[int, ...]:
     """The digests of ``tensors``' blocks (see the module's docstring), on up
     to ``threads`` threads. Blocks the calling thread."""
+    return _digested(tensors, threads)[1]
+
+
+def _digested(tensors: Sequence[torch.Tensor], threads: int) -> tuple[list[Block], tuple[int, ...]]:
+    """The blocks of ``tensors`` and their digests."""
     digest = _xxh3()
     views = [byte_view(t) for t in tensors]
     blocks = _blocks([v.nbytes for v in views])
@@ -79,7 +84,7 @@ def digests(tensors: Sequence[torch.Tensor], threads: int = 1) -> tuple[int, ...
             out[k] = digest(views[index][start : start + size])
 
     _on_threads(blocks, threads, work, views)
-    return tuple(out)
+    return blocks, tuple(out)
 
 
 def copy_with_digests(
@@ -96,8 +101,7 @@ def copy_with_digests(
         copy_tensors(destinations, sources, threads=threads)
         return digests(destinations, threads)
     for dst, src in zip(destinations, sources, strict=True):
-        if dst.shape != src.shape or dst.dtype != src.dtype:
-            raise ValueError(f"cannot copy {src.dtype}{tuple(src.shape)} into {dst.dtype}{tuple(dst.shape)}")
+        check_same_layout(dst, src)
     digest = _xxh3()
     views = [byte_view(s) for s in sources]
     targets = [d.data_ptr() for d in destinations]
@@ -120,9 +124,8 @@ def mismatched(
 ) -> list[str]:
     """The names of the tensors with a block whose digest is not the
     expected one (every name, if ``expected`` has the wrong length)."""
-    got = digests(tensors, threads)
+    blocks, got = _digested(tensors, threads)
     if len(got) != len(expected):
         return list(names)
-    blocks = _blocks([t.numel() * t.element_size() for t in tensors])
     bad = sorted({blocks[k][0] for k, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b})
     return [names[i] for i in bad]
