@@ -87,6 +87,9 @@ class ProbeReport:
     consistent: int = 0
     mixed: int = 0
     versions: set[float] = field(default_factory=set)
+    #: The smallest and largest element of the weights when the probe
+    #: stopped (set by :func:`scheme_probe`).
+    last: tuple[float, float] | None = None
 
     @property
     def reads(self) -> int:
@@ -169,29 +172,39 @@ def stop(conns: list[Connection], timeout: float = 30.0) -> list[ProbeReport]:
 def scheme_probe(
     scheme: Any,
     model_id: str,
-    pipe: Connection,
+    pipe: Connection | None,
     conn: Connection,
     shapes: dict[str, int],
     duration: float,
     receive_timeout: float = 0.0,
+    worker_idx: int | None = None,
 ) -> None:
     """Worker process for a scheme: its model is ``{name: zeros(numel)}``; it
     checks the model between two ``receive(timeout=receive_timeout)`` calls
-    until told to stop, then sends ``("report", ProbeReport)`` over ``conn``.
+    until told to stop, then sends ``("report", ProbeReport)`` over ``conn``,
+    with the span of its weights as it stopped.
 
     With a ``receive_timeout``, the probe waits for the next update and
     applies it as soon as it is announced, instead of after its current read.
+    A thread of the in-process scheme passes no ``pipe`` but its
+    ``worker_idx`` (and leaves torch's thread count alone: it is the test
+    process's).
     """
     from tensordict import TensorDict
 
-    torch.set_num_threads(1)
+    if pipe is not None:
+        torch.set_num_threads(1)
     model = TensorDict({name: torch.zeros(numel) for name, numel in shapes.items()}, batch_size=[])
-    scheme.init_on_worker(model_id, pipe=pipe, model=model)
+    if pipe is not None:
+        scheme.init_on_worker(model_id, pipe=pipe, model=model)
+    else:
+        scheme.init_on_worker(model_id, model=model, worker_idx=worker_idx)
     try:
         announce_ready(conn)
         report = probe_loop(
             lambda: model, conn, duration=duration, between=lambda: scheme.receive(timeout=receive_timeout)
         )
+        report.last = span(model)
         conn.send(("report", report))
     finally:
         scheme.shutdown()

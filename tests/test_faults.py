@@ -21,8 +21,11 @@ def test_a_worker_killed_during_a_send_is_reported_and_the_others_updated(make_c
     c.sender.send()
     c.bump()
     started = time.monotonic()
+    # send_async() returns once the bytes are staged, and the other workers
+    # may ack 32 MiB within milliseconds: worker 1 takes no update until it
+    # is killed, so the send is still waiting for it then.
+    c.pause(1)
     c.sender.send_async()
-    time.sleep(0.005)  # the send is in flight: staging, or the workers' copies of 32 MiB
     c.kill(1)
     with pytest.raises(ws.WorkerLostError) as info:
         c.sender.wait_async()

@@ -47,7 +47,7 @@ from ._schemes import (
     WeightSyncScheme,
     register_with_torchrl,
 )
-from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, SendReport
+from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, PendingSend, SendReport
 
 # Strategies
 from ._strategy import WeightStrategy
@@ -66,6 +66,7 @@ __all__ = [
     "MultiProcessedRemoteWeightUpdate",
     "NoWeightSyncScheme",
     "Packet",
+    "PendingSend",
     "RayWeightSyncMixin",
     "RayWeightSyncScheme",
     "RemoteWeightUpdaterBase",

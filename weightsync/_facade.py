@@ -113,20 +113,42 @@ class WeightSender:
         partial: bool = False,
         verify: bool | None = None,
     ) -> None:
-        """Start a send and return at once; :meth:`wait_async` finishes it.
-        Arguments as :meth:`send`.
+        """Start a send and return once the weights are staged; :meth:`wait_async`
+        gathers the acks. Arguments as :meth:`send`.
 
-        The weights are read before the acks come in, but not necessarily
-        before this returns: do not change them until ``wait_async()`` returns.
+        Blocks while the weights are copied out (into the shared segment or
+        slot, or Ray's object store), not while the workers apply them: once
+        this returns the weights may be changed, and every targeted worker
+        still gets exactly the weights as they were at this call. The acks
+        are gathered in the background (weightsync's loop thread).
+
+        Every error of the send, one found before anything moved (weights
+        that do not fit, an unknown worker) included, is raised by
+        :meth:`wait_async`.
 
         :raises RuntimeError: a previous ``send_async()`` is still pending.
         """
         self._check("send_async()")
-        self._pending = RUNTIME.start(
-            lambda: self._sender.send(
-                weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
+        try:
+            pending = RUNTIME.call(
+                lambda: self._sender.start_send(
+                    weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
+                )
             )
-        )
+        except Exception as exc:
+            # As torchrl's send_async: the send's errors come from wait_async().
+            failed: concurrent.futures.Future[SendReport] = concurrent.futures.Future()
+            failed.set_exception(exc)
+            self._pending = failed
+            return
+        try:
+            self._pending = RUNTIME.start(pending.wait)
+        except BaseException:
+            # Staged and announced: finish it here rather than leave the
+            # sender busy with a send nobody waits for.
+            with contextlib.suppress(Exception):
+                RUNTIME.call(pending.wait)
+            raise
 
     def wait_async(self, timeout: float | None = None) -> SendReport:
         """Block until the pending ``send_async()`` is done; re-raise its error.

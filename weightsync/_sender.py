@@ -26,7 +26,8 @@ from ._packet import DEFAULT_TIMEOUT, Manifest, Packet, describe_mismatch, signa
 from ._strategy import WeightStrategy, flat_weights
 from ._transports._base import EVERY_VERSION, SenderTransport, Staging
 
-__all__ = ["DEFAULT_TIMEOUT", "AsyncWeightSender", "Keys", "SendReport"]  # DEFAULT_TIMEOUT: from _packet
+# DEFAULT_TIMEOUT: from _packet
+__all__ = ["DEFAULT_TIMEOUT", "AsyncWeightSender", "Keys", "PendingSend", "SendReport"]
 
 #: Which weights a partial send takes: names, or a test on names.
 Keys = Iterable[str] | Callable[[str], bool]
@@ -39,7 +40,65 @@ class SendReport:
     version: int
     worker_ids: tuple[int, ...]
     nbytes: int
+    #: From the call until every targeted worker acked.
     seconds: float
+    #: From the call until the weights were staged: how long the caller's
+    #: weights were needed (a ``send_async()`` returns then).
+    staged_seconds: float = 0.0
+
+
+class PendingSend:
+    """A send whose weights are staged, its acks still to come; made by
+    :meth:`AsyncWeightSender.start_send`.
+
+    The caller's weights are no longer read: change them at will. Await
+    :meth:`wait` once (the sender runs no other send until it returned).
+    """
+
+    def __init__(
+        self,
+        sender: AsyncWeightSender,
+        packet: Packet,
+        worker_ids: list[int],
+        reachable: list[int],
+        failures: dict[int, WorkerError],
+        deadline: float,
+        started: float,
+        staged_seconds: float,
+    ) -> None:
+        self._sender = sender
+        self.packet = packet
+        #: The workers targeted.
+        self.worker_ids = tuple(worker_ids)
+        self.reachable = reachable
+        self.failures = failures
+        self.deadline = deadline
+        self.started = started
+        #: From the call until the weights were staged.
+        self.staged_seconds = staged_seconds
+        self._waited = False
+
+    @property
+    def version(self) -> int:
+        """The version this send carries."""
+        return self.packet.version
+
+    async def wait(self) -> SendReport:
+        """Block until every targeted worker acked this version, or the
+        send's deadline passed; its report.
+
+        :raises WorkerLostError: a worker died; the others still got the update.
+        :raises AckTimeoutError: a worker did not ack in time (also a TimeoutError).
+        :raises WorkerApplyError: a worker failed to apply; carries its message.
+        :raises WeightSyncStateError: awaited a second time.
+        """
+        if self._waited:
+            raise WeightSyncStateError(
+                f"version {self.version} of model {self._sender.model_id!r} was already waited for",
+                model_id=self._sender.model_id,
+            )
+        self._waited = True
+        return await self._sender._gather(self)
 
 
 class AsyncWeightSender:
@@ -178,7 +237,8 @@ class AsyncWeightSender:
         ``weights``: None (the context's model), an ``nn.Module``, a
         ``TensorDict`` or a dict of tensors. ``worker_ids``: None (all), one id,
         or a list. ``timeout``: seconds for the whole send (default: the
-        scheme's timeout). The weights may be changed again once this returns.
+        scheme's timeout). The weights may be changed again once this returns
+        (already once they are staged: see :meth:`start_send`).
 
         A partial update (``partial=True``: ``weights`` holds some of the
         model's tensors; or ``keys``: names, or a test on names, picking
@@ -207,6 +267,35 @@ class AsyncWeightSender:
             is closed, or a partial update targets a worker that has not
             applied a whole one (or missed a send since; nothing was sent).
         """
+        pending = await self.start_send(
+            weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
+        )
+        return await pending.wait()
+
+    async def start_send(
+        self,
+        weights: Any = None,
+        worker_ids: int | Iterable[int] | None = None,
+        *,
+        timeout: float | None = None,
+        keys: Keys | None = None,
+        partial: bool = False,
+        verify: bool | None = None,
+    ) -> PendingSend:
+        """Start a send and return once the weights are staged: copied out
+        of ``weights`` into the staging (a shared segment or slot, Ray's
+        object store), so the caller may change them at once. Every
+        targeted worker has been told; ``await pending.wait()`` gathers the
+        acks. Until that returns, this sender runs no other send.
+
+        Arguments as :meth:`send`; the deadline (``timeout``) runs from this
+        call. Raises here what is found before anything moves (the
+        ``ValueError``, ``UnknownWorkerError``, ``WeightMismatchError``,
+        ``InvalidWeightsError``, ``ResourceExhaustedError`` and
+        ``WeightSyncStateError`` of :meth:`send`); the workers' errors
+        (``WorkerLostError``, ``AckTimeoutError``, ``WorkerApplyError``)
+        come from :meth:`PendingSend.wait`.
+        """
         self._check_open()
         if self._busy:
             raise WeightSyncStateError(
@@ -214,11 +303,12 @@ class AsyncWeightSender:
             )
         self._busy = True
         try:
-            return await self._send(weights, worker_ids, timeout, keys, partial, verify)
-        finally:
+            return await self._stage(weights, worker_ids, timeout, keys, partial, verify)
+        except BaseException:
             self._busy = False
+            raise
 
-    async def _send(
+    async def _stage(
         self,
         weights: Any,
         worker_ids: int | Iterable[int] | None,
@@ -226,7 +316,7 @@ class AsyncWeightSender:
         keys: Keys | None = None,
         partial: bool = False,
         verify: bool | None = None,
-    ) -> SendReport:
+    ) -> PendingSend:
         started = time.perf_counter()
         deadline = anyio.current_time() + (self.timeout if timeout is None else timeout)
         targets = self._targets(worker_ids)
@@ -265,6 +355,9 @@ class AsyncWeightSender:
                     sums = await run_blocking(packet.nbytes, digests, packet.tensors, usable_cores())
                 packet = dataclasses.replace(packet, digests=sums)
             self.version = packet.version  # bytes moved: the version is used
+            # Staged: nothing below reads the caller's tensors again (each
+            # worker reads the staging), so the packet lets go of them.
+            packet = dataclasses.replace(packet, tensors=())
             # Notify every worker first, so none waits for the task group's
             # bookkeeping; the tasks then only gather the acks.
             for wid in reachable:
@@ -272,24 +365,39 @@ class AsyncWeightSender:
                     self.transports[wid].post(packet)
                 except WorkerError as exc:
                     failures[wid] = exc
-            await self._fan_out(
-                [w for w in reachable if w not in failures],
-                lambda t: t.deliver(packet),
-                deadline,
-                failures,
-                f"ack version {packet.version}",
-                packet.version,
-            )
-            for wid in reachable:
-                if wid in failures:
-                    self._whole.discard(wid)
-                else:
-                    self._acked[wid] = packet.version
-                    if not packet.partial:
-                        self._whole.add(wid)
+        staged = time.perf_counter() - started
+        return PendingSend(self, packet, targets, reachable, failures, deadline, started, staged)
+
+    async def _gather(self, pending: PendingSend) -> SendReport:
+        packet, failures, reachable = pending.packet, pending.failures, pending.reachable
+        try:
+            if reachable:
+                await self._fan_out(
+                    [w for w in reachable if w not in failures],
+                    lambda t: t.deliver(packet),
+                    pending.deadline,
+                    failures,
+                    f"ack version {packet.version}",
+                    packet.version,
+                )
+                for wid in reachable:
+                    if wid in failures:
+                        self._whole.discard(wid)
+                    else:
+                        self._acked[wid] = packet.version
+                        if not packet.partial:
+                            self._whole.add(wid)
+        finally:
+            self._busy = False
         if failures:
             raise combine_worker_errors(failures, model_id=self.model_id, version=packet.version)
-        return SendReport(packet.version, tuple(targets), packet.nbytes, time.perf_counter() - started)
+        return SendReport(
+            packet.version,
+            tuple(pending.worker_ids),
+            packet.nbytes,
+            time.perf_counter() - pending.started,
+            pending.staged_seconds,
+        )
 
     async def _fan_out(
         self,
