@@ -18,7 +18,7 @@ LAYERS: list[set[str]] = [
     {"_copy", "_offload", "_strategy", "_stepguard", "_torchrl"},
     {"_digest"},
     {"_segment"},
-    {"_transports._base", "_transports._channel"},
+    {"_transports._base", "_transports._channel", "_transports._ray_relay"},
     {
         "_transports",
         "_transports._pipe",
