@@ -61,8 +61,8 @@ CHUNK_BYTES = 1 << 20
 
 # The longest a chain waits for one chunk to move before it calls the hop
 # broken, as a fraction of the time left in the send, within these bounds.
-_STALL_BOUNDS = (1.0, 10.0)
-_STALL_FRACTION = 0.25
+_STALL_BOUNDS = (1.0, 5.0)
+_STALL_FRACTION = 0.125
 # Attempts at one send: the first chain, then repairs around failed hosts.
 _ATTEMPTS = 3
 
@@ -425,9 +425,8 @@ class HostRelay:
                 send_chain(self._group, sources, self.chunk, 1, stall)
             except RuntimeError:
                 broken = True
-            # Collect the agents' results: all of them, or, once one failed,
-            # those that answer within two stall limits (the others are
-            # stopped or cut off).
+            # Collect the agents' results: all of them, or, once the chain
+            # broke, those that answer within a stall limit more.
             waiting = dict(calls)
             patience = deadline
             while waiting:
@@ -448,7 +447,9 @@ class HostRelay:
                 if result[0] != "ok" or result[2] is not None:
                     broken = True
                 if broken:
-                    patience = min(patience, time.monotonic() + 2 * stall)
+                    # The others answer within a stall limit (their own
+                    # waits give up); one that does not is stopped or cut off.
+                    patience = min(patience, time.monotonic() + stall + 1.0)
             excluded |= set(waiting)
             if not broken and not waiting:
                 return
