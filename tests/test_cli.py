@@ -31,7 +31,8 @@ def test_bench_prints_table_and_writes_json(tmp_path: Path, capsys: pytest.Captu
     assert code == 0, printed.err
     lines = printed.out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("scheme"))
-    for column in ("median ms", "p90 ms", "GB/s/wkr", "memcpy ms", "x memcpy", "x floor"):
+    columns = ("median ms", "stall ms", "x ref", "p90 ms", "GB/s/wkr", "memcpy ms", "x memcpy", "x floor")
+    for column in columns:
         assert column in lines[header]
     rows = [line.split() for line in lines[header + 2 : header + 4]]
     assert [(row[0], row[2], row[3]) for row in rows] == [
@@ -48,6 +49,11 @@ def test_bench_prints_table_and_writes_json(tmp_path: Path, capsys: pytest.Captu
         assert all(s > 0 for s in case["samples"]["send_s"])
         assert case["samples"]["memcpy_s"] and case["samples"]["floor_split_s"]
         assert case["median_ms"] > 0 and case["vs_memcpy"] > 0
+        # The stall: until send_async() returned, within each whole send.
+        assert len(case["samples"]["stall_s"]) == 3
+        stalls = zip(case["samples"]["stall_s"], case["samples"]["send_s"], strict=True)
+        assert all(0 < stall < send for stall, send in stalls)
+        assert case["stall_reference"] == "memcpy" and case["stall_vs_reference"] > 0
 
     # Nothing is left running or mapped.
     assert mp.active_children() == []
@@ -297,6 +303,9 @@ def test_bench_ray_scheme_and_ray_put_on_ray_actors(tmp_path: Path) -> None:
         assert all(s > 0 for s in case["samples"]["send_s"])
         assert case["samples"]["memcpy_s"] and case["samples"]["floor_split_s"]
         assert case["floor_copies"] == 3
+        if name == "ray":  # its stall is compared with a ray.put of the same bytes
+            assert case["stall_reference"] == "ray.put" and len(case["samples"]["put_s"]) == 3
+            assert 0 < case["stall_ms"] < case["median_ms"]
         # The actors are processes of this machine: their memory is measured.
         assert len(case["peak_memory"]["worker_extra_bytes"]) == 2
     assert len(cases["ray"]["samples"]["report_s"]) == 3

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import signal
 import threading
@@ -124,12 +125,35 @@ class _Interruptible:
             self._finished = True
 
 
+@dataclasses.dataclass(eq=False)
+class _Job:
+    """Background work handed to the loop thread, and where its outcome goes."""
+
+    func: Callable[..., Awaitable[Any]]
+    args: tuple[Any, ...]
+    future: concurrent.futures.Future[Any]
+
+
+async def _run_job(job: _Job) -> None:
+    if not job.future.set_running_or_notify_cancel():
+        return
+    try:
+        result = await job.func(*job.args)
+    except BaseException as exc:
+        job.future.set_exception(exc)
+        if not isinstance(exc, Exception):
+            raise  # a cancellation goes on
+    else:
+        job.future.set_result(result)
+
+
 class Runtime:
     """The process-wide loop thread and the per-thread private loops."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._portal: BlockingPortal | None = None
+        self._submit: Callable[[_Job], Any] | None = None
         self._thread: threading.Thread | None = None
         self._users = 0
         self._local = threading.local()
@@ -140,9 +164,28 @@ class Runtime:
         ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
 
         async def main() -> None:
-            async with BlockingPortal() as portal:
+            # Background work (start()) is handed over through a queue that
+            # a thread feeds with call_soon_threadsafe, without waiting: the
+            # portal's own start_task_soon waits until the loop thread has
+            # spawned the task, and on a machine with few cores that thread,
+            # once awake, runs the task (and wakes the workers it notifies)
+            # before the caller gets its core back.
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue[_Job | None] = asyncio.Queue()
+            async with BlockingPortal() as portal, anyio.create_task_group() as group:
+
+                async def spawn() -> None:
+                    while (job := await queue.get()) is not None:
+                        group.start_soon(_run_job, job)
+
+                group.start_soon(spawn)
+                def submit(job: _Job) -> None:
+                    loop.call_soon_threadsafe(queue.put_nowait, job)
+
+                self._submit = submit
                 ready.set_result(portal)
                 await portal.sleep_until_stopped()
+                queue.put_nowait(None)  # the jobs under way finish; then the group ends
 
         def run() -> None:
             try:
@@ -174,8 +217,14 @@ class Runtime:
 
     def start(self, func: Callable[..., Awaitable[T]], *args: Any) -> concurrent.futures.Future[T]:
         """Run ``func(*args)`` in the background on the loop thread. Never blocks
-        (but for starting the thread on first use)."""
-        return self.portal().start_task_soon(func, *args)
+        (but for starting the thread on first use): the loop thread picks it
+        up when it next runs."""
+        self.portal()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        submit = self._submit
+        assert submit is not None
+        submit(_Job(func, args, future))
+        return future
 
     # -- blocking calls ----------------------------------------------------
     def _private_loop(self) -> asyncio.AbstractEventLoop:
@@ -251,6 +300,7 @@ class Runtime:
                 portal = thread = None  # cannot stop from inside; the next release will
             else:
                 self._portal = self._thread = None
+                self._submit = None
         for loop in private:
             loop.close()
         if portal is not None and thread is not None:
@@ -260,6 +310,7 @@ class Runtime:
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
         self._portal = None
+        self._submit = None
         self._thread = None
         self._users = 0
         self._local = threading.local()

@@ -358,13 +358,6 @@ class AsyncWeightSender:
             # Staged: nothing below reads the caller's tensors again (each
             # worker reads the staging), so the packet lets go of them.
             packet = dataclasses.replace(packet, tensors=())
-            # Notify every worker first, so none waits for the task group's
-            # bookkeeping; the tasks then only gather the acks.
-            for wid in reachable:
-                try:
-                    self.transports[wid].post(packet)
-                except WorkerError as exc:
-                    failures[wid] = exc
         staged = time.perf_counter() - started
         return PendingSend(self, packet, targets, reachable, failures, deadline, started, staged)
 
@@ -372,6 +365,16 @@ class AsyncWeightSender:
         packet, failures, reachable = pending.packet, pending.failures, pending.reachable
         try:
             if reachable:
+                # Notify every worker first, so none waits for the task
+                # group's bookkeeping; the tasks then only gather the acks.
+                # (Not before the caller got its weights back: on a machine
+                # with few cores, the workers this wakes would hold the
+                # caller up.)
+                for wid in reachable:
+                    try:
+                        self.transports[wid].post(packet)
+                    except WorkerError as exc:
+                        failures[wid] = exc
                 await self._fan_out(
                     [w for w in reachable if w not in failures],
                     lambda t: t.deliver(packet),

@@ -41,7 +41,10 @@ def _parser() -> argparse.ArgumentParser:
         for infos in (SCHEMES.values(), ALTERNATIVES.values())
     )
     columns = (
-        "columns: median/p10/p90/max ms of full sends; GB/s/wkr = bytes / median, GB/s all = workers x "
+        "columns: median/p10/p90/max ms of full sends (send_async() until wait_async() returned); "
+        "stall ms = median time until send_async() returned (the trainer's weights are staged and may "
+        "change), x ref = stall / one memcpy of the model (one ray.put for Ray); "
+        "GB/s/wkr = bytes / median, GB/s all = workers x "
         "bytes / median; copy = private (each worker holds its own copy) or shared (workers read one "
         "shared buffer): compare private with private; torn = whether a worker can read two versions "
         f"mixed; +MiB T/W = peak extra memory of the trainer / of the worker that grew most, in MiB: "

@@ -14,8 +14,11 @@ For each case the trainer
 1. builds a generated MLP-like model of tensors of the run's dtype (float32
    unless asked); each worker builds one of the same layout holding zeros
    (:mod:`weightsync.bench._model`);
-2. warms up, then times ``scheme.send()``: the whole send, from the call until
-   every worker applied the version and its ack is in;
+2. warms up, then times each send from ``send_async()`` until ``wait_async()``
+   returned: the whole send, until every worker applied the version and its
+   ack is in; and the stall, until ``send_async()`` returned (the weights are
+   staged, and the trainer may change them); for Ray, one ``ray.put`` of the
+   same bytes after each send, the stall's reference there;
 3. after every send, outside the timed region, compares a CRC32 per tensor
    that each worker computed over its own model with the trainer's; a
    mismatch raises :class:`~weightsync.bench.VerificationError`;
@@ -37,6 +40,8 @@ import os
 import time
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 import weightsync as ws
 
@@ -114,15 +119,21 @@ def _run_scheme(
         if keys is not None:
             report = sender.send()  # a partial update goes to workers that hold the whole model
             pool.verify(report.version, names, tensor_checksums(named))
+        on_ray = pool_of(case.scheme) == "ray"
         for step in range(config.warmup + config.repeats):
             change_model(tensors, step)
             start = time.perf_counter()
-            report = sender.send(keys=keys, verify=case.verify)
+            sender.send_async(keys=keys, verify=case.verify)
+            staged = time.perf_counter() - start  # the trainer may change its weights from here on
+            report = sender.wait_async()
             elapsed = time.perf_counter() - start
             pool.verify(report.version, names, tensor_checksums(named))
             if step >= config.warmup:
                 result.send_s.append(elapsed)
                 result.report_s.append(report.seconds)
+                result.stall_s.append(staged)
+                if on_ray:
+                    result.put_s.append(_put_seconds(tensors))
             result.packet_nbytes = report.nbytes
     except ws.WeightSyncError as exc:
         raise BenchError(
@@ -133,6 +144,19 @@ def _run_scheme(
             scheme.shutdown()
         finally:
             pool.end_case(index)
+
+
+def _put_seconds(tensors: list[Any]) -> float:
+    """Seconds of one ``ray.put`` of ``tensors``' bytes as numpy arrays (what
+    a hand-written broadcast puts), the object let go at once."""
+    import ray
+
+    arrays = tuple(t.detach().reshape(-1).view(torch.uint8).numpy() for t in tensors)
+    start = time.perf_counter()
+    ref = ray.put(arrays)
+    elapsed = time.perf_counter() - start
+    del ref
+    return elapsed
 
 
 def _partial_keys(named: dict[str, Any], fraction: float) -> list[str] | None:

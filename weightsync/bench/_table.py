@@ -20,6 +20,8 @@ _COLUMNS = (
     ("copy", 7, "s"),
     ("torn", 4, "s"),
     ("median ms", 9, ".3f"),
+    ("stall ms", 8, "s"),
+    ("x ref", 5, "s"),
     ("p10 ms", 8, ".3f"),
     ("p90 ms", 8, ".3f"),
     ("max ms", 8, ".3f"),
@@ -33,9 +35,15 @@ _COLUMNS = (
 )
 
 
+# Number columns given as text (they may read "-"): right-aligned.
+_RIGHT = {"stall ms", "x ref"}
+
+
 def table_header() -> str:
     """The table's header line and rule."""
-    head = "  ".join(f"{name:<{w}}" if fmt == "s" else f"{name:>{w}}" for name, w, fmt in _COLUMNS)
+    head = "  ".join(
+        f"{name:<{w}}" if fmt == "s" and name not in _RIGHT else f"{name:>{w}}" for name, w, fmt in _COLUMNS
+    )
     return head + "\n" + "-" * len(head)
 
 
@@ -53,6 +61,8 @@ def format_row(result: CaseResult) -> str:
         copy,
         torn,
         r.median_s * 1e3,
+        "-" if r.stall_median_s is None else f"{r.stall_median_s * 1e3:.3f}",
+        "-" if r.stall_vs_reference is None else f"{r.stall_vs_reference:.2f}",
         r.p10_s * 1e3,
         r.p90_s * 1e3,
         r.max_s * 1e3,
@@ -65,7 +75,10 @@ def format_row(result: CaseResult) -> str:
         _memory_cell(r.memory),
     )
     cells = zip(_COLUMNS, values, strict=True)
-    return "  ".join(f"{v:<{w}{fmt}}" if fmt == "s" else f"{v:>{w}{fmt}}" for (_, w, fmt), v in cells)
+    return "  ".join(
+        f"{v:>{w}}" if name in _RIGHT else f"{v:<{w}{fmt}}" if fmt == "s" else f"{v:>{w}{fmt}}"
+        for (name, w, fmt), v in cells
+    )
 
 
 def _sent_cell(result: CaseResult) -> str:

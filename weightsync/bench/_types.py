@@ -389,8 +389,15 @@ class CaseResult:
     case: Case
     nbytes: int  # bytes of the model's tensors
     packet_nbytes: int  # bytes a send moves, with alignment padding
-    send_s: list[float] = field(default_factory=list)  # timed around scheme.send()
+    # Timed from send_async() until wait_async() returned (a scheme), or
+    # around one round of an alternative.
+    send_s: list[float] = field(default_factory=list)
     report_s: list[float] = field(default_factory=list)  # SendReport.seconds of the same sends
+    # How long each send held the trainer's weights: until send_async() returned.
+    stall_s: list[float] = field(default_factory=list)
+    # One ray.put of the model's bytes after each send (Ray cases): the
+    # stall's reference there, as memcpy is elsewhere.
+    put_s: list[float] = field(default_factory=list)
     memcpy_s: list[float] = field(default_factory=list)
     floor_serial_s: list[float] = field(default_factory=list)  # workers + 1 copies, one thread
     floor_split_s: list[float] = field(default_factory=list)  # the same, split across two threads
@@ -446,6 +453,25 @@ class CaseResult:
         return self.median_s / self.memcpy_median_s
 
     @property
+    def stall_median_s(self) -> float | None:
+        """The median time the trainer's weights were held (None: not measured)."""
+        return statistics.median(self.stall_s) if self.stall_s else None
+
+    @property
+    def stall_reference(self) -> str:
+        """What the stall is compared with: one ``ray.put`` of the model's
+        bytes for a Ray case, else one memcpy of them."""
+        return "ray.put" if self.put_s else "memcpy"
+
+    @property
+    def stall_vs_reference(self) -> float | None:
+        stall = self.stall_median_s
+        if stall is None:
+            return None
+        reference = statistics.median(self.put_s) if self.put_s else self.memcpy_median_s
+        return stall / reference
+
+    @property
     def vs_floor(self) -> float:
         return self.median_s / self.floor_median_s
 
@@ -471,6 +497,11 @@ class CaseResult:
                 "worker_extra_bytes": memory.worker_bytes,
                 "total_extra_bytes": memory.total_bytes(),
             },
+            "stall_ms": None if self.stall_median_s is None else self.stall_median_s * 1e3,
+            "stall_reference": self.stall_reference,
+            "stall_reference_ms": (statistics.median(self.put_s) if self.put_s else self.memcpy_median_s)
+            * 1e3,
+            "stall_vs_reference": self.stall_vs_reference,
             "memcpy_ms": self.memcpy_median_s * 1e3,
             "floor_ms": self.floor_median_s * 1e3,
             "vs_memcpy": self.vs_memcpy,
@@ -503,6 +534,8 @@ class BenchRun:
                     "samples": {
                         "send_s": r.send_s,
                         "report_s": r.report_s,
+                        "stall_s": r.stall_s,
+                        "put_s": r.put_s,
                         "memcpy_s": r.memcpy_s,
                         "floor_serial_s": r.floor_serial_s,
                         "floor_split_s": r.floor_split_s,
