@@ -3,7 +3,8 @@
 Run:  python examples/sync_collectors.py --workers 2 --steps 20
 
 The trainer overlaps each send with its next training step: send_async()
-starts the send, the trainer computes, wait_async() collects the acks.
+returns once the weights are staged, the trainer computes and steps its
+optimizer, wait_async() collects the acks.
 """
 
 from __future__ import annotations
@@ -70,15 +71,15 @@ def main() -> None:
         sender.connect(timeout=60)
         sender.send()  # every collector starts from the trainer's weights
         for step in range(args.steps):
+            # send_async() returns once the weights are staged: the next
+            # training step may change them at once, while the collectors
+            # copy and ack; each gets the weights as they were at the call.
             sender.send_async()
-            # Compute the next gradient while the send is in flight. The send
-            # reads the parameters until its acks are in, so they are stepped
-            # only after wait_async() returns.
             loss = policy(torch.randn(64, 16)).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
-            report = sender.wait_async()
             optimizer.step()
+            report = sender.wait_async()
             if step % 5 == 0:
                 print(f"step {step}: version {report.version} acked by {report.worker_ids}", flush=True)
         final = sender.send()
