@@ -159,9 +159,100 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show progress on stderr even when it is not a terminal (on a terminal it always shows)",
     )
+    across = bench.add_argument_group(
+        "across hosts (Ray scheme against the network floor, ray put/get and gloo broadcast; see "
+        "docs/scaling.md)"
+    )
+    across.add_argument(
+        "--emulate-hosts",
+        type=int,
+        metavar="N",
+        help="make an emulated cluster of N hosts on this machine (network namespaces, a Ray node in "
+        "each, the trainer on the first), with NICs of --link-rate; needs root and iproute2",
+    )
+    across.add_argument(
+        "--link-rate",
+        default="1gbit",
+        metavar="RATE",
+        help="NIC speed of each emulated host (default: 1gbit)",
+    )
+    across.add_argument(
+        "--cluster",
+        action="store_true",
+        help="run on the Ray cluster this machine belongs to (ray.init(address='auto')), one receiving "
+        "host per node but this one",
+    )
+    across.add_argument(
+        "--hosts",
+        type=int,
+        nargs="+",
+        metavar="H",
+        help="receiving host counts to run (default: 2 3 5 7, those that fit)",
+    )
+    across.add_argument(
+        "--per-host", type=int, default=1, metavar="K", help="actors per receiving host (default: 1)"
+    )
+    across.add_argument("--no-peers", action="store_true", help="time weightsync only, without the two peers")
     # Testing hook: this worker corrupts its model after applying, so verification must fail.
     bench.add_argument("--corrupt-worker", type=int, default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def _across_hosts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--emulate-hosts`` / ``--cluster``: the cases of :mod:`._hosts`."""
+    from . import _hosts, _netns
+
+    sizes = tuple(args.size) if args.size != list(_DEFAULTS.sizes_mib) else (64.0, 256.0)
+    print(describe_machine(machine_facts()), flush=True)
+    if args.emulate_hosts is not None:
+        why = _netns.unavailable_reason()
+        if why is not None:
+            print(f"weightsync bench: --emulate-hosts cannot run here: {why}", file=sys.stderr)
+            return 2
+        if args.emulate_hosts < 3:
+            parser.error("--emulate-hosts needs at least 3 hosts (the trainer's and two receiving ones)")
+        try:
+            rate = _netns.parse_rate(args.link_rate)
+        except ValueError as exc:
+            parser.error(str(exc))
+        hosts = args.hosts or [h for h in (2, 3, 5, 7) if h < args.emulate_hosts]
+        if max(hosts) >= args.emulate_hosts:
+            parser.error(f"--hosts {max(hosts)} needs --emulate-hosts {max(hosts) + 1} or more")
+        print(
+            f"floor = S/B, B = {args.link_rate} = {rate / 1e6:.0f} MB/s each way per host; TCP chain = "
+            "plain TCP relayed host to host over every link at once; "
+            f"median of {args.repeats} sends, each verified",
+            flush=True,
+        )
+        print(_hosts.format_hosts_table([], None), flush=True)
+        done = _hosts.emulate(
+            args.emulate_hosts, args.link_rate, hosts, sizes, args.per_host, args.repeats,
+            peers=not args.no_peers, progress=lambda text: print(text, flush=True),
+        )  # fmt: skip
+        rows = done["rows"]
+    else:
+        import io
+
+        out = io.StringIO()
+        import ray
+
+        ray.init(address="auto", logging_level=40, log_to_driver=False)  # 40: logging.ERROR
+        try:
+            hosts = args.hosts or [len(_hosts._receiving_nodes())]
+            _hosts.run_on_cluster(hosts, sizes, args.per_host, args.repeats, not args.no_peers, out)
+        finally:
+            ray.shutdown()
+        import json
+
+        rows = [json.loads(line) for line in out.getvalue().splitlines()]
+        rate = None
+    if args.json:
+        import json
+
+        with open(args.json, "w") as handle:
+            json.dump({"rows": rows, "bytes_per_second": rate}, handle, indent=1)
+    print("\nall cases:\n" + _hosts.format_hosts_table(rows, rate, done["ceiling_s"] if rate else None))
+    return 0
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -274,6 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "bench" and (args.emulate_hosts is not None or args.cluster):
+        return _across_hosts(args, parser)
     if args.command == "bench":
         return _bench(args, parser)
     parser.print_help()

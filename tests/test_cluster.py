@@ -1,0 +1,188 @@
+"""RayWeightSyncScheme across hosts, on an emulated cluster: network
+namespaces with 1 Gbit/s NICs, a Ray node in each (weightsync.bench._netns).
+
+The trainer runs on host 0 (tests/_cluster_driver.py); its actors on the
+other hosts get each send along the relay chain. Every scenario checks the
+weights bit for bit on every actor that should have them. A host is killed
+(SIGKILL to every process of its namespace) or stopped (SIGSTOP) in the
+middle of a send: the hosts after it in the chain still get the update, and
+the send names the one that did not.
+
+Needs root and iproute2 (skipped otherwise); not in the default run:
+``pytest -m cluster`` (a CI step of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray")
+
+from weightsync.bench import _netns
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(_netns.unavailable_reason() is not None, reason=str(_netns.unavailable_reason())),
+]
+
+DRIVER = Path(__file__).with_name("_cluster_driver.py")
+
+
+@pytest.fixture
+def cluster() -> Iterator[_netns.EmulatedCluster]:
+    """Five hosts (the trainer's and four receiving ones), Ray on each;
+    everything removed after the test, whatever happened in it."""
+    made = _netns.EmulatedCluster(5, "1gbit").start()
+    try:
+        made.start_ray(cpus=4)
+        yield made
+    finally:
+        made.close()
+    left = [ns for ns in _netns._namespaces() if ns in made.namespaces or ns == made.switch]
+    assert not left, f"namespaces left behind: {left}"
+
+
+def _drive(cluster: _netns.EmulatedCluster, scenario: str, during: Any = None, timeout: float = 240) -> dict:
+    """Run the driver's ``scenario`` on host 0; call ``during()`` when it
+    announces the send to disturb; return its result."""
+    proc = cluster.popen(
+        0,
+        [sys.executable, str(DRIVER), scenario],
+        env={"RAY_ADDRESS": cluster.ray_address or "", "PYTHONPATH": str(DRIVER.parent)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    result = None
+    while result is None:
+        ready, _, _ = select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))
+        if not ready:
+            break
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("SENDING") and during is not None:
+            during()
+        elif line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT ") :])
+    try:
+        proc.wait(timeout=max(deadline - time.monotonic(), 5))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    err = proc.stderr.read() if proc.stderr else ""
+    assert result is not None, f"the driver gave no result (exit {proc.returncode}): {err[-4000:]}"
+    assert "crash" not in result, result["crash"]
+    return result
+
+
+def test_relay_is_bit_exact_on_every_actor(cluster: _netns.EmulatedCluster) -> None:
+    result = _drive(cluster, "exact")
+    assert result["bad"] == [[], [], []]
+    assert sorted(set(result["hosts"])) == cluster.addresses[1:4]
+    # Each send went along one chain over the three hosts.
+    assert result["chains"] == [3]
+    # A send to actors of two hosts only: one chain over those two.
+    assert result["subset_bad"] == []
+    assert result["subset_chains"] == [2]
+
+
+def test_relaying_host_killed_mid_send(cluster: _netns.EmulatedCluster) -> None:
+    def kill() -> None:
+        time.sleep(0.5)
+        cluster.kill_host(2)
+
+    result = _drive(cluster, "kill", during=kill)
+    error = result["error"]
+    assert error is not None and error["worker_ids"] == [1], error
+    assert error["failures"] == {"1": "WorkerLostError"}, error
+    # The hosts after the dead one were reached by a second chain (or
+    # directly, when one was left), within the send's deadline.
+    assert result["bad"] == []
+    assert result["seconds"] < 30
+    assert len(result["chains"]) >= 1
+
+
+def _ray_workers(cluster: _netns.EmulatedCluster, host: int) -> list[int]:
+    """The Ray worker processes (actors, the relay agent) of ``host``: not
+    its raylet or other services."""
+    pids = []
+    for pid in _netns._pids_in(cluster.namespaces[host]):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if title.startswith(b"ray::"):
+            pids.append(pid)
+    return pids
+
+
+@pytest.mark.parametrize("what", ["workers", "host"])
+def test_stopped_host_is_named_and_the_others_are_updated(cluster: _netns.EmulatedCluster, what: str) -> None:
+    """SIGSTOP on the Ray workers of host 2 (its node still answers Ray's
+    health checks): an AckTimeoutError naming its actor at the deadline. On
+    the whole host: Ray's health check declares the node dead (within about
+    2 s on this cluster), and the send names its actor in a WorkerLostError.
+    Either way the hosts after it are updated."""
+    stopped: list[int] = []
+
+    def stop() -> None:
+        time.sleep(0.5)
+        if what == "host":
+            cluster.kill_host(2, signal.SIGSTOP)
+        else:
+            stopped.extend(_ray_workers(cluster, 2))
+            for pid in stopped:
+                os.kill(pid, signal.SIGSTOP)
+
+    try:
+        result = _drive(cluster, "stop", during=stop)
+    finally:
+        cluster.kill_host(2, signal.SIGCONT)
+    error = result["error"]
+    assert error is not None and error["worker_ids"] == [1], error
+    assert result["bad"] == []
+    if what == "workers":
+        assert stopped, "no Ray worker process found on host 2"
+        assert error["type"] == "AckTimeoutError", error
+        # At the deadline, not long after it.
+        assert 14 <= result["seconds"] < 25
+    else:
+        assert error["type"] in ("WorkerLostError", "AckTimeoutError"), error
+        assert result["seconds"] < 25
+
+
+def test_host_that_joins_later_gets_the_latest_weights(cluster: _netns.EmulatedCluster) -> None:
+    result = _drive(cluster, "join")
+    assert result["new_id"] == 2
+    assert result["late_bad"] == []
+    assert result["bad"] == []
+    assert result["chains"][-1:] == [3]
+
+
+def test_stale_namespaces_of_a_dead_creator_are_removed() -> None:
+    # A namespace named as a cluster of a process that no longer exists.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    name = f"{_netns.PREFIX}{dead.pid}r0h0"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    mine = _netns.EmulatedCluster(1).start()  # start() removes stale ones first
+    try:
+        assert name not in _netns._namespaces()
+        assert set(mine.namespaces) <= set(_netns._namespaces())
+    finally:
+        mine.close()
+    assert not set(mine.namespaces) & set(_netns._namespaces())
