@@ -40,11 +40,13 @@ SCHEMES: dict[str, Callable[..., ws.WeightSyncScheme]] = {
 }
 
 
-def make_scheme(scheme_name: str, timeout: float | None = TEST_TIMEOUT) -> ws.WeightSyncScheme:
-    """A scheme with the given deadline; ``timeout=None`` gives none, so the
-    scheme keeps the library's default."""
+def make_scheme(
+    scheme_name: str, timeout: float | None = TEST_TIMEOUT, **options: Any
+) -> ws.WeightSyncScheme:
+    """A scheme with the given deadline (and ``options``); ``timeout=None``
+    gives none, so the scheme keeps the library's default."""
     cls = ws.InProcessWeightSyncScheme if scheme_name == "inprocess" else SCHEME_CLASSES[scheme_name]
-    return cls() if timeout is None else cls(timeout=timeout)
+    return cls(**options) if timeout is None else cls(timeout=timeout, **options)
 
 
 # The schemes whose workers are processes joined by the user's pipes.
@@ -75,10 +77,11 @@ class Cluster:
         model_id: str = "policy",
         trainer_kind: str = "net",
         timeout: float | None = TEST_TIMEOUT,
+        **options: Any,
     ) -> None:
         self.scheme_name = scheme_name
         self.model_id = model_id
-        self.scheme = make_scheme(scheme_name, timeout)
+        self.scheme = make_scheme(scheme_name, timeout, **options)
         self.model = build_model(trainer_kind, seed=7)
         self.procs: list[Any] = []
         self.ctrls: list[Any] = []
@@ -184,10 +187,11 @@ class ThreadCluster(Cluster):
         model_id: str = "policy",
         trainer_kind: str = "net",
         timeout: float | None = TEST_TIMEOUT,
+        **options: Any,
     ) -> None:
         self.scheme_name = "inprocess"
         self.model_id = model_id
-        self.scheme = make_scheme("inprocess", timeout)
+        self.scheme = make_scheme("inprocess", timeout, **options)
         self.model = build_model(trainer_kind, seed=7)
         self.procs: list[Any] = []
         self.ctrls: list[Any] = []
@@ -337,13 +341,14 @@ class RayCluster(Cluster):
         trainer_kind: str = "net",
         actors: list[Any] | None = None,
         timeout: float | None = TEST_TIMEOUT,
+        **options: Any,
     ) -> None:
         import ray
 
         self.scheme_name = "ray"
         self.model_id = model_id
         self.runtime = runtime
-        self.scheme = make_scheme("ray", timeout)
+        self.scheme = make_scheme("ray", timeout, **options)
         self.model = build_model(trainer_kind, seed=7)
         self.actors = actors if actors is not None else runtime.take(len(kinds))
         self.dead: set[int] = set()
@@ -412,16 +417,17 @@ def new_cluster(
     model_id: str = "policy",
     trainer_kind: str = "net",
     timeout: float | None = TEST_TIMEOUT,
+    **options: Any,
 ) -> Cluster:
     """A cluster of ``scheme_name`` whose scheme sends with a deadline of
-    ``timeout`` seconds (None: the library's default)."""
+    ``timeout`` seconds (None: the library's default), made with ``options``."""
     if scheme_name == "ray":
         return RayCluster(
-            request.getfixturevalue("ray_runtime"), kinds, model_id, trainer_kind, timeout=timeout
+            request.getfixturevalue("ray_runtime"), kinds, model_id, trainer_kind, timeout=timeout, **options
         )
     if scheme_name == "inprocess":
-        return ThreadCluster(kinds, model_id, trainer_kind, timeout=timeout)
-    return Cluster(scheme_name, kinds, model_id, trainer_kind, timeout=timeout)
+        return ThreadCluster(kinds, model_id, trainer_kind, timeout=timeout, **options)
+    return Cluster(scheme_name, kinds, model_id, trainer_kind, timeout=timeout, **options)
 
 
 @pytest.fixture(params=list(SCHEMES))

@@ -48,6 +48,17 @@ def _from(context: Any, kwargs: dict[str, Any], name: str, default: Any = None) 
     return getattr(context, name, default) if context is not None else default
 
 
+def _num_workers(context: Any, kwargs: dict[str, Any]) -> Any:
+    """``num_workers``, else one worker per entry of ``devices`` (as
+    torchrl's schemes take it: the device of each worker's policy)."""
+    num_workers = _from(context, kwargs, "num_workers")
+    if num_workers is None:
+        devices = kwargs.get("devices")
+        if devices is not None and not isinstance(devices, str | torch.device):
+            num_workers = len(devices)
+    return num_workers
+
+
 def _model_of(model_id: str | None, context: Any, kwargs: dict[str, Any]) -> Any:
     model = kwargs.get("model")
     if model is not None:
@@ -72,17 +83,30 @@ class WeightSyncScheme:
     class's ``default_strategy``); ``timeout`` is the default deadline of a
     send, in seconds; ``verify`` the default of ``send(verify=...)``: an
     end-to-end check of every tensor (the ``verify`` extra).
+
+    ``per_worker_weights=True``: each worker keeps weights of its own (a
+    policy built by a factory per worker, possibly of another layout), and
+    ``send({worker_id: weights, ...})`` gives each its own, one send per
+    worker, each with its own version (``send(weights, worker_ids=i)``
+    updates worker ``i`` alone, under any scheme). Without it, weights keyed
+    by worker id are refused (``ValueError``), before anything moves.
     """
 
     default_strategy: ClassVar[StrategyName] = "tensordict"
     _needs_model = True
 
     def __init__(
-        self, strategy: StrategyName | None = None, *, timeout: float = DEFAULT_TIMEOUT, verify: bool = False
+        self,
+        strategy: StrategyName | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        verify: bool = False,
+        per_worker_weights: bool = False,
     ) -> None:
         self.strategy = WeightStrategy(strategy or self.default_strategy)
         self.timeout = timeout
         self.verify = verify
+        self.per_worker_weights = per_worker_weights
         self._reset()
 
     def _reset(self) -> None:
@@ -106,6 +130,7 @@ class WeightSyncScheme:
             "strategy": self.strategy.extract_as,
             "timeout": self.timeout,
             "verify": self.verify,
+            "per_worker_weights": self.per_worker_weights,
             "model_id": self._model_id,
         }
 
@@ -113,6 +138,7 @@ class WeightSyncScheme:
         self.strategy = WeightStrategy(state["strategy"])
         self.timeout = state["timeout"]
         self.verify = state.get("verify", False)
+        self.per_worker_weights = state.get("per_worker_weights", False)
         self._reset()
         self._model_id = state["model_id"]
 
@@ -262,6 +288,7 @@ class WeightSyncScheme:
             context=self._source(),
             timeout=self.timeout,
             verify=self.verify,
+            per_worker_weights=self.per_worker_weights,
         )
 
     def _source(self) -> Any:
@@ -571,7 +598,7 @@ class _PipeScheme(WeightSyncScheme):
         ctx = kwargs.get("ctx")
         pipes: Sequence[Any] | None = None if ctx is not None else _from(context, kwargs, "pipes")
         if pipes is None:
-            return self._make_pipes(ctx, _from(context, kwargs, "num_workers"))
+            return self._make_pipes(ctx, _num_workers(context, kwargs))
         pipes = list(pipes)
         num_workers = _from(context, kwargs, "num_workers") or len(pipes)
         if num_workers != len(pipes):
@@ -769,13 +796,23 @@ class InProcessWeightSyncScheme(_PipeScheme):
     _reader_class = CopyReader
 
     def __init__(
-        self, strategy: StrategyName | None = None, *, timeout: float = DEFAULT_TIMEOUT, verify: bool = False
+        self,
+        strategy: StrategyName | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        verify: bool = False,
+        per_worker_weights: bool = False,
     ) -> None:
-        super().__init__(strategy, timeout=timeout, verify=verify)
+        super().__init__(strategy, timeout=timeout, verify=verify, per_worker_weights=per_worker_weights)
         self._rendezvous = _Rendezvous()
 
     def __copy__(self) -> InProcessWeightSyncScheme:
-        clone = type(self)(self.strategy.extract_as, timeout=self.timeout, verify=self.verify)
+        clone = type(self)(
+            self.strategy.extract_as,
+            timeout=self.timeout,
+            verify=self.verify,
+            per_worker_weights=self.per_worker_weights,
+        )
         clone._rendezvous = self._rendezvous
         clone._model_id = self._model_id
         return clone
@@ -787,7 +824,7 @@ class InProcessWeightSyncScheme(_PipeScheme):
         )
 
     def _sender_pipes(self, context: Any, kwargs: dict[str, Any]) -> list[Connection]:
-        num_workers = _from(context, kwargs, "num_workers")
+        num_workers = _num_workers(context, kwargs)
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"{type(self).__name__}.init_on_sender needs num_workers=N (N >= 1)")
         pipes = [self._rendezvous.end(i, worker=False) for i in range(num_workers)]

@@ -69,13 +69,15 @@ class PendingSend:
         self._sender = sender
         self.packet = packet
         #: The workers targeted.
-        self.worker_ids = tuple(worker_ids)
+        self.worker_ids: tuple[int, ...] = tuple(worker_ids)
         self.reachable = reachable
         self.failures = failures
         self.deadline = deadline
         self.started = started
         #: From the call until the weights were staged.
         self.staged_seconds = staged_seconds
+        # The sends of a per-worker update that went before this one.
+        self.earlier: tuple[SendReport, ...] = ()
         self._waited = False
 
     @property
@@ -118,8 +120,12 @@ class AsyncWeightSender:
         context: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
         verify: bool = False,
+        per_worker_weights: bool = False,
     ) -> None:
         self.model_id = model_id
+        #: Whether a send may give each worker weights of its own
+        #: (``send({worker_id: weights, ...})``).
+        self.per_worker_weights = per_worker_weights
         #: Whether sends carry digests that each worker checks (the default
         #: of ``send(verify=None)``).
         self.verify = verify
@@ -235,7 +241,10 @@ class AsyncWeightSender:
         """Send weights and return once every targeted worker applied and acked them.
 
         ``weights``: None (the context's model), an ``nn.Module``, a
-        ``TensorDict`` or a dict of tensors. ``worker_ids``: None (all), one id,
+        ``TensorDict`` or a dict of tensors; with ``per_worker_weights``, also
+        ``{worker_id: weights}``, each worker its own (one send per worker,
+        one after the other, each its own version; the report names them
+        all and carries the last version). ``worker_ids``: None (all), one id,
         or a list. ``timeout``: seconds for the whole send (default: the
         scheme's timeout). The weights may be changed again once this returns
         (already once they are staged: see :meth:`start_send`).
@@ -253,7 +262,8 @@ class AsyncWeightSender:
         :class:`WorkerApplyError` naming the worker and the tensors) and its
         model is left as it was.
 
-        :raises ValueError: ``worker_ids`` is empty (nothing was sent).
+        :raises ValueError: ``worker_ids`` is empty, or weights keyed by
+            worker id without ``per_worker_weights`` (nothing was sent).
         :raises UnknownWorkerError: a worker id is unknown (nothing was sent).
         :raises WeightMismatchError: the weights do not match a worker's model
             (nothing was sent to any worker).
@@ -301,12 +311,72 @@ class AsyncWeightSender:
             raise WeightSyncStateError(
                 f"a send of model {self.model_id!r} is already in progress", model_id=self.model_id
             )
+        each = self._per_worker(weights, worker_ids)
         self._busy = True
         try:
+            if each is not None:
+                return await self._stage_each(each, timeout, keys, partial, verify)
             return await self._stage(weights, worker_ids, timeout, keys, partial, verify)
         except BaseException:
             self._busy = False
             raise
+
+    def _per_worker(
+        self, weights: Any, worker_ids: int | Iterable[int] | None
+    ) -> dict[int, Any] | None:
+        """``weights`` as {worker id: its weights} when it gives each worker
+        its own (a mapping keyed by worker ids), else None.
+
+        :raises ValueError: such a mapping without ``per_worker_weights=True``,
+            or along with ``worker_ids``, or empty.
+        :raises UnknownWorkerError: it names a worker that is not one.
+        """
+        if not isinstance(weights, Mapping) or not weights:
+            return None
+        if not all(isinstance(k, int) and not isinstance(k, bool) for k in weights):
+            return None  # names of tensors: the same weights for every target
+        if not self.per_worker_weights:
+            raise ValueError(
+                f"weights keyed by worker id ({sorted(weights)}) give each worker its own, which the scheme "
+                f"of model {self.model_id!r} does not: create it with per_worker_weights=True"
+            )
+        if worker_ids is not None:
+            raise ValueError(
+                "weights keyed by worker id name their workers already: pass no worker_ids "
+                f"(model {self.model_id!r})"
+            )
+        self._targets(list(weights))  # raises for an unknown id
+        return dict(weights)
+
+    async def _stage_each(
+        self,
+        each: dict[int, Any],
+        timeout: float | None,
+        keys: Keys | None,
+        partial: bool,
+        verify: bool | None,
+    ) -> PendingSend:
+        """One send per worker, each with its own weights and version, one
+        after the other: every staging is written once per send, so the
+        next one waits for the acks of the last (a worker never copies
+        another's weights). Returns once the last one is staged."""
+        started = time.perf_counter()
+        deadline = anyio.current_time() + (self.timeout if timeout is None else timeout)
+        earlier: list[SendReport] = []
+        failures: dict[int, WorkerError] = {}
+        *first, last = each.items()
+        for wid, weights in first:
+            pending = await self._stage(weights, wid, deadline - anyio.current_time(), keys, partial, verify)
+            try:
+                earlier.append(await self._gather(pending, keep_busy=True))
+            except WorkerError as exc:
+                failures.update(exc.failures)
+        pending = await self._stage(last[1], last[0], deadline - anyio.current_time(), keys, partial, verify)
+        pending.earlier, pending.started = tuple(earlier), started
+        pending.failures.update(failures)
+        pending.worker_ids = tuple(each)
+        pending.staged_seconds = time.perf_counter() - started
+        return pending
 
     async def _stage(
         self,
@@ -361,7 +431,7 @@ class AsyncWeightSender:
         staged = time.perf_counter() - started
         return PendingSend(self, packet, targets, reachable, failures, deadline, started, staged)
 
-    async def _gather(self, pending: PendingSend) -> SendReport:
+    async def _gather(self, pending: PendingSend, *, keep_busy: bool = False) -> SendReport:
         packet, failures, reachable = pending.packet, pending.failures, pending.reachable
         try:
             if reachable:
@@ -391,13 +461,14 @@ class AsyncWeightSender:
                         if not packet.partial:
                             self._whole.add(wid)
         finally:
-            self._busy = False
+            if not keep_busy:
+                self._busy = False
         if failures:
             raise combine_worker_errors(failures, model_id=self.model_id, version=packet.version)
         return SendReport(
             packet.version,
             tuple(pending.worker_ids),
-            packet.nbytes,
+            packet.nbytes + sum(r.nbytes for r in pending.earlier),
             time.perf_counter() - pending.started,
             pending.staged_seconds,
         )

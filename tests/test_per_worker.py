@@ -1,0 +1,92 @@
+"""Two options of torchrl's schemes: ``devices=`` gives the number of
+workers, and ``per_worker_weights=True`` keeps weights of its own on each
+worker (a policy factory per worker), updated by ``send({worker_id:
+weights})`` or ``send(weights, worker_ids=i)``, under every scheme."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+from _workers import build_model
+from conftest import CONFORMANCE_SCHEMES, Cluster, new_cluster
+
+import weightsync as ws
+
+
+def _weights(kind: str, seed: int) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in build_model(kind, seed=seed).state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "cls", [ws.MultiProcessWeightSyncScheme, ws.SharedMemWeightSyncScheme, ws.InProcessWeightSyncScheme]
+)
+def test_devices_give_the_number_of_workers(cls: type[ws.WeightSyncScheme]) -> None:
+    scheme = cls()
+    devices = [torch.device("cpu")] * 3
+    if cls is ws.InProcessWeightSyncScheme:
+        scheme.init_on_sender("policy", model=build_model("net"), devices=devices)
+    else:
+        spawn = mp.get_context("spawn")
+        scheme.init_on_sender("policy", model=build_model("net"), devices=devices, ctx=spawn)
+    try:
+        assert sorted(scheme.sender_transports) == [0, 1, 2]
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.parametrize("scheme_name", CONFORMANCE_SCHEMES)
+def test_each_worker_gets_its_own_weights(request: pytest.FixtureRequest, scheme_name: str) -> None:
+    # Worker 2's policy has another layout (another factory): only its own
+    # weights fit it.
+    c: Cluster = new_cluster(request, scheme_name, ["net", "net", "wide"], per_worker_weights=True)
+    try:
+        own = {0: _weights("net", 10), 1: _weights("net", 11), 2: _weights("wide", 12)}
+        report = c.scheme.send(own)
+        assert report is not None and report.worker_ids == (0, 1, 2)
+        for i in range(3):
+            c.assert_has(i, own[i])
+        # One worker alone, with weights of its own.
+        alone = _weights("net", 13)
+        c.sender.send(alone, worker_ids=1)
+        for i, expected in ((0, own[0]), (1, alone), (2, own[2])):
+            c.assert_has(i, expected)
+        # Changed right after send_async() returned: each gets its own as at the call.
+        again = {0: _weights("net", 14), 2: _weights("wide", 15)}
+        expected = {i: {k: v.clone() for k, v in w.items()} for i, w in again.items()}
+        c.sender.send_async(again)
+        for weights in again.values():
+            for tensor in weights.values():
+                tensor.zero_()
+        c.sender.wait_async(30)
+        for i in (0, 2):
+            c.assert_has(i, expected[i])
+        c.assert_has(1, alone)
+        # One set of weights for all does not fit worker 2: nothing moves.
+        version = c.sender.async_sender.version
+        with pytest.raises(ws.WeightMismatchError, match="worker 2"):
+            c.scheme.send(_weights("net", 16))
+        assert c.sender.async_sender.version == version
+        with pytest.raises(ws.UnknownWorkerError):
+            c.scheme.send({0: own[0], 7: own[1]})
+        with pytest.raises(ValueError, match="worker_ids"):
+            c.scheme.send({0: own[0]}, worker_ids=[0])
+        assert c.sender.async_sender.version == version
+    finally:
+        c.close()
+
+
+def test_weights_keyed_by_worker_need_per_worker_weights(request: pytest.FixtureRequest) -> None:
+    c: Cluster = new_cluster(request, "inprocess", ["net", "net"])
+    try:
+        version = c.sender.async_sender.version
+        with pytest.raises(ValueError, match="per_worker_weights=True"):
+            c.scheme.send({0: _weights("net", 1), 1: _weights("net", 2)})
+        assert c.sender.async_sender.version == version
+        c.bump()
+        c.scheme.send()
+        for i in range(2):
+            c.assert_has(i, c.expected())
+    finally:
+        c.close()
