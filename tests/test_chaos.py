@@ -643,8 +643,13 @@ def run_chaos(request: pytest.FixtureRequest, scheme_name: str, seconds: float) 
         _close_pidfds(timelines)
 
 
-def test_sends_under_chaos(request: pytest.FixtureRequest, scheme_name: str) -> None:
-    run_chaos(request, scheme_name, SHORT_SECONDS)
+# Chaos over Ray (about 20 s: its killed actors are replaced by new ones,
+# which import torch) runs with -m extended, a CI step of its own.
+@pytest.mark.parametrize(
+    "chaos_scheme", ["multiprocess", "shared", pytest.param("ray", marks=pytest.mark.extended)]
+)
+def test_sends_under_chaos(request: pytest.FixtureRequest, chaos_scheme: str) -> None:
+    run_chaos(request, chaos_scheme, SHORT_SECONDS)
 
 
 @pytest.mark.slow

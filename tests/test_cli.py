@@ -14,6 +14,10 @@ import pytest
 
 from weightsync.bench import MIB, main, mlp_shapes, model_nbytes
 
+# End-to-end runs of weightsync bench (about a minute in all): not in the
+# default run; CI runs them as a step of their own (pytest -m cli).
+pytestmark = pytest.mark.cli
+
 
 def _shm() -> set[str]:
     try:

@@ -126,13 +126,18 @@ def test_a_copy_interrupted_by_keyboard_interrupt_waits_for_its_helpers() -> Non
 
     interrupted = 0
     for _ in range(20):
-        threading.Thread(target=interrupt_soon).start()
+        interrupter = threading.Thread(target=interrupt_soon)
         try:
+            interrupter.start()
             plan.run(threads=4)
+            # Its SIGINT is raised in here at the latest, however late a
+            # loaded machine runs the interrupter.
+            interrupter.join()
             time.sleep(0.05)
         except KeyboardInterrupt:
             interrupted += 1
             assert not _copy_threads(), "a copy thread ran on after the KeyboardInterrupt"
+        interrupter.join()
     assert interrupted
     plan.run(threads=4)
     assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))

@@ -175,6 +175,8 @@ def _probe_net() -> torch.nn.Module:
     return build_model("net", seed=11)
 
 
+# A second Ray driver (about 20 s on 2 cores): with -m extended, a CI step.
+@pytest.mark.extended
 def test_a_killed_trainer_takes_its_actors_with_it(ray_runtime: RayRuntime) -> None:
     """Ray's fate-sharing: a collector never waits for a trainer that died."""
     import os
