@@ -200,19 +200,20 @@ def _parser() -> argparse.ArgumentParser:
 
 def _across_hosts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``--emulate-hosts`` / ``--cluster``: the cases of :mod:`._hosts`."""
-    from . import _hosts, _netns
+    from ._hosts import emulate, format_hosts_table, receiving_nodes, run_on_cluster
+    from ._netns import parse_rate, unavailable_reason
 
     sizes = tuple(args.size) if args.size != list(_DEFAULTS.sizes_mib) else (64.0, 256.0)
     print(describe_machine(machine_facts()), flush=True)
     if args.emulate_hosts is not None:
-        why = _netns.unavailable_reason()
+        why = unavailable_reason()
         if why is not None:
             print(f"weightsync bench: --emulate-hosts cannot run here: {why}", file=sys.stderr)
             return 2
         if args.emulate_hosts < 3:
             parser.error("--emulate-hosts needs at least 3 hosts (the trainer's and two receiving ones)")
         try:
-            rate = _netns.parse_rate(args.link_rate)
+            rate = parse_rate(args.link_rate)
         except ValueError as exc:
             parser.error(str(exc))
         hosts = args.hosts or [h for h in (2, 3, 5, 7) if h < args.emulate_hosts]
@@ -224,8 +225,8 @@ def _across_hosts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             f"median of {args.repeats} sends, each verified",
             flush=True,
         )
-        print(_hosts.format_hosts_table([], None), flush=True)
-        done = _hosts.emulate(
+        print(format_hosts_table([], None), flush=True)
+        done = emulate(
             args.emulate_hosts, args.link_rate, hosts, sizes, args.per_host, args.repeats,
             peers=not args.no_peers, progress=lambda text: print(text, flush=True),
         )  # fmt: skip
@@ -238,8 +239,8 @@ def _across_hosts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
         ray.init(address="auto", logging_level=40, log_to_driver=False)  # 40: logging.ERROR
         try:
-            hosts = args.hosts or [len(_hosts._receiving_nodes())]
-            _hosts.run_on_cluster(hosts, sizes, args.per_host, args.repeats, not args.no_peers, out)
+            hosts = args.hosts or [len(receiving_nodes())]
+            run_on_cluster(hosts, sizes, args.per_host, args.repeats, not args.no_peers, out)
         finally:
             ray.shutdown()
         import json
@@ -251,7 +252,7 @@ def _across_hosts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
         with open(args.json, "w") as handle:
             json.dump({"rows": rows, "bytes_per_second": rate}, handle, indent=1)
-    print("\nall cases:\n" + _hosts.format_hosts_table(rows, rate, done["ceiling_s"] if rate else None))
+    print("\nall cases:\n" + format_hosts_table(rows, rate, done["ceiling_s"] if rate else None))
     return 0
 
 

@@ -48,7 +48,7 @@ import weightsync as ws
 from ._model import mlp_shapes
 from ._netns import EmulatedCluster
 
-__all__ = ["HostActor", "emulate", "format_hosts_table", "run_on_cluster"]
+__all__ = ["HostActor", "emulate", "format_hosts_table", "receiving_nodes", "run_on_cluster"]
 
 MIB = 1 << 20
 _STORE_PORT = 29501
@@ -119,7 +119,7 @@ class HostActor:
         self.scheme, self.group, self.flat, self.tensors = None, None, None, {}
 
 
-def _receiving_nodes() -> list[tuple[str, str]]:
+def receiving_nodes() -> list[tuple[str, str]]:
     """(node id, address) of every alive node but the driver's, by address."""
     import ray
 
@@ -140,7 +140,7 @@ def run_on_cluster(
     import torch.distributed as dist
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    nodes = _receiving_nodes()
+    nodes = receiving_nodes()
     if max(hosts) > len(nodes):
         raise SystemExit(
             f"{max(hosts)} receiving hosts asked for, the cluster has {len(nodes)} besides this one"
