@@ -10,6 +10,7 @@ from typing import Any
 
 import anyio
 import torch
+from tensordict import TensorDictBase
 
 from ._copy import usable_cores
 from ._digest import digests
@@ -331,9 +332,10 @@ class AsyncWeightSender:
             or along with ``worker_ids``, or empty.
         :raises UnknownWorkerError: it names a worker that is not one.
         """
-        if not isinstance(weights, Mapping) or not weights:
+        if isinstance(weights, TensorDictBase) or not isinstance(weights, Mapping):
             return None
-        if not all(isinstance(k, int) and not isinstance(k, bool) for k in weights):
+        ids = list(weights.keys())
+        if not ids or not all(isinstance(k, int) and not isinstance(k, bool) for k in ids):
             return None  # names of tensors: the same weights for every target
         if not self.per_worker_weights:
             raise ValueError(
