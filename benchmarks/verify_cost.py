@@ -2,16 +2,18 @@
 
 1. The trainer's side, in this process: copying 512 MiB (8 float32 tensors)
    into a buffer on 2 threads with weightsync's copy engine, the same copy
-   digesting each 1 MiB block right after copying it (what a pipe-based
-   scheme's staging does with ``verify=True``), and the copy followed by a
-   separate digest pass. Target: the digesting copy within 1.15x of the
-   plain copy.
+   digesting each 1 MiB block right after copying it (what the multiprocess
+   scheme's staging does with ``verify=True``), the copy that also digests
+   each copied block and compares (what the shared scheme's staging does:
+   the check once for the host), and the copy followed by a separate digest
+   pass. Target: the digesting copy within 1.15x of the plain copy.
 2. Whole sends of 512 MiB to 4 worker processes under the multiprocess and
    shared schemes, unchecked and with ``verify=True``, in the same run (what
-   ``weightsync bench --verify`` times). The ratio is reported against 1.3x;
-   each worker's check reads every byte once more before it writes anything,
-   so on a host whose workers share few cores the ratio is bounded by that
-   read.
+   ``weightsync bench --verify`` times). Targets: multiprocess at most 1.5x
+   (each worker's check reads every byte once more before it writes
+   anything: about (2 + 3K) / (2 + 2K) of an unchecked send for K workers
+   once memory bandwidth is the limit), shared at most 1.3x (checked once
+   for the host by the trainer; each worker only checks the slot it maps).
 
 Run: ``python benchmarks/verify_cost.py [--size 512] [--workers 4]``.
 """
@@ -27,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from weightsync._copy import copy_tensors
-from weightsync._digest import copy_with_digests, digests
+from weightsync._digest import copy_and_check, copy_with_digests, digests
 from weightsync.bench import (
     MIB,
     BenchConfig,
@@ -42,7 +44,7 @@ from weightsync.bench import (
 )
 
 COPY_TARGET = 1.15
-SEND_TARGET = 1.3
+SEND_TARGETS = {"multiprocess": 1.5, "shared": 1.3}
 
 
 def _median_ms(step: Callable[[], object], repeats: int) -> float:
@@ -61,6 +63,7 @@ def trainer_side(size_mib: float, repeats: int) -> bool:
     copy_tensors(targets, sources, threads=2)  # touch every page once
     plain = _median_ms(lambda: copy_tensors(targets, sources, threads=2), repeats)
     fused = _median_ms(lambda: copy_with_digests(targets, sources, threads=2), repeats)
+    checked = _median_ms(lambda: copy_and_check(targets, sources, threads=2), repeats)
 
     def copy_then_digest() -> None:
         copy_tensors(targets, sources, threads=2)
@@ -70,7 +73,7 @@ def trainer_side(size_mib: float, repeats: int) -> bool:
     ratio = fused / plain
     print(f"trainer side, {size_mib:g} MiB on 2 threads, median of {repeats}:")
     print(f"  copy {plain:7.1f} ms   copy digesting each block {fused:7.1f} ms", end="")
-    print(f"   copy, then digests {apart:7.1f} ms")
+    print(f"   copy digesting and checking each block {checked:7.1f} ms   copy, then digests {apart:7.1f} ms")
     met = ratio <= COPY_TARGET
     print(f"  digesting copy / copy = {ratio:.2f} (target <= {COPY_TARGET}: {'met' if met else 'missed'})")
     return met
@@ -111,9 +114,10 @@ def main() -> int:
     for r in run.results:
         if r.case.verify:
             ratio = r.median_s / unchecked[(r.case.scheme, r.case.workers)]
+            target = SEND_TARGETS[r.case.scheme]
             print(
                 f"{r.case.scheme:>12} {r.case.workers} workers: verify=True / unchecked = {ratio:.2f} "
-                f"(target <= {SEND_TARGET}: {'met' if ratio <= SEND_TARGET else 'missed'})"
+                f"(target <= {target}: {'met' if ratio <= target else 'missed'})"
             )
     return 0
 

@@ -1,7 +1,17 @@
-"""verify=True: the trainer digests every tensor it sends, each worker checks
-the bytes it is about to apply, and one whose bytes differ (here: the staging
-overwritten in the trainer after the send staged it) refuses the update, by
-name, with its model left as it was; the next send goes through."""
+"""verify=True: the trainer digests every tensor it sends, and the bytes are
+checked before any model is written.
+
+- Copying schemes (multiprocess, in-process): each worker checks the bytes
+  it is about to apply, and one whose bytes differ (here: the staging
+  overwritten in the trainer after the send staged it) refuses the update,
+  by name, with its model left as it was; the next send goes through.
+- The shared scheme checks once for the host: the trainer checks each
+  block of the slot right after writing it, so a byte changed before that
+  check fails the send, by name, before any worker is told; a published
+  slot is read-only in the trainer too, so a write into it afterwards
+  faults in the writer; each worker checks that it maps the slot it was
+  told.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +22,11 @@ import torch
 from conftest import CONFORMANCE_SCHEMES, Cluster, new_cluster
 
 import weightsync as ws
-from weightsync._digest import BLOCK, copy_with_digests, digests, mismatched
+from weightsync._digest import BLOCK, copy_and_check, copy_with_digests, digests, mismatched
 from weightsync._packet import Manifest
+from weightsync._segment import Segment
 from weightsync._strategy import flat_weights
+from weightsync._transports._slot_staging import SlotStaging
 
 
 def _staged(scheme: ws.WeightSyncScheme) -> torch.Tensor:
@@ -42,7 +54,7 @@ def test_a_verified_send_arrives_exact(request: pytest.FixtureRequest, scheme_na
         c.close()
 
 
-@pytest.mark.parametrize("scheme_name", ["multiprocess", "shared", "inprocess"])
+@pytest.mark.parametrize("scheme_name", ["multiprocess", "inprocess"])
 def test_bytes_that_changed_on_the_way_are_refused_by_name(
     request: pytest.FixtureRequest, scheme_name: str
 ) -> None:
@@ -81,6 +93,83 @@ def test_bytes_that_changed_on_the_way_are_refused_by_name(
         c.close()
 
 
+def test_shared_slot_bytes_changed_before_the_trainers_check_are_refused_by_name(
+    request: pytest.FixtureRequest,
+) -> None:
+    c: Cluster = new_cluster(request, "shared", ["net", "net"])
+    try:
+        c.bump()
+        c.sender.send(verify=True)
+        before = [c.state(i)["weights"] for i in range(2)]
+        version = c.sender.async_sender.version
+        spec = next(s for s in Manifest.of(flat_weights(c.model)).specs if s.name == "out.weight")
+        staging = c.scheme.staging
+        assert isinstance(staging, SlotStaging)
+
+        def flip(index: int, start: int) -> None:
+            # Between the copy of out.weight's block and its check: memory
+            # that changed under the trainer.
+            if index == spec_index:
+                slot = _writing(staging)
+                assert slot.data is not None
+                slot.data[spec.offset + 3] ^= 0x5A
+
+        spec_index = Manifest.of(flat_weights(c.model)).names.index("out.weight")
+        staging.after_copy = flip
+        c.bump()
+        with pytest.raises(ws.InvalidWeightsError, match=r"out\.weight"):
+            c.sender.send(verify=True)
+        staging.after_copy = None
+        assert c.sender.async_sender.version == version, "a refused send used a version"
+        for i in range(2):
+            got = c.state(i)["weights"]
+            assert all(torch.equal(got[n], before[i][n]) for n in got), "a refused update reached a worker"
+            assert c.state(i)["errors"] == []
+        c.sender.send(verify=True)
+        for i in range(2):
+            c.assert_has(i, c.expected())
+    finally:
+        c.close()
+
+
+def _writing(staging: SlotStaging) -> Segment:
+    """The slot a send is being written into: the one not published."""
+    return next(slot for slot in staging.slots if slot.published() == -1)
+
+
+WRITE_A_PUBLISHED_SLOT = """
+import asyncio
+import multiprocessing as mp
+import torch
+import weightsync as ws
+
+ours, theirs = mp.Pipe()
+scheme = ws.SharedMemWeightSyncScheme(timeout=30)
+model = {"w": torch.ones(1 << 16)}
+scheme.init_on_sender("policy", pipes=[ours], model=model)
+staging = scheme.staging
+# Staged (checked and published) with no worker: the packet goes no further.
+packet = scheme.get_async_sender().prepare(model)
+asyncio.run(staging.stage(packet, True))
+slot = staging.current
+print("published", slot.published(), flush=True)
+slot.data[7] = 1  # nothing in the trainer may write a published slot
+print("wrote", flush=True)
+"""
+
+
+def test_a_write_into_a_published_slot_faults_in_the_writer() -> None:
+    import signal
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", WRITE_A_PUBLISHED_SLOT], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.splitlines() == ["published 1"], done.stdout + done.stderr[-2000:]
+    assert done.returncode == -signal.SIGSEGV, done.stderr[-2000:]
+
+
 def _odd_tensors() -> list[torch.Tensor]:
     """A block and a half, no bytes, two blocks and a few bytes (one tensor
     cut over threads), a small one."""
@@ -107,6 +196,20 @@ def test_digests_do_not_depend_on_threads_or_on_being_taken_while_copying() -> N
     into = torch.zeros(64, 64)
     assert copy_with_digests([into], [square.t()], threads=2) == digests([square.t().contiguous()])
     assert torch.equal(into, square.t())
+
+
+def test_the_checked_copy_finds_a_block_changed_between_its_copy_and_its_check() -> None:
+    tensors = _odd_tensors()
+    copies = [torch.zeros_like(t) for t in tensors]
+    sums, bad = copy_and_check(copies, tensors, threads=3)
+    assert sums == digests(tensors) and bad == []
+    assert all(torch.equal(c, t) for c, t in zip(copies, tensors, strict=True))
+
+    def change(index: int, start: int) -> None:
+        if index == 2 and start == BLOCK:  # b's middle block, once copied
+            copies[2][BLOCK + 3] ^= 1
+
+    assert copy_and_check(copies, tensors, threads=3, after_copy=change)[1] == [2]
 
 
 def test_a_changed_byte_names_its_tensor_whatever_block_it_is_in() -> None:

@@ -28,7 +28,7 @@ import torch
 from ._copy import byte_view, check_same_layout, copy_tensors, plain, run_on_threads, split_evenly
 from ._exceptions import WeightSyncStateError
 
-__all__ = ["BLOCK", "copy_with_digests", "digests", "mismatched"]
+__all__ = ["BLOCK", "copy_and_check", "copy_with_digests", "digests", "mismatched"]
 
 #: Bytes per digested block: small enough that a block just copied is still
 #: in the core's cache when it is digested.
@@ -117,6 +117,54 @@ def copy_with_digests(
 
     _on_threads(blocks, threads, work, (destinations, sources, views))
     return tuple(out)
+
+
+def copy_and_check(
+    destinations: Sequence[torch.Tensor],
+    sources: Sequence[torch.Tensor],
+    threads: int = 1,
+    after_copy: Callable[[int, int], None] | None = None,
+) -> tuple[tuple[int, ...], list[int]]:
+    """Copy ``sources`` into ``destinations`` (same shapes and dtypes), and
+    check each block right after its copy, while both are in cache: the
+    digest of the destination's block against the source's. Returns the
+    sources' digests and the indices of the tensors with a block that
+    differs (none: the destinations hold exactly the sources' bytes).
+    Blocks the calling thread.
+
+    ``after_copy(tensor index, first byte)``, a testing hook, runs between
+    a block's copy and its check. Where a pair is not two plain CPU tensors
+    (a GPU source), the copy goes through torch and both sides are digested
+    afterwards.
+    """
+    if not all(plain(d) and plain(s) for d, s in zip(destinations, sources, strict=True)):
+        copy_tensors(destinations, sources, threads=threads)
+        sums = digests(sources, threads)
+        blocks, got = _digested(destinations, threads)
+        return sums, sorted({blocks[k][0] for k, (a, b) in enumerate(zip(got, sums, strict=True)) if a != b})
+    for dst, src in zip(destinations, sources, strict=True):
+        check_same_layout(dst, src)
+    digest = _xxh3()
+    views = [byte_view(s) for s in sources]
+    copies = [byte_view(d) for d in destinations]
+    targets = [d.data_ptr() for d in destinations]
+    origins = [s.data_ptr() for s in sources]
+    blocks = _blocks([v.nbytes for v in views])
+    out = [0] * len(blocks)
+    bad: set[int] = set()
+
+    def work(lo: int, hi: int) -> None:
+        for k in range(lo, hi):
+            index, start, size = blocks[k]
+            ctypes.memmove(targets[index] + start, origins[index] + start, size)
+            if after_copy is not None:
+                after_copy(index, start)
+            out[k] = digest(views[index][start : start + size])
+            if digest(copies[index][start : start + size]) != out[k]:
+                bad.add(index)
+
+    _on_threads(blocks, threads, work, (destinations, sources, views, copies))
+    return tuple(out), sorted(bad)
 
 
 def mismatched(

@@ -175,6 +175,16 @@ class AsyncWeightReceiver:
         they are, or it sent no digests). Read before the model is written."""
         if incoming.digests is None:
             return None
+        if getattr(incoming, "checked_on_host", False):
+            # The sender checked these bytes for the whole host, in memory
+            # that nothing can write any more: make sure it is that memory.
+            wrong = incoming.check_mapping(manifest)  # type: ignore[attr-defined]
+            if wrong is None:
+                return None
+            return (
+                f"version {incoming.version} failed its integrity check: {wrong}; the model was "
+                "left as it was"
+            )
         bad = mismatched(manifest.names, incoming.sources(manifest), incoming.digests, incoming.threads)
         if not bad:
             return None

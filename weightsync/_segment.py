@@ -15,17 +15,19 @@ Layout: a 64-byte header, then the data::
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import secrets
 import struct
 import warnings
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from ._copy import copy_tensors, usable_cores
-from ._digest import copy_with_digests
+from ._digest import copy_and_check, copy_with_digests
 from ._exceptions import out_of_resources
 from ._packet import Manifest, Packet
 
@@ -34,6 +36,8 @@ __all__ = ["HEADER_BYTES", "AttachedSegments", "Segment", "SegmentRef"]
 HEADER_BYTES = 64
 WRITING = -1
 _VERSION = struct.Struct("<q")
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 class SegmentRef(NamedTuple):
@@ -67,6 +71,9 @@ class Segment:
             warnings.simplefilter("ignore", UserWarning)
             whole = torch.frombuffer(mapping, dtype=torch.uint8)
         self.data: torch.Tensor | None = whole[HEADER_BYTES : HEADER_BYTES + nbytes]
+        # The whole mapping (page-aligned), for mprotect.
+        self._span = (whole.data_ptr(), len(mapping))
+        self.protected = False
 
     @classmethod
     def create(cls, nbytes: int) -> Segment:
@@ -145,6 +152,38 @@ class Segment:
             copy_tensors(views, packet.tensors, threads=usable_cores())
         self.publish(packet.version)
         return sums
+
+    def write_checked(
+        self,
+        views: list[torch.Tensor],
+        packet: Packet,
+        after_copy: Callable[[int, int], None] | None = None,
+    ) -> tuple[tuple[int, ...], list[int]]:
+        """Copy ``packet``'s tensors into ``views`` (of this segment),
+        checking each block against its source right after copying it (see
+        ``_digest.copy_and_check``); publish the version only if every
+        block matched. Returns the sources' digests and the indices of the
+        tensors that differ. Blocks; run it through ``run_blocking``."""
+        self.begin_write()
+        sums, bad = copy_and_check(views, packet.tensors, usable_cores(), after_copy)
+        if not bad:
+            self.publish(packet.version)
+        return sums, bad
+
+    def protect(self, writable: bool) -> None:
+        """Map this (sender-owned) segment read-only in this process too
+        (``writable=False``: a write into it faults in the writer), or
+        writable again before it is rewritten.
+
+        :raises OSError: mprotect failed.
+        """
+        if self._mmap is None or self.protected is not writable:
+            return  # (protected is not writable: it is already as asked)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        if _LIBC.mprotect(self._span[0], self._span[1], prot) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mprotect: {os.strerror(err)}")
+        self.protected = not writable
 
     def ref(self) -> SegmentRef:
         """How a worker on this host finds this (sender-owned) segment.

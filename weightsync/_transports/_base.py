@@ -156,6 +156,9 @@ class Incoming(Protocol):
     digests: tuple[int, ...] | None
     #: Threads this worker may use for the update's copies and digests.
     threads: int
+    # An update may also have ``checked_on_host`` (True: its digests were
+    # checked by the sender for the whole host) and ``check_mapping(manifest)``,
+    # which the worker checks instead of digesting the bytes.
 
     def is_current(self) -> bool:
         """Whether the bytes behind this update still hold its version (the
@@ -231,8 +234,16 @@ class StagingReader(Protocol):
     ) -> None:
         """Write the staged update into ``targets`` (copy, or re-point)."""
 
+    #: Whether a verified update is checked once for the host by the sender
+    #: (the worker then checks :meth:`check`, not the bytes).
+    checked_on_host: bool
+
     def sources(self, descriptor: Any, manifest: Manifest) -> list[torch.Tensor]:
         """Read-only views of the staged tensors of ``manifest``."""
+
+    def check(self, descriptor: Any, version: int, manifest: Manifest) -> str | None:
+        """Where :attr:`checked_on_host`: why the staging mapped is not the
+        one named by ``descriptor`` for ``version`` (None: it is)."""
 
     def holding(self) -> Any:
         """What the worker runs on now, for its ack (None: its own memory)."""

@@ -63,6 +63,10 @@ class SegmentStaging:
 class CopyReader:
     """A worker's side: copies out of the sender's segment into its model."""
 
+    #: A verified update's bytes are digested by each worker before it
+    #: copies them (the segment is rewritten by the next send).
+    checked_on_host = False
+
     def __init__(self) -> None:
         self._segments = AttachedSegments(keep_one=True)
         # The copy plan of the current (model tensors, source views) pair;
@@ -74,6 +78,9 @@ class CopyReader:
 
     def sources(self, descriptor: SegmentRef, manifest: Manifest) -> list[torch.Tensor]:
         return self._segments.views(descriptor, manifest)
+
+    def check(self, descriptor: SegmentRef, version: int, manifest: Manifest) -> str | None:
+        return None  # (the bytes themselves are checked)
 
     def apply(
         self,

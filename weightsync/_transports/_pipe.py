@@ -226,6 +226,21 @@ class PipeUpdate:
         except (OSError, ValueError) as exc:
             raise self.endpoint.lost(f"its staging memory cannot be opened ({exc})") from exc
 
+    @property
+    def checked_on_host(self) -> bool:
+        """Whether a verified update's bytes were checked by the sender for
+        the whole host (the shared scheme's slots), so that this worker
+        checks :meth:`check_mapping` instead of digesting them."""
+        return self.endpoint.reader.checked_on_host
+
+    def check_mapping(self, manifest: Manifest) -> str | None:
+        """Why the staging this worker maps is not the one it was told
+        (None: it is); see ``StagingReader.check``."""
+        try:
+            return self.endpoint.reader.check(self.descriptor, self.version, manifest)
+        except (OSError, ValueError) as exc:
+            raise self.endpoint.lost(f"its staging memory cannot be opened ({exc})") from exc
+
     def apply(self, model: Any, targets: list[torch.Tensor], manifest: Manifest) -> None:
         try:
             self.endpoint.reader.apply(self.descriptor, model, targets, manifest, self.threads)

@@ -18,11 +18,13 @@ worker's own memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .._copy import CopyPlan
+from .._exceptions import InvalidWeightsError
 from .._offload import run_blocking
 from .._packet import Manifest, Packet
 from .._segment import AttachedSegments, Segment, SegmentRef
@@ -44,6 +46,9 @@ class SlotStaging:
         # the last update that wrote it).
         self._told: dict[int, dict[bytes, int]] = {}
         self._holding: dict[int, frozenset[bytes]] = {}
+        #: Testing hook: called with (tensor index, first byte) between the
+        #: copy of a block and its check, when a send is verified.
+        self.after_copy: Callable[[int, int], None] | None = None
 
     def _busy(self) -> set[bytes]:
         busy: set[bytes] = set().union(*self._holding.values())
@@ -66,13 +71,38 @@ class SlotStaging:
         return slot
 
     async def stage(self, packet: Packet, digest: bool = False) -> tuple[int, ...] | None:
+        """Write ``packet`` into a free slot and publish it; the slot is then
+        read-only in this process too, until it is chosen again.
+
+        With ``digest`` the bytes are checked once for the whole host, here:
+        each block of the slot right after it is written, against the
+        source's block. The workers run on these very bytes, which nothing
+        can write any more, so each of them only checks that it maps the
+        slot it was told (:meth:`SlotReader.check`).
+
+        :raises InvalidWeightsError: a block of the slot differs from its
+            source (the slot is not published; nothing was sent).
+        """
         slot = self._choose(packet.manifest)
         key = (slot.token, packet.manifest.layout_id)
         views = self._views.get(key)
         if views is None:
             assert slot.data is not None
             views = self._views[key] = packet.manifest.views(slot.data)
-        sums = await run_blocking(packet.nbytes, slot.write, views, packet, digest)
+        slot.protect(writable=True)
+        sums: tuple[int, ...] | None = None
+        if digest:
+            sums, bad = await run_blocking(packet.nbytes, slot.write_checked, views, packet, self.after_copy)
+            if bad:
+                names = ", ".join(packet.manifest.names[i] for i in bad)
+                raise InvalidWeightsError(
+                    f"version {packet.version} failed its integrity check on the trainer: the bytes "
+                    f"staged for {names} differ from the weights sent; nothing was sent"
+                )
+        else:
+            await run_blocking(packet.nbytes, slot.write, views, packet, False)
+        # Published: nothing in this process may write the slot now.
+        slot.protect(writable=False)
         self.current, self._version = slot, packet.version
         return sums
 
@@ -103,6 +133,10 @@ class SlotReader:
     """A worker's side: maps the sender's slots read-only and re-points its
     model's parameters to the slot of each update."""
 
+    #: A verified update's bytes were checked on the trainer (see
+    #: :meth:`SlotStaging.stage`): a worker checks the slot it maps instead.
+    checked_on_host = True
+
     def __init__(self) -> None:
         self._segments = AttachedSegments(keep_one=False)
         # The slot each re-pointed tensor runs on (by the tensor's id).
@@ -113,6 +147,24 @@ class SlotReader:
 
     def sources(self, descriptor: SegmentRef, manifest: Manifest) -> list[torch.Tensor]:
         return self._segments.views(descriptor, manifest)
+
+    def check(self, descriptor: SegmentRef, version: int, manifest: Manifest) -> str | None:
+        """Why the slot this worker maps is not the one it was told (None:
+        it is): its token, the version it holds, the room for ``manifest``'s
+        offsets. Reads no data byte.
+
+        :raises OSError: the slot cannot be mapped (the sender is gone).
+        """
+        segment = self._segments.segment(descriptor)
+        if segment.token != descriptor.token:
+            return "the slot mapped is not the one the sender named"
+        published = segment.published()
+        if published != version:
+            return f"the slot holds version {published}, not {version}"
+        end = max((spec.offset + spec.nbytes for spec in manifest.specs), default=0)
+        if end > segment.nbytes:
+            return f"the layout needs {end} bytes, the slot has {segment.nbytes}"
+        return None
 
     def apply(
         self,
