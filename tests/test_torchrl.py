@@ -167,3 +167,28 @@ def test_weightsync_imports_torchrl_only_when_asked() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     asked = "import weightsync as ws; ws.register_with_torchrl(); import sys; assert 'torchrl' in sys.modules"
     subprocess.run([sys.executable, "-c", asked], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("scheme_name", SCHEMES)
+def test_each_worker_of_a_collector_keeps_weights_of_its_own(scheme_name: str) -> None:
+    """A policy factory per worker and ``per_worker_weights=True``: each
+    worker starts from its own policy, ``update_policy_weights_({i: ...})``
+    gives each its own, and ``worker_ids=i`` updates one alone."""
+    import functools
+
+    scheme = SCHEMES[scheme_name](timeout=60, per_worker_weights=True)
+    factories = [functools.partial(parts.make_policy, 1.0), functools.partial(parts.make_policy, 2.0)]
+    collector = _collector(MultiSyncCollector, scheme, policy_factory=factories)
+    seen = []
+    try:
+        for i, batch in enumerate(_collect(collector, 3)):
+            seen.append(parts.versions_in(batch["action"]))
+            if i == 0:
+                own = {0: parts.make_policy(3.0), 1: parts.make_policy(4.0)}
+                collector.update_policy_weights_({w: dict(p.state_dict()) for w, p in own.items()})
+            elif i == 1:
+                collector.update_policy_weights_(dict(parts.make_policy(5.0).state_dict()), worker_ids=1)
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+    assert seen == [{1.0, 2.0}, {3.0, 4.0}, {3.0, 5.0}]

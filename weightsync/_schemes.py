@@ -22,7 +22,7 @@ from ._exceptions import WeightSyncStateError
 from ._facade import WeightReceiver, WeightSender
 from ._receiver import AsyncWeightReceiver
 from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, Keys, SendReport
-from ._strategy import WeightStrategy, model_of
+from ._strategy import WeightStrategy, model_of, model_tensors
 from ._torchrl import register_with_torchrl as _register
 from ._transports._base import Applier, SenderTransport, Staging, WorkerEndpoint
 from ._transports._copy_staging import CopyReader, SegmentStaging
@@ -393,7 +393,10 @@ class WeightSyncScheme:
             sender.connect(worker_idx, timeout=wait)
             self._connected()
             report = None
-            if weights is not None or self._source() is not None:
+            # Under per_worker_weights each worker starts from weights of its
+            # own (its factory's policy) unless some are given here.
+            initial = self._source() is not None and not self.per_worker_weights
+            if weights is not None or initial:
                 report = sender.send(weights, worker_idx, timeout=wait)
             self._synchronized_on_sender = True
             return report
@@ -401,12 +404,25 @@ class WeightSyncScheme:
             if worker_idx is not None:
                 self._worker_idx = worker_idx
             receiver = self.get_receiver()
-            if not receiver.applying_in_background:
+            if not receiver.applying_in_background and self._waits_for_initial_weights():
                 receiver.wait_for_version(1, wait)  # any version: the initial weights
             self._synchronized_on_receiver = True
             if background:
                 receiver.start_applier()
         return None
+
+    def _waits_for_initial_weights(self) -> bool:
+        """Whether a worker's ``connect()`` waits for the sender's initial
+        weights: always, but under ``per_worker_weights`` for a model that
+        holds weights of its own already (none of its tensors on the meta
+        device)."""
+        if not self.per_worker_weights or self._model is None:
+            return True
+        try:
+            tensors = model_tensors(self._model, model_id=self._model_id)
+        except Exception:
+            return True
+        return any(t.is_meta for t in tensors.values())
 
     def _connected(self) -> None:
         """Called on the sender once its workers announced themselves."""
