@@ -176,19 +176,26 @@ def test_each_worker_of_a_collector_keeps_weights_of_its_own(scheme_name: str) -
     gives each its own, and ``worker_ids=i`` updates one alone."""
     import functools
 
+    import torch
+    from tensordict import TensorDict
+
     scheme = SCHEMES[scheme_name](timeout=60, per_worker_weights=True)
     factories = [functools.partial(parts.make_policy, 1.0), functools.partial(parts.make_policy, 2.0)]
     collector = _collector(MultiSyncCollector, scheme, policy_factory=factories)
     seen = []
     try:
-        for i, batch in enumerate(_collect(collector, 3)):
+        for i, batch in enumerate(_collect(collector, 4)):
             seen.append(parts.versions_in(batch["action"]))
-            if i == 0:
-                own = {0: parts.make_policy(3.0), 1: parts.make_policy(4.0)}
-                collector.update_policy_weights_({w: dict(p.state_dict()) for w, p in own.items()})
+            if i == 0:  # worker 0 alone, as nested TensorDict weights
+                zero = torch.zeros(parts.SIZE, parts.SIZE)
+                nested = TensorDict({"module": {"weight": zero, "bias": torch.full((parts.SIZE,), 3.0)}})
+                collector.update_policy_weights_({0: nested})
             elif i == 1:
-                collector.update_policy_weights_(dict(parts.make_policy(5.0).state_dict()), worker_ids=1)
+                own = {0: parts.make_policy(4.0), 1: parts.make_policy(5.0)}
+                collector.update_policy_weights_({w: dict(p.state_dict()) for w, p in own.items()})
+            elif i == 2:
+                collector.update_policy_weights_(dict(parts.make_policy(6.0).state_dict()), worker_ids=1)
     finally:
         collector.shutdown()
         scheme.shutdown()
-    assert seen == [{1.0, 2.0}, {3.0, 4.0}, {3.0, 5.0}]
+    assert seen == [{1.0, 2.0}, {3.0, 2.0}, {4.0, 5.0}, {4.0, 6.0}]
