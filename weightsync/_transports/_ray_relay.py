@@ -357,9 +357,11 @@ class HostRelay:
         arrays)``) to ``nodes`` along a chain; ``deadline``: a
         ``time.monotonic()`` time. Returns a future per node."""
         futures: dict[str, concurrent.futures.Future[Any]] = {n: concurrent.futures.Future() for n in nodes}
-        self.join()
+        # A chain of an abandoned send may still be ending (within a stall
+        # limit): the new chain waits for it on its own thread, never here,
+        # which is the caller's event loop.
         self._thread = threading.Thread(
-            target=self._run, args=(ref, header, list(nodes), deadline, futures), daemon=True,
+            target=self._run, args=(self._thread, ref, header, list(nodes), deadline, futures), daemon=True,
             name=f"weightsync-relay-{self.model_id}",
         )  # fmt: skip
         self._thread.start()
@@ -367,6 +369,7 @@ class HostRelay:
 
     def _run(
         self,
+        previous: threading.Thread | None,
         ref: Any,
         header: tuple[Any, ...],
         nodes: list[str],
@@ -374,6 +377,8 @@ class HostRelay:
         futures: dict[str, concurrent.futures.Future[Any]],
     ) -> None:
         try:
+            if previous is not None:
+                previous.join()
             self._chains(ref, header, nodes, deadline, futures)
         except BaseException:  # never leave a waiting deliver() without an answer
             pass

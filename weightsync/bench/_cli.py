@@ -5,6 +5,8 @@ them with memcpy of the same bytes; see :mod:`weightsync.bench._run`."""
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -232,10 +234,9 @@ def _across_hosts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         )  # fmt: skip
         rows = done["rows"]
     else:
-        import io
+        import ray
 
         out = io.StringIO()
-        import ray
 
         ray.init(address="auto", logging_level=40, log_to_driver=False)  # 40: logging.ERROR
         try:
@@ -243,13 +244,9 @@ def _across_hosts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             run_on_cluster(hosts, sizes, args.per_host, args.repeats, not args.no_peers, out)
         finally:
             ray.shutdown()
-        import json
-
         rows = [json.loads(line) for line in out.getvalue().splitlines()]
         rate = None
     if args.json:
-        import json
-
         with open(args.json, "w") as handle:
             json.dump({"rows": rows, "bytes_per_second": rate}, handle, indent=1)
     print("\nall cases:\n" + format_hosts_table(rows, rate, done["ceiling_s"] if rate else None))
