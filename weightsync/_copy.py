@@ -17,6 +17,7 @@ import ctypes
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -69,18 +70,34 @@ def _split(spans: list[Span], total: int, parts: int) -> list[list[Span]]:
     return out
 
 
-def _join_all(helpers: Iterable[tuple[threading.Thread, threading.Event]]) -> None:
-    """Join every helper that began, even when interrupted meanwhile; then
-    re-raise the interruption."""
+def _wait_for(helper: threading.Thread, began: threading.Event, done: threading.Event) -> None:
+    # ``Thread.join()`` is not used: on Python 3.11 a KeyboardInterrupt that
+    # lands inside it can mark a still running thread as stopped, and every
+    # later join then returns at once. Events survive an interruption and
+    # are simply waited on again.
+    if not began.wait(0.1) and helper not in threading.enumerate():
+        # Interrupted inside ``start()`` before the thread was made: it
+        # never runs.
+        return
+    if not began.wait(10.0):
+        # Interrupted between ``start()`` listing the thread and making it
+        # (a few bytecodes): it never runs either.
+        return
+    done.wait()
+    # The job is over; wait for the thread itself to leave (microseconds),
+    # so none is found running after the copy returned.
+    while helper in threading.enumerate():
+        time.sleep(0.0005)
+
+
+def _join_all(helpers: Iterable[tuple[threading.Thread, threading.Event, threading.Event]]) -> None:
+    """Wait for every helper that began, even when interrupted meanwhile;
+    then re-raise the interruption."""
     interruption: BaseException | None = None
-    for helper, began in helpers:
+    for helper, began, done in helpers:
         while True:
             try:
-                # An interruption inside ``start()`` may leave a helper that
-                # runs, or one that never will (it was stopped before its
-                # thread existed): ``began`` tells them apart.
-                if began.wait(1.0):
-                    helper.join()
+                _wait_for(helper, began, done)
                 break
             except BaseException as exc:  # KeyboardInterrupt: the work still runs, wait for it
                 interruption = interruption or exc
@@ -88,11 +105,16 @@ def _join_all(helpers: Iterable[tuple[threading.Thread, threading.Event]]) -> No
         raise interruption
 
 
-def _helper(job: Callable[[], None], began: threading.Event, keep_alive: object) -> None:
+def _helper(
+    job: Callable[[], None], began: threading.Event, done: threading.Event, keep_alive: object
+) -> None:
     # ``keep_alive`` holds the tensors behind the job's raw addresses for as
     # long as it runs: their memory cannot be freed or unmapped under it.
     began.set()
-    job()
+    try:
+        job()
+    finally:
+        done.set()
 
 
 def run_on_threads(
@@ -102,12 +124,14 @@ def run_on_threads(
     thread of its own; return once every job ended. An interruption
     (KeyboardInterrupt) is raised only after every helper ended, so no job
     touches memory its owner believes is free again."""
-    helpers: list[tuple[threading.Thread, threading.Event]] = []
+    helpers: list[tuple[threading.Thread, threading.Event, threading.Event]] = []
     try:
         for job in jobs[1:]:
-            began = threading.Event()
-            helper = threading.Thread(target=_helper, args=(job, began, keep_alive), name=name, daemon=True)
-            helpers.append((helper, began))
+            began, done = threading.Event(), threading.Event()
+            helper = threading.Thread(
+                target=_helper, args=(job, began, done, keep_alive), name=name, daemon=True
+            )
+            helpers.append((helper, began, done))
             helper.start()
         if jobs:
             jobs[0]()
