@@ -30,7 +30,9 @@ LAYERS: list[set[str]] = [
     {"_sender", "_receiver", "_legacy"},
     {"_runtime"},
     {"_facade"},
-    {"_schemes"},
+    {"schemes._base"},
+    {"schemes._pipes", "schemes._ray", "schemes._none"},
+    {"schemes"},
     {""},  # the package itself: re-exports the public names
 ]
 LAYER_OF = {name: rank for rank, names in enumerate(LAYERS) for name in names}

@@ -35,9 +35,13 @@ from ._packet import Manifest, Packet, TensorSpec
 
 # Async core
 from ._receiver import AsyncWeightReceiver
+from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, PendingSend, SendReport
+
+# Strategies
+from ._strategy import WeightStrategy
 
 # Schemes
-from ._schemes import (
+from .schemes import (
     InProcessWeightSyncScheme,
     MultiProcessWeightSyncScheme,
     NoWeightSyncScheme,
@@ -47,10 +51,6 @@ from ._schemes import (
     WeightSyncScheme,
     register_with_torchrl,
 )
-from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, PendingSend, SendReport
-
-# Strategies
-from ._strategy import WeightStrategy
 
 __version__ = "0.1.0"
 
