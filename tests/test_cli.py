@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+from conftest import shm_entries
 
 from weightsync.bench import MIB, main, mlp_shapes, model_nbytes
 
@@ -19,16 +19,9 @@ from weightsync.bench import MIB, main, mlp_shapes, model_nbytes
 pytestmark = pytest.mark.cli
 
 
-def _shm() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except FileNotFoundError:
-        return set()
-
-
 def test_bench_prints_table_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
-    shm_before = _shm()
+    shm_before = shm_entries()
     args = ["--size", "0.25", "--workers", "1", "2", "--repeats", "3", "--warmup", "1", "--json", str(out)]
     code = main(["bench", *args])
     printed = capsys.readouterr()
@@ -62,7 +55,7 @@ def test_bench_prints_table_and_writes_json(tmp_path: Path, capsys: pytest.Captu
     # Nothing is left running or mapped.
     assert mp.active_children() == []
     assert not [t.name for t in threading.enumerate() if t.name.startswith(("weightsync", "AnyIO", "bench"))]
-    assert _shm() <= shm_before
+    assert shm_entries() <= shm_before
 
 
 def test_bench_partial_and_verified_sends(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -154,7 +147,7 @@ def test_bench_all_schemes_with_alternatives_writes_json_and_plot(
     # Without ray, all leaves the ray scheme out, with a note.
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    shm_before = _shm()
+    shm_before = shm_entries()
     args = [
         "--size",
         "0.25",
@@ -214,7 +207,7 @@ def test_bench_all_schemes_with_alternatives_writes_json_and_plot(
     assert data.startswith(_PNG_SIGNATURE) and len(data) > len(_PNG_SIGNATURE)
 
     assert mp.active_children() == []
-    assert _shm() <= shm_before
+    assert shm_entries() <= shm_before
 
 
 def test_bench_bfloat16_with_torch_mp_and_progress(
