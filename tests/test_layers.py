@@ -18,6 +18,7 @@ LAYERS: list[set[str]] = [
     {"_copy", "_offload", "_strategy", "_stepguard", "_torchrl"},
     {"_digest"},
     {"_segment"},
+    {"_transports._gloo_chain"},
     {"_transports._base", "_transports._channel", "_transports._ray_relay"},
     {
         "_transports",
@@ -26,12 +27,13 @@ LAYERS: list[set[str]] = [
         "_transports._slot_staging",
         "_transports._ray",
         "_transports._none",
+        "_transports._distributed",
     },
     {"_sender", "_receiver", "_legacy"},
     {"_runtime"},
     {"_facade"},
     {"schemes._base"},
-    {"schemes._pipes", "schemes._ray", "schemes._none"},
+    {"schemes._pipes", "schemes._ray", "schemes._none", "schemes._distributed"},
     {"schemes"},
     {""},  # the package itself: re-exports the public names
 ]

@@ -42,6 +42,7 @@ from ._strategy import WeightStrategy
 
 # Schemes
 from .schemes import (
+    DistributedWeightSyncScheme,
     InProcessWeightSyncScheme,
     MultiProcessWeightSyncScheme,
     NoWeightSyncScheme,
@@ -59,6 +60,7 @@ __all__ = [
     "AckTimeoutError",
     "AsyncWeightReceiver",
     "AsyncWeightSender",
+    "DistributedWeightSyncScheme",
     "InProcessWeightSyncScheme",
     "InvalidWeightsError",
     "Manifest",

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import datetime
 import os
 import threading
 import time
@@ -51,13 +50,10 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CHUNK_BYTES", "HostRelay", "RelayAgent", "chunk_spans"]
+from ._gloo_chain import CHUNK_BYTES, chunk_spans, relay_chain, send_chain
+from ._gloo_chain import seconds as _seconds
 
-#: Bytes per chain message. 1 MiB: at 1 Gbit/s a chunk takes 8 ms per hop,
-#: so filling a chain of 7 hosts costs 50 ms, while gloo's cost per message
-#: stays small next to its transfer (4 MiB measured slower: 1.36x the floor
-#: against 1.17x at 64 MiB, 5 hosts).
-CHUNK_BYTES = 1 << 20
+__all__ = ["CHUNK_BYTES", "HostRelay", "RelayAgent", "chunk_spans"]
 
 # The longest a chain waits for one chunk to move before it calls the hop
 # broken, as a fraction of the time left in the send, within these bounds.
@@ -65,32 +61,6 @@ _STALL_BOUNDS = (1.0, 5.0)
 _STALL_FRACTION = 0.125
 # Attempts at one send: the first chain, then repairs around failed hosts.
 _ATTEMPTS = 3
-
-
-def chunk_spans(sizes: Sequence[int], chunk: int) -> list[list[tuple[int, int, int]]]:
-    """Cut the concatenation of buffers of ``sizes`` bytes into chunks of at
-    most ``chunk`` bytes; each chunk is a list of (buffer, start, stop)
-    pieces, in order. An empty list for no bytes."""
-    chunks: list[list[tuple[int, int, int]]] = []
-    current: list[tuple[int, int, int]] = []
-    room = chunk
-    for index, size in enumerate(sizes):
-        start = 0
-        while start < size:
-            take = min(room, size - start)
-            current.append((index, start, start + take))
-            start += take
-            room -= take
-            if room == 0:
-                chunks.append(current)
-                current, room = [], chunk
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-def _seconds(value: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=max(value, 0.001))
 
 
 def _node_address() -> str:
@@ -119,78 +89,10 @@ def _byte_tensors(arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
         return [torch.from_numpy(a.reshape(-1).view(np.uint8)) for a in arrays]
 
 
-def send_chain(group: Any, sources: Sequence[torch.Tensor], chunk: int, dst: int, stall: float) -> None:
-    """Send the concatenation of ``sources`` (flat uint8 tensors) to rank
-    ``dst`` in chunks; a chunk spanning several sources is gathered first.
-    Two chunks are in flight at most.
-
-    :raises RuntimeError: a chunk did not leave within ``stall`` seconds, or
-        the peer is gone (gloo's error).
-    """
-    in_flight: list[tuple[Any, torch.Tensor]] = []
-    for pieces in chunk_spans([s.numel() for s in sources], chunk):
-        if len(pieces) == 1:
-            index, start, stop = pieces[0]
-            data = sources[index][start:stop]
-        else:
-            data = torch.cat([sources[i][a:b] for i, a, b in pieces])
-        in_flight.append((group.send([data], dst, 0), data))
-        if len(in_flight) > 2:
-            in_flight.pop(0)[0].wait(_seconds(stall))
-    for work, _ in in_flight:
-        work.wait(_seconds(stall))
-
-
-def relay_chain(
-    group: Any, buffer: torch.Tensor, chunk: int, src: int, dst: int | None, stall: float, first: float
-) -> tuple[bool, str | None]:
-    """Receive ``buffer`` from rank ``src`` in chunks, passing each on to
-    rank ``dst`` (if any) as soon as it is in. ``first``: how long to wait
-    for the first chunk (the chain may still be filling).
-
-    Returns (whether all of ``buffer`` arrived, gloo's error or None): a
-    host whose next host failed still holds the whole send.
-    """
-    total = buffer.numel()
-    starts = list(range(0, total, chunk))
-    if not starts:
-        return True, None
-    sends: list[Any] = []
-    received = 0
-    forwarding = dst is not None
-    error: str | None = None
-    try:
-        pending = group.recv([buffer[0 : min(chunk, total)]], src, 0)
-        for k, start in enumerate(starts):
-            pending.wait(_seconds(first if k == 0 else stall))
-            received = k + 1
-            if k + 1 < len(starts):
-                nxt = starts[k + 1]
-                pending = group.recv([buffer[nxt : min(nxt + chunk, total)]], src, 0)
-            if forwarding:
-                try:
-                    sends.append(group.send([buffer[start : min(start + chunk, total)]], dst, 0))
-                    if len(sends) > 2:
-                        sends.pop(0).wait(_seconds(stall))
-                except RuntimeError as exc:
-                    # The next host is gone: keep receiving, for this host.
-                    forwarding, sends, error = False, [], _message(exc)
-        for work in sends:
-            work.wait(_seconds(stall))
-    except RuntimeError as exc:
-        error = _message(exc)
-    return received == len(starts), error
-
-
 def _resolve(future: concurrent.futures.Future[Any], value: Any) -> None:
     """Set ``future``'s result, unless its waiter gave up on it (cancelled)."""
     with contextlib.suppress(concurrent.futures.InvalidStateError):
         future.set_result(value)
-
-
-def _message(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[-1] if lines else type(exc).__name__
 
 
 class RelayAgent:

@@ -1,16 +1,18 @@
 """Schemes: the configuration of how ONE model is synchronised, and the
 entry point that builds each side. One module per scheme family, laid out
 like the transports: ``_base`` (``WeightSyncScheme``, the whole public
-surface), ``_pipes`` (multiprocess, shared memory, in-process), ``_ray``
-and ``_none``.
+surface), ``_pipes`` (multiprocess, shared memory, in-process), ``_ray``,
+``_distributed`` (torch.distributed) and ``_none``.
 """
 
 from ._base import WeightSyncScheme, register_with_torchrl
+from ._distributed import DistributedWeightSyncScheme
 from ._none import NoWeightSyncScheme
 from ._pipes import InProcessWeightSyncScheme, MultiProcessWeightSyncScheme, SharedMemWeightSyncScheme
 from ._ray import RayWeightSyncMixin, RayWeightSyncScheme
 
 __all__ = [
+    "DistributedWeightSyncScheme",
     "InProcessWeightSyncScheme",
     "MultiProcessWeightSyncScheme",
     "NoWeightSyncScheme",

@@ -1,0 +1,230 @@
+"""The scheme for workers reached through ``torch.distributed``: on other
+hosts, started by ``torchrun``, SLURM or torchrl's distributed collectors."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+from typing import Any
+
+from .._sender import DEFAULT_TIMEOUT, SendReport
+from .._transports._base import SenderTransport, Staging
+from .._transports._distributed import (
+    ChainEndpoint,
+    ChainStaging,
+    DistributedSenderTransport,
+    Liveness,
+    session_key,
+    session_prefix,
+)
+from ._base import EndpointFactory, StrategyName, WeightSyncScheme, _num_workers
+
+__all__ = ["DistributedWeightSyncScheme"]
+
+
+def _default_host() -> str:
+    """The address workers reach the trainer by: ``MASTER_ADDR`` (as
+    torchrun and SLURM scripts set it), else this host name's address."""
+    host = os.environ.get("MASTER_ADDR")
+    if host:
+        return socket.gethostbyname(host)
+    return socket.gethostbyname(socket.gethostname())
+
+
+class DistributedWeightSyncScheme(WeightSyncScheme):
+    """Weights to workers on other hosts over ``torch.distributed`` (gloo),
+    without Ray.
+
+    ``backend``: ``"gloo"`` (the only one: ``"nccl"`` needs CUDA staging,
+    which weightsync does not have). ``sync``: True, a worker applies an
+    update only inside its ``receive()`` (a safe point); False, its
+    ``connect()`` starts the background applier, which applies each update
+    as it arrives, between two forward calls of the model (see
+    :meth:`WeightReceiver.start_applier`). ``timeout``: the default deadline
+    of a send and of each phase of ``connect()``, in seconds (torchrl's
+    default is an hour; weightsync's, a minute).
+
+    Sender (the trainer, rank 0): ``init_on_sender(model_id, num_workers=N,
+    model=...)``; worker ``i`` (``send(worker_ids=i)``) is rank ``i + 1``.
+    The scheme makes its own TCPStore on ``host`` (default: ``MASTER_ADDR``,
+    else this host's address) and ``port`` (default: any free one), unless
+    given ``store=`` (a ``torch.distributed.TCPStore``, e.g. torchrun's).
+    :meth:`get_store_info` says where it is; a pickled scheme carries it to
+    the workers.
+
+    Worker: ``init_on_worker(model_id, model=..., worker_idx=rank)``, with
+    its rank 1..N (as torchrl's distributed collectors pass it; ``rank=``
+    also works, default ``RANK`` from the environment), on a copy of the
+    scheme pickled after ``init_on_sender`` or given ``store_info=`` or
+    ``store=``. It blocks until the trainer's store answers (up to
+    ``timeout``), then a thread of the worker takes part in every send
+    (see below) whatever the worker is doing; the update is written into
+    its model only by ``receive()`` (or the background applier), one whole
+    version at a time, and acked then. Every tensor keeps its identity and
+    ``data_ptr()``.
+
+    Each send's bytes go along a pipelined chain of the workers of the send
+    (gloo point-to-point, 1 MiB chunks, each worker passing every chunk on
+    to the next as soon as it has it), so every NIC carries them about once:
+    about S/B + (workers - 1) x 1 MiB/B for S bytes over links of B bytes/s,
+    where a star (torchrl's scheme, or a gloo ``broadcast``) takes workers x
+    S/B. Versions, acks and errors go over the store; a TCP connection per
+    worker tells each side at once that the other's process ended.
+
+    Errors are those of every scheme: a weight mismatch is refused before
+    any worker is touched; a dead worker is a :class:`WorkerLostError`
+    naming it (at once, not at the deadline), the others still get the
+    update, and later sends form their chain without it; a stopped or
+    unreachable worker is an :class:`AckTimeoutError` at the deadline; a
+    worker that fails to apply is a :class:`WorkerApplyError` with its
+    message. A worker that dies in the middle of a chain breaks it: the
+    workers before it keep the update, and the trainer forms a new chain
+    over the others (up to three chains per send, within its deadline).
+    """
+
+    default_strategy = "tensordict"
+
+    def __init__(
+        self,
+        backend: str = "gloo",
+        sync: bool = True,
+        timeout: float = DEFAULT_TIMEOUT,
+        strategy: StrategyName | None = None,
+        *,
+        verify: bool = False,
+        per_worker_weights: bool = False,
+    ) -> None:
+        """:raises ValueError: a ``backend`` other than ``"gloo"`` (``"nccl"``
+        needs CUDA staging, which weightsync does not have and cannot test)."""
+        if backend == "nccl":
+            raise ValueError(
+                "DistributedWeightSyncScheme(backend='nccl') needs CUDA staging, which weightsync does not "
+                "have (and cannot test): use backend='gloo', which sends the weights from CPU memory"
+            )
+        if backend != "gloo":
+            raise ValueError(f"DistributedWeightSyncScheme supports backend='gloo' only, not {backend!r}")
+        super().__init__(strategy, timeout=timeout, verify=verify, per_worker_weights=per_worker_weights)
+        self.backend = backend
+        self.sync = sync
+        self._store_info: dict[str, Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(backend=self.backend, sync=self.sync, store_info=self._store_info)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.backend = state.get("backend", "gloo")
+        self.sync = state.get("sync", True)
+        self._store_info = state.get("store_info")
+
+    def get_store_info(self) -> dict[str, Any] | None:
+        """Where the trainer's store is: ``{"host": ..., "port": ...}``
+        (after ``init_on_sender``; a pickled scheme carries it), or None."""
+        return None if self._store_info is None else dict(self._store_info)
+
+    # -- the trainer ------------------------------------------------------------
+    def init_on_sender(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
+        """Initialise the trainer's side (rank 0); see the class docstring.
+        Does not block: the workers are waited for by ``connect()`` or the
+        first send.
+
+        :raises RuntimeError: this scheme is already initialised here.
+        :raises ValueError: no ``num_workers``.
+        :raises OSError: the store or the liveness socket cannot listen on ``host``.
+        """
+        super().init_on_sender(model_id, context, **kwargs)
+
+    def _sender_side(
+        self, context: Any, kwargs: dict[str, Any]
+    ) -> tuple[dict[int, SenderTransport], Staging | None]:
+        import datetime
+
+        import torch.distributed as dist
+
+        num_workers = _num_workers(context, kwargs)
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"{type(self).__name__}.init_on_sender needs num_workers=N (N >= 1)")
+        store: Any = kwargs.get("store")
+        own = store is None
+        host = kwargs.get("host") or getattr(store, "host", None) or _default_host()
+        if store is None:
+            store = dist.TCPStore(
+                host,
+                int(kwargs.get("port", 0)),
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=self.timeout),
+            )
+        port = int(store.port)
+        session = os.urandom(8).hex()
+        prefix = session_prefix(self._model_id, session)
+        liveness = Liveness(host)
+        store.set(f"{prefix}live", pickle.dumps(liveness.address))
+        # Published last: a worker that sees the session finds the rest.
+        store.set(session_key(self._model_id), session.encode())
+        self._store_info = {"host": host, "port": port}
+        staging = ChainStaging(self._model_id, store, (host, port), prefix, liveness, own_store=own)
+        transports: dict[int, SenderTransport] = {
+            i: DistributedSenderTransport(i + 1, i, staging, self._model_id) for i in range(num_workers)
+        }
+        return transports, staging
+
+    def _new_transport(self, worker_id: int, channel: Any, *, replaces: bool) -> SenderTransport:
+        """No channel: the new worker is rank ``worker_id + 1`` of the store."""
+        staging = self.staging
+        if channel is not None or not isinstance(staging, ChainStaging):
+            raise ValueError(f"{type(self).__name__}.add_worker takes no channel: it finds a worker by rank")
+        if replaces:
+            raise ValueError(
+                f"{type(self).__name__}.add_worker cannot bring back a worker under its old id; "
+                "add it under a new one"
+            )
+        return DistributedSenderTransport(worker_id + 1, worker_id, staging, self._model_id)
+
+    # -- a worker ---------------------------------------------------------------
+    def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> EndpointFactory:
+        rank = kwargs.get("rank", self._worker_idx)
+        if rank is None and os.environ.get("RANK"):
+            rank = int(os.environ["RANK"])
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(
+                f"{type(self).__name__}.init_on_worker needs worker_idx=rank (1..num_workers; the trainer "
+                f"is rank 0), got {rank!r}"
+            )
+        self._worker_idx = rank
+        store = kwargs.get("store")
+        info = kwargs.get("store_info") or self._store_info
+        if store is None and info is None:
+            raise ValueError(
+                f"{type(self).__name__}.init_on_worker needs where the trainer's store is: a scheme pickled "
+                "after init_on_sender, store_info={'host': ..., 'port': ...}, or store=..."
+            )
+        address = None if info is None else (str(info["host"]), int(info["port"]))
+        model_id, timeout = self._model_id, self.timeout
+        endpoint = ChainEndpoint(model_id, rank, address, store, timeout)
+        return lambda receiver: endpoint
+
+    def connect(
+        self,
+        *,
+        worker_idx: int | None = None,
+        weights: Any = None,
+        timeout: float | None = None,
+        background: bool | None = None,
+    ) -> SendReport | None:
+        """As :meth:`WeightSyncScheme.connect`. On a worker, ``background``
+        defaults to ``not sync``: with ``sync=False`` every later update is
+        applied as it arrives. ``worker_idx`` on the sender is a worker id
+        (rank - 1), as in ``send(worker_ids=...)``; on a worker it is
+        ignored (the rank was given at init)."""
+        if self._async_receiver is not None:
+            worker_idx = None
+        return super().connect(
+            worker_idx=worker_idx,
+            weights=weights,
+            timeout=timeout,
+            background=(not self.sync) if background is None else background,
+        )
