@@ -1,0 +1,73 @@
+"""The trainer of tests/test_distributed_cluster.py: runs on host 0 of an
+emulated cluster (``python _distributed_cluster_driver.py HOST WORKERS
+NUMEL...``) with DistributedWeightSyncScheme, and takes commands on stdin,
+one per line, answering on stdout:
+
+    (start)             -> STORE <host> <port>
+    connect             -> OK <json>       once every worker announced itself
+    send [ids]          -> SENDING, then SENT <json>: version, digests (sha256 per
+                           tensor of what was sent), seconds, error, chains
+    quit                -> BYE             after shutdown()
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+from _distributed_workers import build_model, state_of
+
+import weightsync as ws
+
+
+def _error(exc: ws.WorkerError) -> dict[str, Any]:
+    return {
+        "type": type(exc).__name__,
+        "worker_ids": list(exc.worker_ids),
+        "failures": {str(w): type(e).__name__ for w, e in exc.failures.items()},
+        "message": str(exc),
+    }
+
+
+def main() -> None:
+    host, workers = sys.argv[1], int(sys.argv[2])
+    shapes = {f"w{i}": int(n) for i, n in enumerate(sys.argv[3:])}
+    torch.manual_seed(0)
+    model = build_model(shapes)
+    scheme = ws.DistributedWeightSyncScheme(timeout=30.0)
+    scheme.init_on_sender("policy", num_workers=workers, model=model, host=host)
+    info = scheme.get_store_info()
+    assert info is not None
+    print(f"STORE {info['host']} {info['port']}", flush=True)
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "connect":
+            scheme.connect()
+            print("OK " + json.dumps({"version": scheme.get_sender().async_sender.version}), flush=True)
+        elif command == "send":
+            ids = json.loads(args[0]) if args else None
+            for tensor in model.values():
+                tensor.normal_()
+            digests = state_of(model)
+            print("SENDING", flush=True)
+            started = time.perf_counter()
+            error = None
+            try:
+                version = scheme.send(worker_ids=ids).version
+            except ws.WorkerError as exc:
+                version, error = exc.version, _error(exc)
+            seconds = time.perf_counter() - started
+            chains = [list(c) for c in scheme.staging.last_chains]  # type: ignore[union-attr]
+            result = {"version": version, "digests": digests, "seconds": seconds, "error": error}
+            print("SENT " + json.dumps({**result, "chains": chains}), flush=True)
+        elif command == "quit":
+            scheme.shutdown()
+            print("BYE", flush=True)
+            return
+
+
+if __name__ == "__main__":
+    main()
