@@ -1,16 +1,23 @@
-"""Two options of torchrl's schemes: ``devices=`` gives the number of
+"""Options of torchrl's schemes: ``devices=`` gives the number of
 workers, and ``per_worker_weights=True`` keeps weights of its own on each
 worker (a policy factory per worker), updated by ``send({worker_id:
-weights})`` or ``send(weights, worker_ids=i)``, under every scheme."""
+weights})`` or ``send(weights, worker_ids=i)``, under every scheme;
+and ``params_map={worker_idx: weights}`` gives the workers and the
+weights ``send()`` reads, under both pipe schemes."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
 
+import _applier_workers as workers
 import pytest
 import torch
-from _workers import build_model
-from conftest import CONFORMANCE_SCHEMES, Cluster, new_cluster
+from _workers import Net, build_model
+from conftest import CONFORMANCE_SCHEMES, PROCS, Cluster, new_cluster, reap
+from tensordict import TensorDict
 
 import weightsync as ws
 
@@ -90,3 +97,77 @@ def test_weights_keyed_by_worker_need_per_worker_weights(request: pytest.Fixture
             c.assert_has(i, c.expected())
     finally:
         c.close()
+
+
+PIPE_CLASSES = [ws.MultiProcessWeightSyncScheme, ws.SharedMemWeightSyncScheme]
+
+
+def _start_own_pipe_workers(scheme: ws.WeightSyncScheme, n: int) -> tuple[list[Connection], list[Any]]:
+    """``n`` workers of a scheme that made its own pipes; each reports its
+    tensors when asked on its connection."""
+    conns, procs = [], []
+    for i in range(n):
+        ctrl, ctrl_child = PROCS.Pipe()
+        proc = PROCS.Process(target=workers.own_pipe_worker, args=(scheme, i, ctrl_child), daemon=True)
+        proc.start()
+        ctrl_child.close()
+        conns.append(ctrl)
+        procs.append(proc)
+    return conns, procs
+
+
+def _reports(conns: list[Connection]) -> Iterator[dict[str, torch.Tensor]]:
+    for conn in conns:
+        conn.send("report")
+        assert conn.poll(30), "a worker did not report"
+        yield conn.recv()
+
+
+@pytest.mark.parametrize("cls", PIPE_CLASSES)
+def test_params_map_gives_the_workers_and_the_weights_that_send_reads(
+    cls: type[ws.WeightSyncScheme],
+) -> None:
+    # As torchrl's SharedMemWeightSyncScheme takes it before a collector
+    # starts: a worker per key, and (no model given) send() reads the
+    # weights of worker 0's entry.
+    trainer = Net()
+    weights = TensorDict.from_module(trainer)
+    scheme = cls(timeout=30)
+    scheme.init_on_sender(params_map={0: weights, 1: weights}, ctx=PROCS)
+    conns, procs = _start_own_pipe_workers(scheme, 2)
+    try:
+        assert sorted(scheme.sender_transports) == [0, 1]
+        scheme.connect()
+        with torch.no_grad():
+            trainer.inp.weight.add_(1.0)
+        scheme.send()
+        for report in _reports(conns):
+            assert torch.equal(report["inp.weight"], trainer.inp.weight.detach())
+    finally:
+        for conn in conns:
+            conn.close()
+        reap(procs)
+        scheme.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("params_map", "kwargs", "match"),
+    [
+        ({1: None, 2: None}, {}, "worker indices 0 to N-1"),
+        ({0: None, 2: None}, {}, "worker indices 0 to N-1"),
+        ({}, {}, "worker indices 0 to N-1"),
+        ([None, None], {}, "must be a dict"),
+        ({0: None, 1: None}, {"num_workers": 3}, "num_workers=3 but params_map has 2 workers"),
+    ],
+)
+def test_a_params_map_that_does_not_name_the_workers_is_refused(
+    params_map: Any, kwargs: dict[str, Any], match: str
+) -> None:
+    weights = TensorDict.from_module(Net())
+    if isinstance(params_map, dict):
+        params_map = dict.fromkeys(params_map, weights)
+    scheme = ws.SharedMemWeightSyncScheme()
+    with pytest.raises(ValueError, match=match):
+        scheme.init_on_sender("policy", params_map=params_map, ctx=PROCS, **kwargs)
+    assert not scheme.initialized_on_sender
+    scheme.shutdown()

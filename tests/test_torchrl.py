@@ -199,3 +199,30 @@ def test_each_worker_of_a_collector_keeps_weights_of_its_own(scheme_name: str) -
         collector.shutdown()
         scheme.shutdown()
     assert seen == [{1.0, 2.0}, {3.0, 2.0}, {4.0, 5.0}, {4.0, 6.0}]
+
+
+@pytest.mark.parametrize("scheme_name", SCHEMES)
+def test_a_scheme_given_a_params_map_before_the_collector_starts(scheme_name: str) -> None:
+    """As torchrl's schemes are set up before a collector starts:
+    ``init_on_sender(params_map={worker_idx: weights})`` gives the workers
+    and the weights ``update_policy_weights_()`` sends; the collector keeps
+    the scheme as it is, and each batch after an update holds the version
+    sent."""
+    from tensordict import TensorDict
+
+    policy = parts.make_policy(1.0)
+    weights = TensorDict.from_module(policy)
+    scheme = SCHEMES[scheme_name](timeout=60)
+    scheme.init_on_sender(params_map={0: weights, 1: weights})
+    collector = _collector(MultiSyncCollector, scheme, policy)
+    seen = []
+    try:
+        assert sorted(scheme.sender_transports) == [0, 1]
+        for i, batch in enumerate(_collect(collector, 3)):
+            seen.append(parts.versions_in(batch["action"]))
+            parts.set_version(policy, i + 2.0)
+            collector.update_policy_weights_()
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+    assert seen == [{1.0}, {2.0}, {3.0}]

@@ -11,7 +11,7 @@ package) provides the transports.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -33,10 +33,33 @@ def _from(context: Any, kwargs: dict[str, Any], name: str, default: Any = None) 
     return getattr(context, name, default) if context is not None else default
 
 
+def _params_map(kwargs: dict[str, Any]) -> dict[int, Any] | None:
+    """torchrl's ``params_map={worker_idx: weights}``, checked: one entry per
+    worker, keyed 0 to N-1."""
+    params_map = kwargs.get("params_map")
+    if params_map is None:
+        return None
+    if not isinstance(params_map, Mapping):
+        raise ValueError(
+            f"params_map must be a dict of worker index to weights, not {type(params_map).__name__}"
+        )
+    if not params_map or set(params_map) != set(range(len(params_map))):
+        raise ValueError(
+            f"params_map must map the worker indices 0 to N-1 (N >= 1), got keys {list(params_map)!r}"
+        )
+    return dict(params_map)
+
+
 def _num_workers(context: Any, kwargs: dict[str, Any]) -> Any:
-    """``num_workers``, else one worker per entry of ``devices`` (as
-    torchrl's schemes take it: the device of each worker's policy)."""
+    """``num_workers``, else one worker per entry of ``devices`` or of
+    ``params_map`` (as torchrl's schemes take them: the device of each
+    worker's policy; the weights of each worker)."""
     num_workers = _from(context, kwargs, "num_workers")
+    params_map = _params_map(kwargs)
+    if params_map is not None:
+        if num_workers is not None and num_workers != len(params_map):
+            raise ValueError(f"num_workers={num_workers} but params_map has {len(params_map)} workers")
+        return len(params_map)
     if num_workers is None:
         devices = kwargs.get("devices")
         if devices is not None and not isinstance(devices, str | torch.device):
@@ -45,9 +68,16 @@ def _num_workers(context: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def _model_of(model_id: str | None, context: Any, kwargs: dict[str, Any]) -> Any:
-    model = kwargs.get("model")
-    if model is not None:
-        return model
+    """What ``send(None)`` reads: ``model``, else ``weights`` (as torchrl's
+    schemes take them), else worker 0's entry of ``params_map`` (each
+    worker's copy is made by its own receiver, so one source serves all),
+    else the context's model."""
+    for name in ("model", "weights"):
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    params_map = _params_map(kwargs)
+    if params_map is not None:
+        return params_map[0]
     try:
         return model_of(context, model_id)
     except (LookupError, ValueError, AttributeError):
