@@ -2,12 +2,14 @@
 workers, and ``per_worker_weights=True`` keeps weights of its own on each
 worker (a policy factory per worker), updated by ``send({worker_id:
 weights})`` or ``send(weights, worker_ids=i)``, under every scheme;
-and ``params_map={worker_idx: weights}`` gives the workers and the
-weights ``send()`` reads, under both pipe schemes."""
+``params_map={worker_idx: weights}`` gives the workers and the weights
+``send()`` reads, and ``sync=False`` returns from ``send()`` once the
+weights are staged, under both pipe schemes."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -171,3 +173,50 @@ def test_a_params_map_that_does_not_name_the_workers_is_refused(
         scheme.init_on_sender("policy", params_map=params_map, ctx=PROCS, **kwargs)
     assert not scheme.initialized_on_sender
     scheme.shutdown()
+
+
+@pytest.mark.parametrize("cls", PIPE_CLASSES)
+def test_sync_false_returns_once_staged_and_the_next_send_gathers_the_acks(
+    cls: type[ws.WeightSyncScheme],
+) -> None:
+    assert cls().sync and not cls(sync=False).sync
+    assert not pickle.loads(pickle.dumps(cls(sync=False))).sync
+    trainer = Net()
+    scheme = cls(timeout=30, sync=False)
+    scheme.init_on_sender("policy", model=trainer, num_workers=2, ctx=PROCS)
+    conns, procs = _start_own_pipe_workers(scheme, 2)
+    sender = scheme.get_sender()
+    try:
+        scheme.connect()  # the rendezvous still waits for every worker
+        assert not sender.pending
+        with torch.no_grad():
+            trainer.inp.weight.add_(1.0)
+        expected = trainer.inp.weight.detach().clone()
+        assert scheme.send() is None
+        assert sender.pending
+        with torch.no_grad():
+            trainer.inp.weight.add_(1.0)  # after the call: not sent
+        report = sender.wait_async(30)
+        assert report.worker_ids == (0, 1)
+        for worker in _reports(conns):
+            assert torch.equal(worker["inp.weight"], expected)
+        # Two sends in a row: the second waits for the first's acks.
+        assert scheme.send() is None
+        assert scheme.send() is None
+        sender.wait_async(30)
+        for worker in _reports(conns):
+            assert torch.equal(worker["inp.weight"], trainer.inp.weight.detach())
+        # A send's error comes from the next send, before that one moves anything.
+        procs[1].kill()
+        procs[1].join(10)
+        assert scheme.send(timeout=20) is None
+        version = sender.async_sender.version
+        with pytest.raises(ws.WorkerLostError, match="worker 1"):
+            scheme.send(timeout=20)
+        assert sender.async_sender.version == version
+        assert not sender.pending
+    finally:
+        for conn in conns:
+            conn.close()
+        reap(procs)
+        scheme.shutdown()

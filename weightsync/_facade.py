@@ -59,6 +59,11 @@ class WeightSender:
         """The last version each worker acked (None: none yet), by worker id."""
         return self._sender.worker_versions
 
+    @property
+    def pending(self) -> bool:
+        """Whether a ``send_async()`` is not waited for yet (see :meth:`wait_async`)."""
+        return self._pending is not None
+
     def _check(self, what: str) -> None:
         if self._closed:
             raise WeightSyncStateError(

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, ClassVar
 
-from .._sender import DEFAULT_TIMEOUT
+from .._sender import DEFAULT_TIMEOUT, Keys, SendReport
 from .._transports._base import SenderTransport, Staging
 from .._transports._copy_staging import CopyReader, SegmentStaging
 from .._transports._pipe import PipeEndpoint, PipeSenderTransport
@@ -36,6 +36,46 @@ class _PipeScheme(WeightSyncScheme):
     #: Added to the error of a worker killed by SIGSEGV.
     _fault_hint: ClassVar[str | None] = None
 
+    def __init__(
+        self,
+        strategy: StrategyName | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        verify: bool = False,
+        per_worker_weights: bool = False,
+        sync: bool = True,
+    ) -> None:
+        """``sync=False`` (as torchrl's schemes take it): :meth:`send` returns
+        once the weights are staged, without waiting for the acks."""
+        super().__init__(strategy, timeout=timeout, verify=verify, per_worker_weights=per_worker_weights)
+        self.sync = sync
+
+    def send(
+        self,
+        weights: Any = None,
+        worker_ids: int | Iterable[int] | None = None,
+        *,
+        timeout: float | None = None,
+        keys: Keys | None = None,
+        partial: bool = False,
+        verify: bool | None = None,
+    ) -> SendReport | None:
+        """As :meth:`WeightSyncScheme.send`. Under ``sync=False`` it is
+        ``get_sender().send_async(...)`` and returns None once the weights
+        are staged (they may be changed then): the acks, and the errors, of
+        that send are gathered by the next ``send()`` (which raises them
+        before sending anything), by ``get_sender().wait_async()``, or by
+        ``shutdown()`` (which ignores them)."""
+        if self.sync:
+            return super().send(
+                weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
+            )
+        sender = self.get_sender()
+        if sender.pending:
+            sender.wait_async()
+        sender.send_async(weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify)
+        return None
+
     def _reset(self) -> None:
         super()._reset()
         # The ends of the pipes this scheme made: the sender's, and the
@@ -45,12 +85,14 @@ class _PipeScheme(WeightSyncScheme):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
+        state["sync"] = self.sync
         if self._worker_ends:
             state["worker_ends"] = dict(self._worker_ends)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.sync = state.get("sync", True)
         self._worker_ends = dict(state.get("worker_ends", {}))
 
     def _sender_pipes(self, context: Any, kwargs: dict[str, Any]) -> list[Connection]:
