@@ -269,6 +269,37 @@ def test_workers_never_see_a_mix_of_versions(pace: str) -> None:
         assert timed_out > 0
 
 
+def test_a_worker_hears_at_once_that_its_trainer_died() -> None:
+    """This process is the worker; the trainer is SIGKILLed: the next
+    receive() raises SenderLostError at once (the liveness connection
+    closed), not at its deadline, and shutdown() leaves no thread."""
+    ours, theirs = PROCS.Pipe()
+    trainer = PROCS.Process(target=dw.trainer_main, args=(theirs, SHAPES), daemon=True)
+    trainer.start()
+    theirs.close()
+    scheme = ws.DistributedWeightSyncScheme(timeout=30.0)
+    try:
+        assert ours.poll(60)
+        info = ours.recv()
+        model = dw.build_model(SHAPES)
+        scheme.init_on_worker("policy", model=model, worker_idx=1, store_info=info)
+        scheme.connect(background=False)
+        assert ours.poll(30) and ours.recv() == "connected"
+        assert scheme.get_receiver().async_receiver.version == 1
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.join(10)
+        started = time.monotonic()
+        with pytest.raises(ws.SenderLostError) as caught:
+            scheme.receive(timeout=20)
+        assert not isinstance(caught.value, ws.SenderClosedError)
+        assert time.monotonic() - started < 5
+    finally:
+        scheme.shutdown()
+        reap([trainer])
+        ours.close()
+    assert not [t for t in _weightsync_threads() if t.name.startswith("weightsync-relay")]
+
+
 def _weightsync_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("weightsync-")]
 

@@ -26,13 +26,14 @@ Who does what:
   Each side polls with ``check()`` (tens of microseconds on a store of the
   same host), never ``wait()``, so every wait has the caller's deadline.
 - **Liveness: a TCP connection per worker** to a listening socket of the
-  trainer, held open for the worker's life and never written after its
-  first bytes. The kernel closes it when either process ends, however it
-  ends, so the trainer names a dead worker at once (a
-  :class:`WorkerLostError`) and a worker hears a dead trainer (a
-  :class:`SenderLostError`); a stopped process keeps it open, and is
-  reported at the deadline (:class:`AckTimeoutError`), as under the other
-  schemes.
+  trainer, held open for the worker's life; nothing is written on it but
+  the worker's rank at first and, at a clean shutdown, one byte from the
+  trainer. The kernel closes it when either process ends, however it ends,
+  so the trainer names a dead worker at once (a :class:`WorkerLostError`)
+  and a worker tells a trainer that died (a :class:`SenderLostError`) from
+  one that shut down (a :class:`SenderClosedError`); a stopped process
+  keeps it open, and is reported at the deadline (:class:`AckTimeoutError`),
+  as under the other schemes.
 
 Faults. A worker that dies breaks the gloo group: its neighbours' waits end
 within a stall limit (a fraction of the send's deadline, 1 to 5 s). The
@@ -89,6 +90,7 @@ _POLL = (0.0005, 0.005)
 _IDLE_POLL = (0.001, 0.01)
 _HELLO = struct.Struct("!4sIQ")
 _MAGIC = b"WSL1"
+_CLOSING = b"C"
 
 
 def session_prefix(model_id: str | None, session: str) -> str:
@@ -138,6 +140,8 @@ class Liveness:
         self._unread: list[socket.socket] = []
         self._known: dict[tuple[int, int], socket.socket] = {}
         self._closed = False
+        # The chain's thread and the sender's loop both ask.
+        self._lock = threading.Lock()
 
     def _accept(self) -> None:
         while True:
@@ -177,29 +181,36 @@ class Liveness:
     def state(self, rank: int, nonce: int) -> str:
         """``"alive"``, ``"gone"`` (its connection closed: the worker ended),
         or ``"unknown"`` (not connected yet)."""
-        if self._closed:
-            return "unknown"
-        conn = self._known.get((rank, nonce))
-        if conn is None:
-            self._accept()
+        with self._lock:
+            if self._closed:
+                return "unknown"
             conn = self._known.get((rank, nonce))
             if conn is None:
-                return "unknown"
-        try:
-            data = conn.recv(1, socket.MSG_PEEK)
-        except BlockingIOError:
-            return "alive"
-        except OSError:
-            return "gone"
-        return "alive" if data else "gone"
+                self._accept()
+                conn = self._known.get((rank, nonce))
+                if conn is None:
+                    return "unknown"
+            try:
+                data = conn.recv(1, socket.MSG_PEEK)
+            except BlockingIOError:
+                return "alive"
+            except OSError:
+                return "gone"
+            return "alive" if data else "gone"
 
     def close(self) -> None:
         """Close every connection: each worker hears the trainer gone. Idempotent."""
-        self._closed = True
-        for conn in [*self._unread, *self._known.values()]:
-            conn.close()
-        self._unread, self._known = [], {}
-        self._listener.close()
+        with self._lock:
+            self._closed = True
+            for conn in self._known.values():
+                # One byte before the end: a clean shutdown, which a worker
+                # then tells from a trainer that died (its end closes bare).
+                with contextlib.suppress(OSError):
+                    conn.send(_CLOSING)
+            for conn in [*self._unread, *self._known.values()]:
+                conn.close()
+            self._unread, self._known = [], {}
+            self._listener.close()
 
 
 @dataclass
@@ -229,7 +240,6 @@ class ChainStaging:
         prefix: str,
         liveness: Liveness,
         *,
-        own_store: bool,
         chunk: int = CHUNK_BYTES,
     ) -> None:
         self.model_id = model_id
@@ -238,7 +248,6 @@ class ChainStaging:
         self.liveness = liveness
         self.chunk = chunk
         self._store_address = store_address
-        self._own_store = own_store
         self._buffer: torch.Tensor | None = None
         self._views: tuple[str, list[torch.Tensor]] | None = None
         self._packet: tuple[int, int, str, Signature | None, tuple[int, ...] | None, int] | None = None
@@ -413,10 +422,6 @@ class ChainStaging:
 
     def _drop(self) -> None:
         self._group, self._group_ranks = None, ()
-
-    def join(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
 
     async def aclose(self) -> None:
         """Stop the chain, close the liveness socket (every worker hears the
@@ -662,13 +667,22 @@ class ChainEndpoint:
             delay = min(delay * 2, _IDLE_POLL[1])
 
     # -- the relay thread ------------------------------------------------------------
-    def _trainer_gone(self) -> bool:
+    def _trainer_state(self, wait: float = 0.0) -> str:
+        """``"alive"``, ``"closed"`` (it shut down cleanly) or ``"gone"``
+        (it died), from the liveness connection; waits up to ``wait``
+        seconds for it to tell."""
+        if wait > 0:
+            select.select([self._live], [], [], wait)
         try:
-            return self._live.recv(1, socket.MSG_PEEK) == b""
+            data = self._live.recv(1, socket.MSG_PEEK)
         except BlockingIOError:
-            return False
+            return "alive"
         except OSError:
-            return True
+            return "gone"
+        return "closed" if data == _CLOSING else "gone" if not data else "alive"
+
+    def _closed_error(self) -> SenderClosedError:
+        return SenderClosedError(f"the sender of model {self.model_id!r} shut down", model_id=self.model_id)
 
     def _end(self, error: Exception) -> None:
         with self._lock:
@@ -693,12 +707,13 @@ class ChainEndpoint:
                     now = time.monotonic()
                     if now - last_check > 0.05:
                         last_check = now
-                        if self._trainer_gone():
-                            # A clean shutdown leaves a close notice first.
-                            if _get_now(store, key) is None:
-                                self._end(self.lost("its connection to this worker closed"))
-                                return
-                            continue
+                        state = self._trainer_state()
+                        if state == "closed":
+                            self._end(self._closed_error())
+                            return
+                        if state == "gone":
+                            self._end(self.lost("its connection to this worker closed"))
+                            return
                     self._stop.wait(delay)
                     delay = min(delay * 2, _IDLE_POLL[1])
                     continue
@@ -707,8 +722,7 @@ class ChainEndpoint:
                 store.delete_key(key)
                 notice = pickle.loads(value)
                 if notice[0] == "close":
-                    closed = f"the sender of model {self.model_id!r} shut down"
-                    self._end(SenderClosedError(closed, model_id=self.model_id))
+                    self._end(self._closed_error())
                     return
                 # A newer notice means the trainer is done with this one (it
                 # writes the next only once a chain ended): a worker that was
@@ -717,7 +731,11 @@ class ChainEndpoint:
                     self._relay(store, notice)
         except Exception as exc:  # the store is gone with the trainer
             if not self._stop.is_set():
-                self._end(self.lost(f"its store failed ({short_message(exc)})"))
+                # A trainer that shut down said so on the liveness connection first.
+                if self._trainer_state(wait=0.5) == "closed":
+                    self._end(self._closed_error())
+                else:
+                    self._end(self.lost(f"its store failed ({short_message(exc)})"))
         finally:
             self._group = None
 

@@ -1,5 +1,5 @@
 """The scheme for workers reached through ``torch.distributed``: on other
-hosts, started by ``torchrun``, SLURM or torchrl's distributed collectors."""
+hosts, started by ``torchrun``, SLURM or any launcher."""
 
 from __future__ import annotations
 
@@ -54,8 +54,9 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     the workers.
 
     Worker: ``init_on_worker(model_id, model=..., worker_idx=rank)``, with
-    its rank 1..N (as torchrl's distributed collectors pass it; ``rank=``
-    also works, default ``RANK`` from the environment), on a copy of the
+    its rank 1..N (the trainer is rank 0, as torchrl's distributed
+    collectors number them; ``rank=`` also works, default ``RANK`` from the
+    environment), on a copy of the
     scheme pickled after ``init_on_sender`` or given ``store_info=`` or
     ``store=``. It blocks until the trainer's store answers (up to
     ``timeout``), then a thread of the worker takes part in every send
@@ -148,7 +149,6 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"{type(self).__name__}.init_on_sender needs num_workers=N (N >= 1)")
         store: Any = kwargs.get("store")
-        own = store is None
         host = kwargs.get("host") or getattr(store, "host", None) or _default_host()
         if store is None:
             store = dist.TCPStore(
@@ -166,7 +166,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         # Published last: a worker that sees the session finds the rest.
         store.set(session_key(self._model_id), session.encode())
         self._store_info = {"host": host, "port": port}
-        staging = ChainStaging(self._model_id, store, (host, port), prefix, liveness, own_store=own)
+        staging = ChainStaging(self._model_id, store, (host, port), prefix, liveness)
         transports: dict[int, SenderTransport] = {
             i: DistributedSenderTransport(i + 1, i, staging, self._model_id) for i in range(num_workers)
         }
