@@ -178,22 +178,24 @@ def test_bench_all_schemes_with_alternatives_writes_json_and_plot(
     rows = {
         line.split()[0]: line.split()
         for line in lines
-        if line.split()[:1] in (["multiprocess"], ["shared"], ["pickle-pipe"], ["bare-shm"])
+        if line.split()[:1] in (["multiprocess"], ["shared"], ["distributed"], ["pickle-pipe"], ["bare-shm"])
     }
     assert {name: row[6] for name, row in rows.items()} == {
         "multiprocess": "private",
         "shared": "shared",
+        "distributed": "private",
         "pickle-pipe": "private",
         "bare-shm": "private",
     }
 
     report = json.loads(out.read_text())
     cases = {case["scheme"]: case for case in report["cases"]}
-    assert set(cases) == {"multiprocess", "shared", "pickle-pipe", "bare-shm"}
+    assert set(cases) == {"multiprocess", "shared", "distributed", "pickle-pipe", "bare-shm"}
     assert report["config"]["compare"] == ["pickle-pipe", "bare-shm"]
     assert list(report["skipped"]) == ["ray"]
     for name, case in cases.items():
-        assert case["kind"] == ("scheme" if name in ("multiprocess", "shared") else "alternative")
+        schemes = ("multiprocess", "shared", "distributed")
+        assert case["kind"] == ("scheme" if name in schemes else "alternative")
         assert case["torn"] == "no"
         assert len(case["samples"]["send_s"]) == 2
         assert all(s > 0 for s in case["samples"]["send_s"])

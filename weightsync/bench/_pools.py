@@ -40,6 +40,7 @@ from ._model import GeneratedMLP, change_model, check_applied, corrupt_model, te
 from ._types import (
     MODEL_ID,
     RECEIVE_POLL,
+    SCHEMES,
     STARTUP_TIMEOUT,
     BenchConfig,
     BenchError,
@@ -181,6 +182,11 @@ def timed_rounds(
 # -- worker processes -----------------------------------------------------------
 
 
+# This worker process's slot (set by _worker_main): worker ``slot`` of a case
+# reached by rank is rank ``slot + 1``.
+_SLOT = 0
+
+
 def _worker_main(slot: int, ctrl: Connection, pipes: dict[int, Connection], threads: int | None) -> None:
     """A bench worker: serves the cases the trainer starts over ``ctrl``.
 
@@ -192,6 +198,8 @@ def _worker_main(slot: int, ctrl: Connection, pipes: dict[int, Connection], thre
     # Ctrl-C reaches the whole process group; the trainer decides when the
     # workers stop, so they finish cleanly instead of dying mid-case.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    global _SLOT
+    _SLOT = slot
     if threads is not None:
         torch.set_num_threads(threads)
     try:
@@ -224,15 +232,19 @@ def _serve_case(
     scheme: ws.WeightSyncScheme,
     shapes: dict[str, tuple[int, ...]],
     dtype: str,
+    reach: str,
     corrupt: bool,
 ) -> None:
     """A worker's side of a weightsync scheme: build a model of zeros,
-    initialise ``scheme`` on it with ``pipe``, then report the version and
-    checksums after each update it applies, until the trainer's sender is
-    gone."""
+    initialise ``scheme`` on it with ``pipe`` (or, ``reach="rank"``, as rank
+    slot + 1), then report the version and checksums after each update it
+    applies, until the trainer's sender is gone."""
     model = GeneratedMLP(shapes, dtype=dtype)
     try:
-        scheme.init_on_worker(MODEL_ID, pipe=pipe, model=model)
+        if reach == "rank":
+            scheme.init_on_worker(MODEL_ID, model=model, worker_idx=_SLOT + 1)
+        else:
+            scheme.init_on_worker(MODEL_ID, pipe=pipe, model=model)
         ctrl.send(("ready",))
         while True:
             try:
@@ -323,7 +335,12 @@ class WorkerPool(Pool):
         return self._case_pipes[index]
 
     def sender_args(self, index: int) -> dict[str, Any]:
-        """``pipes=``: the trainer's ends of case ``index``'s pipes."""
+        """``pipes=``: the trainer's ends of case ``index``'s pipes; for a
+        scheme that reaches its workers by rank, their number and the
+        address of the store (this host's loopback)."""
+        case = self.cases[index]
+        if case.scheme in SCHEMES and SCHEMES[case.scheme].reach == "rank":
+            return {"num_workers": case.workers, "host": "127.0.0.1"}
         return {"pipes": self.pipes(index)}
 
     def _expect(self, slot: int, kind: str, deadline: float) -> tuple[Any, ...]:
@@ -361,7 +378,7 @@ class WorkerPool(Pool):
         :raises BenchError: a worker failed, died or did not get ready in time.
         """
         case = self.cases[index]
-        self._start(index, _serve_case, scheme, shapes, case.dtype)
+        self._start(index, _serve_case, scheme, shapes, case.dtype, SCHEMES[case.scheme].reach)
 
     def start_alternative(
         self,

@@ -84,8 +84,11 @@ class SchemeInfo:
     (:class:`weightsync.bench._pools.WorkerPool`; ``pipes=`` on the trainer,
     ``pipe=`` on a worker) or ``"ray"``
     (:class:`weightsync.bench._ray_pool.RayActorPool`; ``remote_collectors=`` on
-    the trainer, ``init_on_worker`` inside each actor). ``requires`` names
-    the module it needs that may be missing, if any."""
+    the trainer, ``init_on_worker`` inside each actor). ``reach`` is how a
+    worker process is reached: ``"pipe"`` (``pipes=`` / ``pipe=``) or
+    ``"rank"`` (``num_workers=`` on the trainer, ``worker_idx=rank`` on
+    worker ``rank - 1``, through the store the pickled scheme names).
+    ``requires`` names the module it needs that may be missing, if any."""
 
     name: str
     summary: str
@@ -94,6 +97,7 @@ class SchemeInfo:
     torn: str = "no"
     pool: str = "processes"
     requires: str | None = None
+    reach: str = "pipe"
 
     def unavailable(self) -> str | None:
         """Why it cannot run here, or None if it can."""
@@ -106,6 +110,10 @@ def _multiprocess(timeout: float) -> ws.WeightSyncScheme:
 
 def _shared(timeout: float) -> ws.WeightSyncScheme:
     return ws.SharedMemWeightSyncScheme(timeout=timeout)
+
+
+def _distributed(timeout: float) -> ws.WeightSyncScheme:
+    return ws.DistributedWeightSyncScheme(timeout=timeout)
 
 
 def _ray(timeout: float) -> ws.WeightSyncScheme:
@@ -127,6 +135,14 @@ SCHEMES: dict[str, SchemeInfo] = {
         "SharedMemWeightSyncScheme: zero-copy, workers re-point to versioned shared-memory slots",
         _shared,
         copy="shared",
+    ),
+    # Each worker's relay thread takes the bytes into a buffer of its own;
+    # receive() copies one whole version from it: private, never torn.
+    "distributed": SchemeInfo(
+        "distributed",
+        "DistributedWeightSyncScheme: a pipelined gloo chain of the workers, control over a TCPStore",
+        _distributed,
+        reach="rank",
     ),
     # An actor applies each update between its method calls, from an
     # immutable object in Ray's store, into its own model: a private copy,
