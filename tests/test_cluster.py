@@ -186,3 +186,30 @@ def test_stale_namespaces_of_a_dead_creator_are_removed() -> None:
     finally:
         mine.close()
     assert not set(mine.namespaces) & set(_netns._namespaces())
+
+
+def test_bench_across_emulated_hosts_prints_the_table_and_writes_json(tmp_path: Path) -> None:
+    """``weightsync bench --emulate-hosts``, end to end: a cluster of its own,
+    the TCP ceiling, every case verified, the table and the JSON; nothing
+    left behind."""
+    out = tmp_path / "hosts.json"
+    argv = [
+        *(sys.executable, "-m", "weightsync", "bench", "--emulate-hosts", "3", "--hosts", "1", "2"),
+        *("--size", "4", "--repeats", "2", "--json", str(out)),
+    ]
+    before = set(_netns._namespaces())
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    header = max(i for i, line in enumerate(lines) if line.lstrip().startswith("hosts"))
+    for column in ("floor ms", "TCP chain", "weightsync ms", "ray put/get", "gloo bcast", "cpu busy"):
+        assert column in lines[header]
+    rows = [line.split() for line in lines[header + 1 :] if line.strip()]
+    assert [(row[0], row[1], row[2]) for row in rows] == [("1", "1", "4"), ("2", "1", "4")]
+    report = json.loads(out.read_text())
+    assert report["bytes_per_second"] == 125e6
+    assert report["tcp_chain_s"]["4.0"] > 0
+    for row in report["rows"]:
+        assert len(row["weightsync"]) == len(row["ray_put"]) == len(row["gloo_bcast"]) == 2
+        assert 0 < row["cpu_busy"] <= 1
+    assert set(_netns._namespaces()) <= before

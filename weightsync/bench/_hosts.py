@@ -119,6 +119,18 @@ class HostActor:
         self.scheme, self.group, self.flat, self.tensors = None, None, None, {}
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of this machine's CPUs so far, from
+    /proc/stat; (0, 0) where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    return sum(ticks[:8]) - idle, sum(ticks[:8])
+
+
 def receiving_nodes() -> list[tuple[str, str]]:
     """(node id, address) of every alive node but the driver's, by address."""
     import ray
@@ -188,14 +200,21 @@ def run_on_cluster(
             # chain; one more, untimed, touches every buffer once.
             scheme.connect()
             scheme.send()
-            times = []
+            times, busy = [], [0, 0]
             for step in range(repeats):
                 change(step)
+                before = _cpu_ticks()
                 started = time.perf_counter()
                 scheme.send()
                 times.append(time.perf_counter() - started)
+                after = _cpu_ticks()
+                busy = [busy[0] + after[0] - before[0], busy[1] + after[1] - before[1]]
                 check(step)
             row["weightsync"] = times
+            # How busy this machine's CPUs were during those sends: on the
+            # emulated cluster every host shares them, and near 100% the
+            # CPUs, not the emulated network, set the time.
+            row["cpu_busy"] = busy[0] / busy[1] if busy[1] else None
             scheme.shutdown()
             if peers:
                 # Ray put/get: a star from the trainer's node.
@@ -334,7 +353,7 @@ def format_hosts_table(
         lines.append(
             f"{'hosts':>5} {'act/h':>5} {'MiB':>6} {'floor ms':>9} {'TCP chain':>10} "
             f"{'weightsync ms':>14} {'x floor':>7} {'ray put/get':>12} {'x floor':>7} "
-            f"{'gloo bcast':>11} {'x floor':>7}"
+            f"{'gloo bcast':>11} {'x floor':>7} {'cpu busy':>8}"
         )
     for row in rows:
         floor = row["bytes"] / bytes_per_second if bytes_per_second else None
@@ -347,10 +366,11 @@ def format_hosts_table(
             return f"{med * 1e3:>12.0f} {ratio:>7}"
 
         tcp = (ceiling or {}).get(row["mib"])
+        busy = f"{row['cpu_busy']:.0%}" if row.get("cpu_busy") is not None else "-"
         lines.append(
             f"{row['hosts']:>5} {row['per_host']:>5} {row['mib']:>6g} "
             f"{(floor or 0) * 1e3:>9.0f} {(f'{tcp * 1e3:.0f}' if tcp else '-'):>10} "
-            f"{cell('weightsync'):>22} {cell('ray_put')} {cell('gloo_bcast')}"
+            f"{cell('weightsync'):>22} {cell('ray_put')} {cell('gloo_bcast')} {busy:>8}"
         )
     return "\n".join(lines)
 
