@@ -45,17 +45,23 @@ def make_scheme(
 ) -> ws.WeightSyncScheme:
     """A scheme with the given deadline (and ``options``); ``timeout=None``
     gives none, so the scheme keeps the library's default."""
-    cls = ws.InProcessWeightSyncScheme if scheme_name == "inprocess" else SCHEME_CLASSES[scheme_name]
+    others: dict[str, type[ws.WeightSyncScheme]] = {
+        "inprocess": ws.InProcessWeightSyncScheme,
+        "distributed": ws.DistributedWeightSyncScheme,
+    }
+    cls = others.get(scheme_name) or SCHEME_CLASSES[scheme_name]
     return cls(**options) if timeout is None else cls(timeout=timeout, **options)
 
 
 # The schemes whose workers are processes joined by the user's pipes.
 PIPE_SCHEMES = ["multiprocess", "shared"]
-# The conformance suite also runs over the in-process scheme (worker threads).
-CONFORMANCE_SCHEMES = [*SCHEMES, "inprocess"]
+# The conformance suite also runs over the in-process scheme (worker threads)
+# and the torch.distributed scheme (worker processes reached by rank, through
+# the trainer's store on 127.0.0.1; not in the default run).
+CONFORMANCE_SCHEMES = [*SCHEMES, "inprocess", pytest.param("distributed", marks=pytest.mark.extended)]
 # Whether a worker's tensors keep their data_ptr() across updates (identity
 # is kept by every scheme).
-KEEPS_DATA_PTR = {"multiprocess": True, "shared": False, "ray": True, "inprocess": True}
+KEEPS_DATA_PTR = {"multiprocess": True, "shared": False, "ray": True, "inprocess": True, "distributed": True}
 
 
 def reap(procs: list[Any], timeout: float = 20.0) -> None:
@@ -174,6 +180,47 @@ class Cluster:
         self.scheme.shutdown()
         for conn in self.ctrls + self.pipes:
             conn.close()
+
+
+class RankCluster(Cluster):
+    """The same harness over :class:`ws.DistributedWeightSyncScheme`: the
+    trainer inits first (its store on 127.0.0.1), then worker ``i`` joins as
+    rank ``i + 1`` of the pickled scheme."""
+
+    def __init__(
+        self,
+        kinds: list[str],
+        model_id: str = "policy",
+        trainer_kind: str = "net",
+        timeout: float | None = TEST_TIMEOUT,
+        **options: Any,
+    ) -> None:
+        self.scheme_name = "distributed"
+        self.model_id = model_id
+        self.scheme = make_scheme("distributed", timeout, **options)
+        self.model = build_model(trainer_kind, seed=7)
+        self.procs: list[Any] = []
+        self.ctrls: list[Any] = []
+        self.pipes: list[Any] = []
+        self.pids: list[int] = []
+        try:
+            self.scheme.init_on_sender(model_id, num_workers=len(kinds), model=self.model, host="127.0.0.1")
+            for rank, kind in enumerate(kinds, start=1):
+                ctrl, ctrl_child = PROCS.Pipe()
+                proc = PROCS.Process(
+                    target=worker_main,
+                    args=(self.scheme, model_id, None, ctrl_child, kind),
+                    kwargs={"worker_idx": rank},
+                    daemon=True,
+                )
+                proc.start()
+                ctrl_child.close()
+                self.procs.append(proc)
+                self.ctrls.append(ctrl)
+            self._wait_until_ready()
+        except BaseException:
+            self.close()
+            raise
 
 
 class ThreadCluster(Cluster):
@@ -427,6 +474,8 @@ def new_cluster(
         )
     if scheme_name == "inprocess":
         return ThreadCluster(kinds, model_id, trainer_kind, timeout=timeout, **options)
+    if scheme_name == "distributed":
+        return RankCluster(kinds, model_id, trainer_kind, timeout=timeout, **options)
     return Cluster(scheme_name, kinds, model_id, trainer_kind, timeout=timeout, **options)
 
 
