@@ -5,7 +5,8 @@ Who does what:
 
 - **Data: a gloo chain.** The trainer (group rank 0) and the workers of a
   send form a ``ProcessGroupGloo`` of weightsync's own (over a
-  ``PrefixStore`` of the store: no ``init_process_group``, no global state).
+  ``PrefixStore`` of the store: no ``init_process_group``, no global state),
+  the workers of a host next to each other (see :meth:`ChainStaging._order`).
   The trainer sends its staged copy of the packet, in 1 MiB chunks, to the
   first worker, which passes each chunk on to the next as soon as it has it
   (``_gloo_chain``): every worker's NIC carries the bytes about once each
@@ -221,6 +222,8 @@ class _Member:
     pid: int
     hostname: str
     nonce: int
+    #: The address the trainer reaches it by (its host's).
+    address: str = ""
 
 
 class ChainStaging:
@@ -318,6 +321,21 @@ class ChainStaging:
         )  # fmt: skip
         self._thread.start()
 
+    def _order(self, ranks: list[int]) -> list[int]:
+        """``ranks`` in chain order: the workers of the trainer's host first,
+        then host by host, by rank within a host. The workers of a host are
+        neighbours in the chain, so the bytes cross each host's NIC once in
+        and once out, however many workers it has and however the ranks
+        were spread over the hosts (the hops between them stay on the host)."""
+        here = self._store_address[0]
+
+        def key(rank: int) -> tuple[bool, str, int]:
+            member = self.members.get(rank)
+            address = member.address if member is not None else ""
+            return (address != here, address, rank)
+
+        return sorted(ranks, key=key)
+
     def _alive(self, rank: int) -> bool:
         member = self.members.get(rank)
         return member is not None and self.liveness.state(rank, member.nonce) != "gone"
@@ -354,7 +372,7 @@ class ChainStaging:
         excluded: set[int] = set()
         self.last_chains = []
         for _ in range(_ATTEMPTS):
-            chain = [r for r in pending if r not in excluded and self._alive(r)]
+            chain = self._order([r for r in pending if r not in excluded and self._alive(r)])
             left = deadline - time.monotonic()
             if not chain or left <= 0 or self._closed:
                 break
@@ -499,9 +517,9 @@ class DistributedSenderTransport:
         while self._member is None:
             value = _get_now(store, self._key(f"hello/{self.rank}"))
             if value is not None:
-                pid, hostname, _address, signature, nonce = pickle.loads(value)
+                pid, hostname, address, signature, nonce = pickle.loads(value)
                 self.layout = Manifest.from_signature(signature)
-                self._member = _Member(self.rank, int(pid), str(hostname), int(nonce))
+                self._member = _Member(self.rank, int(pid), str(hostname), int(nonce), str(address))
                 # Its Process object, when multiprocessing started it here:
                 # it tells how the worker ended even after the user joined it.
                 self._process = started_here(self._member.pid)
