@@ -201,3 +201,16 @@ def test_a_relaying_host_killed_mid_send_is_named_and_the_others_are_updated(run
     assert after["chains"] == [[1, 3]]
     for rank in (1, 3):
         assert run.state(rank) == (after["version"], after["digests"])
+
+
+def test_bench_times_the_scheme_and_the_gloo_peers_across_hosts(tmp_path: Path) -> None:
+    from weightsync.bench import main
+
+    out = tmp_path / "bench.json"
+    args = ["--scheme", "distributed", "--emulate-hosts", "3", "--hosts", "2", "--size", "2"]
+    args += ["--repeats", "2"]
+    assert main(["bench", *args, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["hosts"], row["workers"], row["chain"]) == (2, 2, [1, 2])
+    for way in ("weightsync", "gloo_bcast", "gloo_star"):
+        assert len(row[way]) == 2 and all(s > 0 for s in row[way])

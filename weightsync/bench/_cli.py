@@ -162,7 +162,8 @@ def _parser() -> argparse.ArgumentParser:
         help="show progress on stderr even when it is not a terminal (on a terminal it always shows)",
     )
     across = bench.add_argument_group(
-        "across hosts (Ray scheme against the network floor, ray put/get and gloo broadcast; see "
+        "across hosts (Ray scheme against the network floor, ray put/get and gloo broadcast, or with "
+        "--scheme distributed, the torch.distributed scheme against gloo broadcast and a gloo star; see "
         "docs/scaling.md)"
     )
     across.add_argument(
@@ -192,7 +193,11 @@ def _parser() -> argparse.ArgumentParser:
         help="receiving host counts to run (default: 2 3 5 7, those that fit)",
     )
     across.add_argument(
-        "--per-host", type=int, default=1, metavar="K", help="actors per receiving host (default: 1)"
+        "--per-host",
+        type=int,
+        default=1,
+        metavar="K",
+        help="actors (workers, for --scheme distributed) per receiving host (default: 1)",
     )
     across.add_argument("--no-peers", action="store_true", help="time weightsync only, without the two peers")
     # Testing hook: this worker corrupts its model after applying, so verification must fail.
@@ -201,11 +206,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _across_hosts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """``--emulate-hosts`` / ``--cluster``: the cases of :mod:`._hosts`."""
+    """``--emulate-hosts`` / ``--cluster``: the cases of :mod:`._hosts`, or
+    (``--scheme distributed``) of :mod:`._dist_hosts`."""
     from ._hosts import emulate, format_hosts_table, receiving_nodes, run_on_cluster
     from ._netns import parse_rate, unavailable_reason
 
     sizes = tuple(args.size) if args.size != list(_DEFAULTS.sizes_mib) else (64.0, 256.0)
+    if "distributed" in args.scheme:
+        return _distributed_across_hosts(args, parser, sizes)
     print(describe_machine(machine_facts()), flush=True)
     if args.emulate_hosts is not None:
         why = unavailable_reason()
@@ -252,6 +260,50 @@ def _across_hosts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             ceiling = done["ceiling_s"] if rate else None
             json.dump({"rows": rows, "bytes_per_second": rate, "tcp_chain_s": ceiling}, handle, indent=1)
     print("\nall cases:\n" + format_hosts_table(rows, rate, done["ceiling_s"] if rate else None))
+    return 0
+
+
+def _distributed_across_hosts(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, sizes: tuple[float, ...]
+) -> int:
+    """``--scheme distributed --emulate-hosts N``: the cases of :mod:`._dist_hosts`."""
+    from ._dist_hosts import emulate_distributed, format_distributed_table
+    from ._netns import parse_rate, unavailable_reason
+
+    if args.emulate_hosts is None:
+        parser.error(
+            "--scheme distributed runs on an emulated cluster (--emulate-hosts N); on a real one, start "
+            "the ranks with torchrun (see the README's 'Workers on other hosts')"
+        )
+    why = unavailable_reason()
+    if why is not None:
+        print(f"weightsync bench: --emulate-hosts cannot run here: {why}", file=sys.stderr)
+        return 2
+    if args.emulate_hosts < 3:
+        parser.error("--emulate-hosts needs at least 3 hosts (the trainer's and two receiving ones)")
+    try:
+        rate = parse_rate(args.link_rate)
+    except ValueError as exc:
+        parser.error(str(exc))
+    hosts = args.hosts or [h for h in (2, 3, 5, 7) if h < args.emulate_hosts]
+    if max(hosts) >= args.emulate_hosts:
+        parser.error(f"--hosts {max(hosts)} needs --emulate-hosts {max(hosts) + 1} or more")
+    print(describe_machine(machine_facts()), flush=True)
+    print(
+        f"DistributedWeightSyncScheme; floor = S/B, B = {args.link_rate} = {rate / 1e6:.0f} MB/s each way "
+        f"per host; median of {args.repeats} sends, each verified; gloo star = one gloo send per worker "
+        "in turn (torchrl's DistributedWeightSyncScheme)",
+        flush=True,
+    )
+    print(format_distributed_table([], rate), flush=True)
+    done = emulate_distributed(
+        args.emulate_hosts, args.link_rate, hosts, sizes, args.per_host, args.repeats,
+        peers=not args.no_peers, progress=lambda text: print(text, flush=True),
+    )  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"rows": done["rows"], "bytes_per_second": rate}, handle, indent=1)
+    print("\nall cases:\n" + format_distributed_table(done["rows"], rate))
     return 0
 
 
