@@ -78,6 +78,7 @@ __all__ = [
     "DistributedSenderTransport",
     "Liveness",
     "connect_store",
+    "session_key",
     "session_prefix",
 ]
 
@@ -95,6 +96,7 @@ _CLOSING = b"C"
 
 
 def session_prefix(model_id: str | None, session: str) -> str:
+    """The prefix of every key of one trainer's session."""
     return f"weightsync/{model_id}/{session}/"
 
 
@@ -215,6 +217,19 @@ class Liveness:
 
 
 @dataclass
+class _Send:
+    """What the workers of one send are told of it."""
+
+    version: int
+    nbytes: int
+    layout_id: str
+    subset: Signature | None
+    threads: int
+    #: The tensors' digests (verify=True), known once the send is staged.
+    digests: tuple[int, ...] | None = None
+
+
+@dataclass
 class _Member:
     """What the trainer knows of one worker, from its hello."""
 
@@ -253,7 +268,7 @@ class ChainStaging:
         self._store_address = store_address
         self._buffer: torch.Tensor | None = None
         self._views: tuple[str, list[torch.Tensor]] | None = None
-        self._packet: tuple[int, int, str, Signature | None, tuple[int, ...] | None, int] | None = None
+        self._send: _Send | None = None
         self.members: dict[int, _Member] = {}
         self._enlisted: list[int] = []
         self._started = False
@@ -286,7 +301,7 @@ class ChainStaging:
         views = self._views[1]
         sums = await run_blocking(packet.nbytes, _copy_in, views, packet.tensors, digest)
         threads = max(1, usable_cores() // packet.fanout)
-        self._packet = (packet.version, manifest.nbytes, manifest.layout_id, packet.subset, None, threads)
+        self._send = _Send(packet.version, manifest.nbytes, manifest.layout_id, packet.subset, threads)
         self._enlisted, self._started, self.outcome = [], False, {}
         return sums
 
@@ -300,9 +315,9 @@ class ChainStaging:
     # -- one send ----------------------------------------------------------------
     def enlist(self, rank: int, digests: tuple[int, ...] | None) -> None:
         """Add ``rank`` to the current send's chain (before :meth:`start`)."""
-        assert self._packet is not None, "stage() comes first"
-        if digests is not None and self._packet[4] is None:
-            self._packet = (*self._packet[:4], digests, self._packet[5])
+        assert self._send is not None, "stage() comes first"
+        if digests is not None:
+            self._send.digests = digests
         if rank not in self._enlisted and not self._started:
             self._enlisted.append(rank)
 
@@ -313,10 +328,10 @@ class ChainStaging:
             return
         self._started = True
         ranks = sorted(self._enlisted)
-        if not ranks or self._packet is None:
+        if not ranks or self._send is None:
             return
         self._thread = threading.Thread(
-            target=self._run, args=(self._packet, ranks, deadline), daemon=True,
+            target=self._run, args=(self._send, ranks, deadline), daemon=True,
             name=f"weightsync-chain-{self.model_id}",
         )  # fmt: skip
         self._thread.start()
@@ -353,16 +368,16 @@ class ChainStaging:
             self._chain_store = connect_store(*self._store_address, timeout=10.0)
         return self._notify(rank, notice)
 
-    def _run(self, packet: tuple[Any, ...], ranks: list[int], deadline: float) -> None:
+    def _run(self, send: _Send, ranks: list[int], deadline: float) -> None:
         try:
-            self._chains(packet, ranks, deadline)
+            self._chains(send, ranks, deadline)
         except Exception as exc:  # never leave a deliver() without an answer
             for rank in ranks:
                 self.outcome.setdefault(rank, f"the chain failed: {short_message(exc)}")
             self._drop()
 
-    def _chains(self, packet: tuple[Any, ...], ranks: list[int], deadline: float) -> None:
-        version, nbytes, layout_id, subset, digests, threads = packet
+    def _chains(self, send: _Send, ranks: list[int], deadline: float) -> None:
+        version, nbytes = send.version, send.nbytes
         if self._chain_store is None:
             self._chain_store = connect_store(*self._store_address, timeout=10.0)
         store = self._chain_store
@@ -385,8 +400,8 @@ class ChainStaging:
                 dst = i + 2 if i + 1 < len(chain) else None
                 self._notify(
                     rank,
-                    ("update", version, layout_id, subset, digests, threads, nbytes, generation, tuple(chain),
-                     i, dst, stall, 2 * stall),
+                    ("update", version, send.layout_id, send.subset, send.digests, send.threads, nbytes,
+                     generation, tuple(chain), i, dst, stall, 2 * stall),
                 )  # fmt: skip
             if self._group is None:
                 try:

@@ -48,7 +48,9 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     Sender (the trainer, rank 0): ``init_on_sender(model_id, num_workers=N,
     model=...)``; worker ``i`` (``send(worker_ids=i)``) is rank ``i + 1``.
     The scheme makes its own TCPStore on ``host`` (default: ``MASTER_ADDR``,
-    else this host's address) and ``port`` (default: any free one), unless
+    else the address this host's name resolves to, which some systems map
+    to a loopback address: pass ``host=`` there) and ``port`` (default: any
+    free one), unless
     given ``store=`` (a ``torch.distributed.TCPStore``, e.g. torchrun's).
     :meth:`get_store_info` says where it is; a pickled scheme carries it to
     the workers.
