@@ -187,7 +187,9 @@ def test_a_relaying_host_killed_mid_send_is_named_and_the_others_are_updated(run
     error = result["error"]
     assert error is not None and error["worker_ids"] == [1], error
     assert error["failures"] == {"1": "WorkerLostError"}, error
-    assert result["seconds"] < 15
+    # The dead host is dropped from the chain as soon as its connection
+    # closes, not after a stall limit (3.75 s at this deadline).
+    assert result["seconds"] < 5
     # The host after the dead one got it from a second chain (or the first
     # finished before the kill); the one before it kept it.
     assert result["chains"][0] == [1, 2, 3]
@@ -199,6 +201,10 @@ def test_a_relaying_host_killed_mid_send_is_named_and_the_others_are_updated(run
     after = run.sent()
     assert after["error"] is None, after["error"]
     assert after["chains"] == [[1, 3]]
+    print(
+        f"64 MiB, host 2 killed mid-send: that send {result['seconds']:.2f} s, chains {result['chains']}; "
+        f"the next one {after['seconds']:.2f} s ({after['seconds'] / FLOOR:.2f} x S/B)"
+    )
     for rank in (1, 3):
         assert run.state(rank) == (after["version"], after["digests"])
 

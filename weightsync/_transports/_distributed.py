@@ -429,6 +429,12 @@ class ChainStaging:
                 for rank, key in list(waiting.items()):
                     value = _get_now(store, key)
                     if value is None:
+                        if not self._alive(rank):
+                            # Dead: it will never answer, and the chain broke at it.
+                            del waiting[rank]
+                            excluded.add(rank)
+                            self.outcome[rank] = "it died during the chain"
+                            broken = True
                         continue
                     store.delete_key(key)
                     del waiting[rank]
