@@ -226,3 +226,32 @@ def test_a_scheme_given_a_params_map_before_the_collector_starts(scheme_name: st
         collector.shutdown()
         scheme.shutdown()
     assert seen == [{1.0}, {2.0}, {3.0}]
+
+
+TORCHRL_CLASSES = [
+    ws.MultiProcessWeightSyncScheme,
+    ws.SharedMemWeightSyncScheme,
+    ws.NoWeightSyncScheme,
+    ws.RayWeightSyncScheme,
+]
+
+
+@pytest.mark.parametrize("strategy", ["state_dict", "tensordict"])
+@pytest.mark.parametrize("cls", TORCHRL_CLASSES)
+def test_torchrl_extracts_weights_in_the_form_a_scheme_names(
+    cls: type[ws.WeightSyncScheme], strategy: str
+) -> None:
+    """torchrl's trainers (``weight_update_map``) and Ray collector extract
+    the weights themselves, by ``WeightStrategy(extract_as=scheme.strategy_str)``."""
+    from tensordict import TensorDictBase
+    from torchrl.weight_update.weight_sync_schemes import WeightStrategy
+
+    scheme = cls(strategy)  # type: ignore[arg-type]
+    assert scheme.strategy_str == strategy
+    weights = WeightStrategy(extract_as=scheme.strategy_str).extract_weights(parts.make_policy(3.0))
+    if strategy == "tensordict":
+        assert isinstance(weights, TensorDictBase)
+        assert float(weights["module", "bias"][0]) == 3.0
+    else:
+        assert isinstance(weights, dict)
+        assert float(weights["module.bias"][0]) == 3.0

@@ -199,6 +199,12 @@ class WeightSyncScheme:
         return self._model_id
 
     @property
+    def strategy_str(self) -> StrategyName:
+        """The strategy's name, ``'state_dict'`` or ``'tensordict'`` (torchrl's
+        trainers and Ray collector read it to extract weights themselves)."""
+        return self.strategy.extract_as
+
+    @property
     def worker_idx(self) -> int | None:
         """This worker's index (worker side), if set."""
         return self._worker_idx
