@@ -651,8 +651,9 @@ class ChainEndpoint:
         self.rank = rank
         deadline = time.monotonic() + timeout
         try:
-            # Two clients: the relay thread's polls never delay this
-            # thread's replies (a store client runs one call at a time).
+            # Two clients: the relay thread's store calls (among them gloo's
+            # rendezvous, which waits for the other members) never delay
+            # this thread's replies (a store client runs one call at a time).
             if store is None:
                 assert store_address is not None
                 store = connect_store(*store_address, timeout=timeout)
