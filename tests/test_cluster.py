@@ -202,7 +202,7 @@ def test_bench_across_emulated_hosts_prints_the_table_and_writes_json(tmp_path: 
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     header = max(i for i, line in enumerate(lines) if line.lstrip().startswith("hosts"))
-    for column in ("floor ms", "TCP chain", "weightsync ms", "ray put/get", "gloo bcast", "cpu busy"):
+    for column in ("floor ms", "TCP chain", "weightsync ms", "ray put/get", "gloo bcast", "cluster cpu"):
         assert column in lines[header]
     rows = [line.split() for line in lines[header + 1 :] if line.strip()]
     assert [(row[0], row[1], row[2]) for row in rows] == [("1", "1", "4"), ("2", "1", "4")]
@@ -211,5 +211,5 @@ def test_bench_across_emulated_hosts_prints_the_table_and_writes_json(tmp_path: 
     assert report["tcp_chain_s"]["4.0"] > 0
     for row in report["rows"]:
         assert len(row["weightsync"]) == len(row["ray_put"]) == len(row["gloo_bcast"]) == 2
-        assert 0 < row["cpu_busy"] <= 1
+        assert 0 < row["cluster_cpu"] <= 1
     assert set(_netns._namespaces()) <= before

@@ -232,8 +232,8 @@ def _across_hosts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         print(
             f"floor = S/B, B = {args.link_rate} = {rate / 1e6:.0f} MB/s each way per host; TCP chain = "
             "plain TCP relayed host to host over every link at once; "
-            f"median of {args.repeats} sends, each verified; cpu busy = this machine's CPUs during "
-            "weightsync's sends (every emulated host runs on them: near 100%, they set the time)",
+            f"median of {args.repeats} sends, each verified; cluster cpu = the share of this machine's "
+            "CPUs the emulated hosts used during weightsync's sends (near 100%, the CPUs set the time)",
             flush=True,
         )
         print(format_hosts_table([], None), flush=True)

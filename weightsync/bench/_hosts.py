@@ -29,6 +29,7 @@ line per case. Importing this module imports neither ray nor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
@@ -52,6 +53,7 @@ __all__ = ["HostActor", "emulate", "format_hosts_table", "receiving_nodes", "run
 
 MIB = 1 << 20
 _STORE_PORT = 29501
+_NAMESPACES_ENV = "WEIGHTSYNC_BENCH_NAMESPACES"
 
 
 def _gloo_group(store: Any, prefix: str, rank: int, size: int, address: str) -> Any:
@@ -119,16 +121,31 @@ class HostActor:
         self.scheme, self.group, self.flat, self.tensors = None, None, None, {}
 
 
-def _cpu_ticks() -> tuple[int, int]:
-    """(busy, total) clock ticks of this machine's CPUs so far, from
-    /proc/stat; (0, 0) where there is none."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return 0, 0
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-    return sum(ticks[:8]) - idle, sum(ticks[:8])
+def _namespace_inodes(names: Sequence[str]) -> set[int]:
+    inodes = set()
+    for name in names:
+        with contextlib.suppress(OSError):  # not a namespace (any more)
+            inodes.add(os.stat(f"/run/netns/{name}").st_ino)
+    return inodes
+
+
+def _cpu_seconds_in(inodes: set[int]) -> float:
+    """CPU seconds (user + system) used so far by the processes living in
+    the network namespaces of ``inodes``: the emulated cluster's hosts."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}/ns/net").st_ino not in inodes:
+                continue
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+    return total / tick
 
 
 def receiving_nodes() -> list[tuple[str, str]]:
@@ -169,6 +186,8 @@ def run_on_cluster(
     store = dist.TCPStore(
         address, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
     )
+    # On an emulated cluster (see :func:`emulate`): its hosts' namespaces.
+    hosts_here = _namespace_inodes(os.environ.get(_NAMESPACES_ENV, "").split())
     case_number = 0
     for size in sizes_mib:
         shapes = mlp_shapes(int(size * MIB), 8)
@@ -200,21 +219,21 @@ def run_on_cluster(
             # chain; one more, untimed, touches every buffer once.
             scheme.connect()
             scheme.send()
-            times, busy = [], [0, 0]
+            times, cpu = [], 0.0
             for step in range(repeats):
                 change(step)
-                before = _cpu_ticks()
+                before = _cpu_seconds_in(hosts_here) if hosts_here else 0.0
                 started = time.perf_counter()
                 scheme.send()
                 times.append(time.perf_counter() - started)
-                after = _cpu_ticks()
-                busy = [busy[0] + after[0] - before[0], busy[1] + after[1] - before[1]]
+                cpu += _cpu_seconds_in(hosts_here) - before if hosts_here else 0.0
                 check(step)
             row["weightsync"] = times
-            # How busy this machine's CPUs were during those sends: on the
-            # emulated cluster every host shares them, and near 100% the
-            # CPUs, not the emulated network, set the time.
-            row["cpu_busy"] = busy[0] / busy[1] if busy[1] else None
+            if hosts_here:
+                # The share of this machine's CPUs that the emulated hosts
+                # used during those sends: near 100%, the CPUs they all run
+                # on, not the emulated network, set the time.
+                row["cluster_cpu"] = cpu / (sum(times) * (os.cpu_count() or 1))
             scheme.shutdown()
             if peers:
                 # Ray put/get: a star from the trainer's node.
@@ -323,7 +342,8 @@ def emulate(
         ]
         if not peers:
             argv.append("--no-peers")
-        driver = cluster.popen(0, argv, env={"RAY_ADDRESS": cluster.ray_address or ""},
+        driver = cluster.popen(0, argv, env={"RAY_ADDRESS": cluster.ray_address or "",
+                                    _NAMESPACES_ENV: " ".join(cluster.namespaces)},
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
         rows = []
         assert driver.stdout is not None
@@ -353,7 +373,7 @@ def format_hosts_table(
         lines.append(
             f"{'hosts':>5} {'act/h':>5} {'MiB':>6} {'floor ms':>9} {'TCP chain':>10} "
             f"{'weightsync ms':>14} {'x floor':>7} {'ray put/get':>12} {'x floor':>7} "
-            f"{'gloo bcast':>11} {'x floor':>7} {'cpu busy':>8}"
+            f"{'gloo bcast':>11} {'x floor':>7} {'cluster cpu':>11}"
         )
     for row in rows:
         floor = row["bytes"] / bytes_per_second if bytes_per_second else None
@@ -366,11 +386,11 @@ def format_hosts_table(
             return f"{med * 1e3:>12.0f} {ratio:>7}"
 
         tcp = (ceiling or {}).get(row["mib"])
-        busy = f"{row['cpu_busy']:.0%}" if row.get("cpu_busy") is not None else "-"
+        busy = f"{row['cluster_cpu']:.0%}" if row.get("cluster_cpu") is not None else "-"
         lines.append(
             f"{row['hosts']:>5} {row['per_host']:>5} {row['mib']:>6g} "
             f"{(floor or 0) * 1e3:>9.0f} {(f'{tcp * 1e3:.0f}' if tcp else '-'):>10} "
-            f"{cell('weightsync'):>22} {cell('ray_put')} {cell('gloo_bcast')} {busy:>8}"
+            f"{cell('weightsync'):>22} {cell('ray_put')} {cell('gloo_bcast')} {busy:>11}"
         )
     return "\n".join(lines)
 
