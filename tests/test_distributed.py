@@ -317,22 +317,30 @@ def _fd_baseline() -> set[int]:
     return fd_baseline()
 
 
-def test_nothing_is_left_behind_after_shutdown() -> None:
+@pytest.mark.parametrize("killed", [False, True], ids=["clean", "a-worker-killed"])
+def test_nothing_is_left_behind_after_shutdown(killed: bool) -> None:
+    """After shutdown() (and, killed: after a worker was SIGKILLed and
+    named), no thread, descriptor or child process is left, in the trainer
+    or in a worker."""
     fds_before = _fd_baseline()
     threads_before = set(_weightsync_threads())
     with workers(2) as w:
         w.scheme.connect()
         w.randomize()
         w.scheme.send()
+        if killed:
+            os.kill(w.procs[0].pid, signal.SIGKILL)
+            with pytest.raises(ws.WorkerLostError):
+                w.scheme.send()
         w.scheme.shutdown()
         w.scheme.shutdown()  # idempotent
-        for conn in w.conns:
+        for conn in w.conns[1:] if killed else w.conns:
             assert conn.poll(30), "a worker did not hear the shutdown"
             kind, _, threads = conn.recv()
             assert kind == "closed"
             assert threads == [], f"a worker kept threads: {threads}"
         reap(w.procs)
-        assert [p.exitcode for p in w.procs] == [0, 0]
+        assert [p.exitcode for p in w.procs] == ([-signal.SIGKILL, 0] if killed else [0, 0])
         for proc in w.procs:
             proc.close()
         w.procs = []

@@ -534,9 +534,10 @@ class DistributedSenderTransport:
 
     async def connect(self) -> Manifest | None:
         delay = _POLL[0]
-        store = self._staging.store
+        # (The store is never held in a local: a caller that keeps the
+        # error would keep it, and the trainer's store, alive in its frames.)
         while self._member is None:
-            value = _get_now(store, self._key(f"hello/{self.rank}"))
+            value = _get_now(self._staging.store, self._key(f"hello/{self.rank}"))
             if value is not None:
                 pid, hostname, address, signature, nonce = pickle.loads(value)
                 self.layout = Manifest.from_signature(signature)
@@ -567,13 +568,12 @@ class DistributedSenderTransport:
         deadline = anyio.current_effective_deadline()
         left = 3600.0 if deadline == float("inf") else deadline - anyio.current_time()
         self._staging.start(time.monotonic() + left)
-        store = self._staging.store
         key = self._key(f"reply/{self.rank}/{packet.version}")
         delay = _POLL[0]
         while True:
-            value = _get_now(store, key)
+            value = _get_now(self._staging.store, key)
             if value is not None:
-                store.delete_key(key)
+                self._staging.store.delete_key(key)
                 error = pickle.loads(value)
                 if error is None:
                     return
