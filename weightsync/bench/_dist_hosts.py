@@ -221,6 +221,11 @@ def host_of(rank: int, hosts: int) -> int:
     return (rank - 1) % hosts + 1
 
 
+# An emulated host has no name its resolver knows: c10d warns so on every
+# store connection, between the rows of the table. Its errors still show.
+_QUIET = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
 def run_case(
     cluster: EmulatedCluster, hosts: int, per_host: int, mib: float, repeats: int, peers: bool
 ) -> dict[str, Any]:
@@ -233,7 +238,7 @@ def run_case(
     addresses = [cluster.addresses[host_of(r, hosts)] for r in range(1, workers + 1)]
     argv = [sys.executable, "-m", "weightsync.bench._dist_hosts", "trainer", cluster.addresses[0],
             str(workers), str(mib), str(repeats), "1" if peers else "0", *addresses]  # fmt: skip
-    trainer = cluster.popen(0, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    trainer = cluster.popen(0, argv, env=_QUIET, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     procs = []
     try:
         assert trainer.stdout is not None
@@ -244,7 +249,7 @@ def run_case(
         for rank in range(1, workers + 1):
             wargv = [sys.executable, "-m", "weightsync.bench._dist_hosts", "worker", cluster.addresses[0],
                      port, ctrl_port, str(rank), str(mib)]  # fmt: skip
-            procs.append(cluster.popen(host_of(rank, hosts), wargv, stdout=subprocess.DEVNULL))
+            procs.append(cluster.popen(host_of(rank, hosts), wargv, env=_QUIET, stdout=subprocess.DEVNULL))
         out, err = trainer.communicate(timeout=_TIMEOUT * 2)
         rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         if trainer.returncode != 0 or not rows:
