@@ -205,30 +205,41 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _emulation(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[float, list[int]] | None:
+    """The link rate (bytes/s) and receiving host counts of ``--emulate-hosts``,
+    checked; None (said why on stderr) where this machine cannot emulate."""
+    from ._netns import parse_rate, unavailable_reason
+
+    why = unavailable_reason()
+    if why is not None:
+        print(f"weightsync bench: --emulate-hosts cannot run here: {why}", file=sys.stderr)
+        return None
+    if args.emulate_hosts < 3:
+        parser.error("--emulate-hosts needs at least 3 hosts (the trainer's and two receiving ones)")
+    try:
+        rate = parse_rate(args.link_rate)
+    except ValueError as exc:
+        parser.error(str(exc))
+    hosts = args.hosts or [h for h in (2, 3, 5, 7) if h < args.emulate_hosts]
+    if max(hosts) >= args.emulate_hosts:
+        parser.error(f"--hosts {max(hosts)} needs --emulate-hosts {max(hosts) + 1} or more")
+    return rate, hosts
+
+
 def _across_hosts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``--emulate-hosts`` / ``--cluster``: the cases of :mod:`._hosts`, or
     (``--scheme distributed``) of :mod:`._dist_hosts`."""
     from ._hosts import emulate, format_hosts_table, receiving_nodes, run_on_cluster
-    from ._netns import parse_rate, unavailable_reason
 
     sizes = tuple(args.size) if args.size != list(_DEFAULTS.sizes_mib) else (64.0, 256.0)
     if "distributed" in args.scheme:
         return _distributed_across_hosts(args, parser, sizes)
     print(describe_machine(machine_facts()), flush=True)
     if args.emulate_hosts is not None:
-        why = unavailable_reason()
-        if why is not None:
-            print(f"weightsync bench: --emulate-hosts cannot run here: {why}", file=sys.stderr)
+        checked = _emulation(args, parser)
+        if checked is None:
             return 2
-        if args.emulate_hosts < 3:
-            parser.error("--emulate-hosts needs at least 3 hosts (the trainer's and two receiving ones)")
-        try:
-            rate = parse_rate(args.link_rate)
-        except ValueError as exc:
-            parser.error(str(exc))
-        hosts = args.hosts or [h for h in (2, 3, 5, 7) if h < args.emulate_hosts]
-        if max(hosts) >= args.emulate_hosts:
-            parser.error(f"--hosts {max(hosts)} needs --emulate-hosts {max(hosts) + 1} or more")
+        rate, hosts = checked
         print(
             f"floor = S/B, B = {args.link_rate} = {rate / 1e6:.0f} MB/s each way per host; TCP chain = "
             "plain TCP relayed host to host over every link at once; "
@@ -268,26 +279,16 @@ def _distributed_across_hosts(
 ) -> int:
     """``--scheme distributed --emulate-hosts N``: the cases of :mod:`._dist_hosts`."""
     from ._dist_hosts import emulate_distributed, format_distributed_table
-    from ._netns import parse_rate, unavailable_reason
 
     if args.emulate_hosts is None:
         parser.error(
             "--scheme distributed runs on an emulated cluster (--emulate-hosts N); on a real one, start "
             "the ranks with torchrun (see the README's 'Workers on other hosts')"
         )
-    why = unavailable_reason()
-    if why is not None:
-        print(f"weightsync bench: --emulate-hosts cannot run here: {why}", file=sys.stderr)
+    checked = _emulation(args, parser)
+    if checked is None:
         return 2
-    if args.emulate_hosts < 3:
-        parser.error("--emulate-hosts needs at least 3 hosts (the trainer's and two receiving ones)")
-    try:
-        rate = parse_rate(args.link_rate)
-    except ValueError as exc:
-        parser.error(str(exc))
-    hosts = args.hosts or [h for h in (2, 3, 5, 7) if h < args.emulate_hosts]
-    if max(hosts) >= args.emulate_hosts:
-        parser.error(f"--hosts {max(hosts)} needs --emulate-hosts {max(hosts) + 1} or more")
+    rate, hosts = checked
     print(describe_machine(machine_facts()), flush=True)
     print(
         f"DistributedWeightSyncScheme; floor = S/B, B = {args.link_rate} = {rate / 1e6:.0f} MB/s each way "
