@@ -28,7 +28,7 @@ import torch
 from ._copy import byte_view, check_same_layout, copy_tensors, plain, run_on_threads, split_evenly
 from ._exceptions import WeightSyncStateError
 
-__all__ = ["BLOCK", "copy_and_check", "copy_with_digests", "digests", "mismatched"]
+__all__ = ["BLOCK", "copy_and_check", "copy_out", "copy_with_digests", "digests", "mismatched"]
 
 #: Bytes per digested block: small enough that a block just copied is still
 #: in the core's cache when it is digested.
@@ -117,6 +117,17 @@ def copy_with_digests(
 
     _on_threads(blocks, threads, work, (destinations, sources, views))
     return tuple(out)
+
+
+def copy_out(
+    destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], digest: bool, threads: int = 1
+) -> tuple[int, ...] | None:
+    """Copy ``sources`` into ``destinations``; with ``digest``, digest each
+    block as it is copied and return the digests (else None). Blocks."""
+    if digest:
+        return copy_with_digests(destinations, sources, threads=threads)
+    copy_tensors(destinations, sources, threads=threads)
+    return None
 
 
 def copy_and_check(

@@ -175,10 +175,10 @@ class AsyncWeightReceiver:
         they are, or it sent no digests). Read before the model is written."""
         if incoming.digests is None:
             return None
-        if getattr(incoming, "checked_on_host", False):
+        if incoming.checked_on_host:
             # The sender checked these bytes for the whole host, in memory
             # that nothing can write any more: make sure it is that memory.
-            wrong = incoming.check_mapping(manifest)  # type: ignore[attr-defined]
+            wrong = incoming.check_mapping(manifest)
             if wrong is None:
                 return None
             return (

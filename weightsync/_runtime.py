@@ -179,6 +179,7 @@ class Runtime:
                         group.start_soon(_run_job, job)
 
                 group.start_soon(spawn)
+
                 def submit(job: _Job) -> None:
                     loop.call_soon_threadsafe(queue.put_nowait, job)
 

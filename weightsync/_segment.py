@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-from ._copy import copy_tensors, usable_cores
-from ._digest import copy_and_check, copy_with_digests
+from ._copy import usable_cores
+from ._digest import copy_and_check, copy_out
 from ._exceptions import out_of_resources
 from ._packet import Manifest, Packet
 
@@ -145,11 +145,7 @@ class Segment:
         ``run_blocking``."""
         self.begin_write()
         # Workers read only once this is published: all cores are ours meanwhile.
-        sums = None
-        if digest:
-            sums = copy_with_digests(views, packet.tensors, threads=usable_cores())
-        else:
-            copy_tensors(views, packet.tensors, threads=usable_cores())
+        sums = copy_out(views, packet.tensors, digest, usable_cores())
         self.publish(packet.version)
         return sums
 

@@ -322,9 +322,7 @@ class AsyncWeightSender:
             self._busy = False
             raise
 
-    def _per_worker(
-        self, weights: Any, worker_ids: int | Iterable[int] | None
-    ) -> dict[int, Any] | None:
+    def _per_worker(self, weights: Any, worker_ids: int | Iterable[int] | None) -> dict[int, Any] | None:
         """``weights`` as {worker id: its weights} when it gives each worker
         its own (a mapping keyed by worker ids), else None.
 
@@ -469,7 +467,7 @@ class AsyncWeightSender:
             raise combine_worker_errors(failures, model_id=self.model_id, version=packet.version)
         return SendReport(
             packet.version,
-            tuple(pending.worker_ids),
+            pending.worker_ids,
             packet.nbytes + sum(r.nbytes for r in pending.earlier),
             time.perf_counter() - pending.started,
             pending.staged_seconds,

@@ -156,9 +156,16 @@ class Incoming(Protocol):
     digests: tuple[int, ...] | None
     #: Threads this worker may use for the update's copies and digests.
     threads: int
-    # An update may also have ``checked_on_host`` (True: its digests were
-    # checked by the sender for the whole host) and ``check_mapping(manifest)``,
-    # which the worker checks instead of digesting the bytes.
+
+    @property
+    def checked_on_host(self) -> bool:
+        """Whether a verified update's bytes were checked by the sender for
+        the whole host, in memory nothing can write any more: the worker
+        then checks :meth:`check_mapping` instead of digesting them."""
+
+    def check_mapping(self, manifest: Manifest) -> str | None:
+        """Where :attr:`checked_on_host`: why the memory this worker maps is
+        not the one it was told (None: it is)."""
 
     def is_current(self) -> bool:
         """Whether the bytes behind this update still hold its version (the

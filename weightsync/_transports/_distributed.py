@@ -63,13 +63,13 @@ import anyio
 import torch
 
 from .._copy import copy_tensors, usable_cores
-from .._digest import copy_with_digests
+from .._digest import copy_out
 from .._exceptions import SenderClosedError, SenderLostError, WorkerLostError
 from .._offload import run_blocking
 from .._packet import Manifest, Packet, Signature
 from ._base import worker_failed, worker_lost
 from ._channel import _wait_readable_any, describe_exit, exit_status, started_here
-from ._gloo_chain import CHUNK_BYTES, gloo_group, relay_chain, send_chain, short_message
+from ._gloo_chain import CHUNK_BYTES, connect_store, gloo_group, relay_chain, send_chain, short_message
 
 __all__ = [
     "ChainEndpoint",
@@ -77,7 +77,6 @@ __all__ = [
     "ChainUpdate",
     "DistributedSenderTransport",
     "Liveness",
-    "connect_store",
     "session_key",
     "session_prefix",
 ]
@@ -103,20 +102,6 @@ def session_prefix(model_id: str | None, session: str) -> str:
 def session_key(model_id: str | None) -> str:
     """Where the trainer publishes its session (each init_on_sender a new one)."""
     return f"weightsync/{model_id}/session"
-
-
-def connect_store(host: str, port: int, timeout: float) -> Any:
-    """A client of the store at ``host:port``; waits up to ``timeout`` for it.
-
-    :raises RuntimeError: it did not answer in time.
-    """
-    import datetime
-
-    import torch.distributed as dist
-
-    return dist.TCPStore(
-        host, port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
-    )
 
 
 def _get_now(store: Any, key: str) -> bytes | None:
@@ -299,7 +284,7 @@ class ChainStaging:
         if self._views is None or self._views[0] != manifest.layout_id:
             self._views = (manifest.layout_id, manifest.views(self._buffer))
         views = self._views[1]
-        sums = await run_blocking(packet.nbytes, _copy_in, views, packet.tensors, digest)
+        sums = await run_blocking(packet.nbytes, copy_out, views, packet.tensors, digest, usable_cores())
         threads = max(1, usable_cores() // packet.fanout)
         self._send = _Send(packet.version, manifest.nbytes, manifest.layout_id, packet.subset, threads)
         self._enlisted, self._started, self.outcome = [], False, {}
@@ -355,18 +340,19 @@ class ChainStaging:
         member = self.members.get(rank)
         return member is not None and self.liveness.state(rank, member.nonce) != "gone"
 
-    def _notify(self, rank: int, notice: tuple[Any, ...]) -> str:
+    def _client(self) -> Any:
+        """The store client of the notices and the chain, made on first use."""
+        if self._chain_store is None:
+            self._chain_store = connect_store(*self._store_address, timeout=10.0)
+        return self._chain_store
+
+    def notify(self, rank: int, notice: tuple[Any, ...]) -> str:
+        """Leave ``notice`` for worker ``rank``; its key."""
         n = self._notices.get(rank, 0) + 1
         self._notices[rank] = n
         key = f"{self.prefix}in/{rank}/{n}"
-        self._chain_store.set(key, pickle.dumps(notice))
+        self._client().set(key, pickle.dumps(notice))
         return key
-
-    def notify(self, rank: int, notice: tuple[Any, ...]) -> str:
-        """Leave ``notice`` for worker ``rank`` (from the caller's thread); its key."""
-        if self._chain_store is None:
-            self._chain_store = connect_store(*self._store_address, timeout=10.0)
-        return self._notify(rank, notice)
 
     def _run(self, send: _Send, ranks: list[int], deadline: float) -> None:
         try:
@@ -378,9 +364,7 @@ class ChainStaging:
 
     def _chains(self, send: _Send, ranks: list[int], deadline: float) -> None:
         version, nbytes = send.version, send.nbytes
-        if self._chain_store is None:
-            self._chain_store = connect_store(*self._store_address, timeout=10.0)
-        store = self._chain_store
+        store = self._client()
         assert self._buffer is not None
         source = self._buffer[:nbytes]
         pending = list(ranks)
@@ -398,7 +382,7 @@ class ChainStaging:
             generation = f"g{self._generations}"
             for i, rank in enumerate(chain):
                 dst = i + 2 if i + 1 < len(chain) else None
-                self._notify(
+                self.notify(
                     rank,
                     ("update", version, send.layout_id, send.subset, send.digests, send.threads, nbytes,
                      generation, tuple(chain), i, dst, stall, 2 * stall),
@@ -480,15 +464,6 @@ class ChainStaging:
         self._buffer, self._views = None, None
         self._chain_store = None
         self.store = None
-
-
-def _copy_in(
-    views: list[torch.Tensor], tensors: tuple[torch.Tensor, ...], digest: bool
-) -> tuple[int, ...] | None:
-    if digest:
-        return copy_with_digests(views, tensors, threads=usable_cores())
-    copy_tensors(views, tensors, threads=usable_cores())
-    return None
 
 
 class DistributedSenderTransport:
@@ -614,6 +589,12 @@ class ChainUpdate:
     threads: int
     buffer: torch.Tensor
     slot: int
+
+    #: Each worker digests a verified update's bytes itself.
+    checked_on_host = False
+
+    def check_mapping(self, manifest: Manifest) -> str | None:
+        return None
 
     def is_current(self) -> bool:
         # Its buffer is never rewritten while the receiver holds it.

@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "CHUNK_BYTES",
     "chunk_spans",
+    "connect_store",
     "gloo_group",
     "relay_chain",
     "send_chain",
@@ -56,6 +57,17 @@ def chunk_spans(sizes: Sequence[int], chunk: int) -> list[list[tuple[int, int, i
 
 def seconds(value: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(value, 0.001))
+
+
+def connect_store(host: str, port: int, timeout: float) -> Any:
+    """A client of the TCPStore at ``host:port``; waits up to ``timeout``
+    seconds for it.
+
+    :raises RuntimeError: it did not answer in time.
+    """
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=seconds(timeout))
 
 
 def gloo_group(store: Any, prefix: str, rank: int, size: int, address: str, stall: float) -> Any:

@@ -94,10 +94,13 @@ class RayStaging:
         self.model_id = model_id
         self.ref: ray.ObjectRef | None = None
         self.header: tuple[Any, ...] = ()
-        # Each actor's node (learned when it is connected), the trainer's,
-        # and the relay (None: never, or not yet, needed).
+        # Each actor's node (learned when it is connected: add_node), the
+        # trainer's, whether the actors span two or more other nodes (None:
+        # to be worked out again), and the relay (None: never, or not yet,
+        # needed).
         self.node_of: dict[int, str] = {}
         self._node = ""
+        self._spread: bool | None = None
         self._relay_allowed = relay
         self.relay: HostRelay | None = None
         # The actors of the current send whose call waits for their node's
@@ -154,6 +157,11 @@ class RayStaging:
             return None
         return self.ref
 
+    def add_node(self, worker_id: int, node: str) -> None:
+        """Worker ``worker_id``'s actor runs on ``node``."""
+        self.node_of[worker_id] = node
+        self._spread = None
+
     def _relayed(self, worker_id: int) -> bool:
         if not self._relay_allowed:
             return False
@@ -162,7 +170,9 @@ class RayStaging:
         node = self.node_of.get(worker_id)
         if node is None or node == self._node:
             return False
-        return len({n for n in self.node_of.values() if n != self._node}) >= 2
+        if self._spread is None:  # once per change of membership, not per actor and send
+            self._spread = len({n for n in self.node_of.values() if n != self._node}) >= 2
+        return self._spread
 
     async def route(self, worker_id: int) -> ray.ObjectRef:
         """The object worker ``worker_id`` reads: its node's copy once the
@@ -306,7 +316,7 @@ class RaySenderTransport:
             )
             if described is not None:
                 signature, node = described
-                self._staging.node_of[self.worker_id] = node
+                self._staging.add_node(self.worker_id, node)
                 self.layout = Manifest.from_signature(signature)
                 return self.layout
             # The actor exists but has not registered its model yet (its
@@ -416,6 +426,12 @@ class RayUpdate:
     threads: int
     subset: Signature | None = None
     digests: tuple[int, ...] | None = None
+
+    #: Each worker digests a verified update's bytes itself.
+    checked_on_host = False
+
+    def check_mapping(self, manifest: Manifest) -> str | None:
+        return None
 
     def is_current(self) -> bool:
         return True

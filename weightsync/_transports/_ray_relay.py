@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._gloo_chain import CHUNK_BYTES, chunk_spans, relay_chain, send_chain
+from ._gloo_chain import CHUNK_BYTES, chunk_spans, connect_store, gloo_group, relay_chain, send_chain
 from ._gloo_chain import seconds as _seconds
 
 __all__ = ["CHUNK_BYTES", "HostRelay", "RelayAgent", "chunk_spans"]
@@ -67,19 +67,6 @@ def _node_address() -> str:
     import ray.util
 
     return str(ray.util.get_node_ip_address())
-
-
-def _group(host: str, port: int, prefix: str, rank: int, size: int, address: str, stall: float) -> Any:
-    """This process's member of a new gloo group (rank ``rank`` of ``size``),
-    rendezvousing through the trainer's store; its sockets bind to
-    ``address`` and connect to a peer only when first used."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=_seconds(stall))
-    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._timeout = _seconds(stall)
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address, lazy_init=True)]
-    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
 
 
 def _byte_tensors(arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
@@ -121,7 +108,8 @@ class RelayAgent:
     def join(self, host: str, port: int, generation: str, rank: int, size: int, stall: float) -> bool:
         """Become rank ``rank`` of group ``generation``; blocks until every
         member joined (or raises after ``stall`` seconds)."""
-        group = _group(host, port, generation, rank, size, _node_address(), stall)
+        store = connect_store(host, port, stall)
+        group = gloo_group(store, generation, rank, size, _node_address(), stall)
         with self._lock:
             self._group, self._generation = group, generation
         return True
@@ -243,7 +231,9 @@ class HostRelay:
             self._agent(node).join.remote(self._address, port, generation, i + 1, size, stall)
             for i, node in enumerate(nodes)
         ]
-        group = _group(self._address, port, generation, 0, size, self._address, stall)
+        # A client of its own, whose waits give up after a stall limit.
+        store = connect_store(self._address, port, stall)
+        group = gloo_group(store, generation, 0, size, self._address, stall)
         ray.get(joins, timeout=stall + 5.0)
         self._group, self._members = group, tuple(nodes)
         self._generation = generation

@@ -38,6 +38,7 @@ import torch
 
 import weightsync as ws
 
+from ._hosts import gloo_peer_group
 from ._model import mlp_shapes
 from ._netns import EmulatedCluster
 
@@ -55,15 +56,6 @@ def _store(host: str, port: int, master: bool) -> Any:
     return dist.TCPStore(
         host, port, is_master=master, wait_for_workers=False, timeout=datetime.timedelta(seconds=_TIMEOUT)
     )
-
-
-def _group(store: Any, prefix: str, rank: int, size: int, address: str) -> Any:
-    import torch.distributed as dist
-
-    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._timeout = datetime.timedelta(seconds=_TIMEOUT)
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
 
 
 def _wait_keys(store: Any, keys: Sequence[str], timeout: float = _TIMEOUT) -> list[bytes]:
@@ -116,7 +108,7 @@ def worker_main(host: str, port: int, ctrl_port: int, rank: int, mib: float) -> 
                 ctrl.set(f"crc/{tag}/{rank}", json.dumps(_checksums(tensors)).encode())
             elif command == "join":
                 address = str(ctrl.get(f"address/{rank}").decode())
-                group = _group(ctrl, tag, rank, int(ctrl.get("size")), address)
+                group = gloo_peer_group(ctrl, tag, rank, int(ctrl.get("size")), address, _TIMEOUT)
             elif command in ("bcast", "star"):
                 if command == "bcast":
                     group.broadcast(flat, 0).wait()
@@ -188,7 +180,7 @@ def trainer_main(
             ctrl.set(f"address/{r}", address.encode())
         ctrl.set("size", str(workers + 1).encode())
         command("join", "peers/")
-        group = _group(ctrl, "peers/", 0, workers + 1, host)
+        group = gloo_peer_group(ctrl, "peers/", 0, workers + 1, host, _TIMEOUT)
         flat = torch.empty(nbytes // 4)
         for name in ("bcast", "star"):
             times = []

@@ -49,20 +49,30 @@ import weightsync as ws
 from ._model import mlp_shapes
 from ._netns import EmulatedCluster
 
-__all__ = ["HostActor", "emulate", "format_hosts_table", "receiving_nodes", "run_on_cluster"]
+__all__ = [
+    "HostActor",
+    "emulate",
+    "format_hosts_table",
+    "gloo_peer_group",
+    "receiving_nodes",
+    "run_on_cluster",
+]
 
 MIB = 1 << 20
 _STORE_PORT = 29501
 _NAMESPACES_ENV = "WEIGHTSYNC_BENCH_NAMESPACES"
 
 
-def _gloo_group(store: Any, prefix: str, rank: int, size: int, address: str) -> Any:
-    """A gloo group of its own, its sockets on ``address`` (gloo's default
-    device takes the host name's address, which may be a loopback one)."""
+def gloo_peer_group(
+    store: Any, prefix: str, rank: int, size: int, address: str, timeout: float = 120.0
+) -> Any:
+    """A gloo group of its own for a peer to time, its sockets on
+    ``address`` (gloo's default device takes the host name's address, which
+    may be a loopback one), connected in full as gloo's own groups are."""
     import torch.distributed as dist
 
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._timeout = datetime.timedelta(seconds=120)
+    options._timeout = datetime.timedelta(seconds=timeout)
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
 
@@ -103,7 +113,7 @@ class HostActor:
         import torch.distributed as dist
 
         store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))
-        self.group = _gloo_group(store, prefix, rank, size, str(ray.util.get_node_ip_address()))
+        self.group = gloo_peer_group(store, prefix, rank, size, str(ray.util.get_node_ip_address()))
         self.flat = torch.empty(sum(t.numel() for t in self.tensors.values()))
 
     def gloo_receive(self) -> None:
@@ -253,7 +263,7 @@ def run_on_cluster(
                     a.gloo_join.remote(address, int(store.port), prefix, i + 1, len(targets) + 1)
                     for i, a in enumerate(targets)
                 ]
-                group = _gloo_group(store, prefix, 0, len(targets) + 1, address)
+                group = gloo_peer_group(store, prefix, 0, len(targets) + 1, address)
                 ray.get(joins)
                 times = []
                 flat = torch.empty(nbytes // 4)
