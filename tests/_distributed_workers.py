@@ -78,8 +78,22 @@ def serve(
         scheme.shutdown()  # (idempotent)
 
 
-def pipe_worker(scheme: ws.DistributedWeightSyncScheme, rank: int, conn: Any, shapes: dict[str, int]) -> None:
-    """Worker process over a multiprocessing pipe."""
+def pipe_worker(
+    scheme: ws.DistributedWeightSyncScheme,
+    rank: int,
+    conn: Any,
+    shapes: dict[str, int],
+    uid: int | None = None,
+) -> None:
+    """Worker process over a multiprocessing pipe; ``uid``: run as that user
+    (a process of another user cannot map the trainer's or its host
+    leader's memory)."""
+    if uid is not None:
+        # Imported on first use, which that user may not be allowed to read.
+        import encodings.idna  # noqa: F401
+
+        os.setgid(uid)
+        os.setuid(uid)
     serve(scheme, rank, shapes, conn.send, lambda: conn.recv() if conn.poll() else None)
 
 

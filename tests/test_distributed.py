@@ -3,10 +3,13 @@ and worker processes (ranks 1..N) on 127.0.0.1, the bytes along a gloo
 chain, control over the trainer's TCPStore.
 
 What is specific to the scheme: the chain (bit-exact at every worker, only
-the targeted ones in it), a worker killed or stopped (named, the others
-updated, the next send formed without it), the torn-read probe, nothing left
-behind after shutdown(), and the refused nccl backend. Across hosts, on an
-emulated cluster: test_distributed_cluster.py.
+the targeted ones in it), the host leader that feeds the host's other
+workers through shared memory (``share_on_host``, the default: here every
+worker is on one host), a worker of another user put in the chain itself, a
+worker or a host leader killed or stopped (named, the others updated, the
+next send formed without it), the torn-read probe, nothing left behind after
+shutdown(), and the refused nccl backend. Across hosts, on an emulated
+cluster: test_distributed_cluster.py.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from conftest import PROCS, fd_baseline, open_fds, reap
 
 import weightsync as ws
+from weightsync._transports._distributed import ChainStaging
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,7 +40,9 @@ SHAPES = {"w0": 1 << 20, "w1": 3001, "w2": 7}  # 4 MiB and two odd sizes (chunks
 class Workers:
     """The trainer's scheme and ``n`` worker processes, each answering over a pipe."""
 
-    def __init__(self, n: int, shapes: dict[str, int] = SHAPES, **options: Any) -> None:
+    def __init__(
+        self, n: int, shapes: dict[str, int] = SHAPES, uids: dict[int, int] | None = None, **options: Any
+    ) -> None:
         self.shapes = shapes
         self.trainer = dw.build_model(shapes)
         self.scheme = ws.DistributedWeightSyncScheme(timeout=options.pop("timeout", 30.0), **options)
@@ -45,7 +51,10 @@ class Workers:
         self.procs: list[Any] = []
         for rank in range(1, n + 1):
             ours, theirs = PROCS.Pipe()
-            proc = PROCS.Process(target=dw.pipe_worker, args=(self.scheme, rank, theirs, shapes), daemon=True)
+            uid = (uids or {}).get(rank)
+            proc = PROCS.Process(
+                target=dw.pipe_worker, args=(self.scheme, rank, theirs, shapes, uid), daemon=True
+            )
             proc.start()
             theirs.close()
             self.conns.append(ours)
@@ -85,20 +94,32 @@ def workers(n: int, **options: Any) -> Iterator[Workers]:
         made.close()
 
 
-def test_every_worker_gets_the_weights_bit_for_bit() -> None:
-    with workers(3) as w:
+Route = tuple[tuple[int, ...], dict[int, tuple[int, ...]]]
+
+
+def _routes(scheme: ws.DistributedWeightSyncScheme) -> list[Route]:
+    """Per chain of the last send: its ranks, and whom each host leader fed."""
+    staging = scheme.staging
+    assert isinstance(staging, ChainStaging)
+    return list(zip(staging.last_chains, staging.last_fed, strict=True))
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["host-leader", "all-in-chain"])
+def test_every_worker_gets_the_weights_bit_for_bit(share: bool) -> None:
+    with workers(3, share_on_host=share) as w:
         w.scheme.connect()
         for _ in range(3):
             w.randomize()
             report = w.scheme.send()
             assert report.worker_ids == (0, 1, 2)
-            assert w.scheme.staging.last_chains == [(1, 2, 3)]  # one chain, in rank order
+            # One chain: rank 1 feeds the others through shared memory, or all in rank order.
+            assert _routes(w.scheme) == ([((1,), {1: (2, 3)})] if share else [((1, 2, 3), {})])
         for wid in range(3):
             assert w.state(wid) == (report.version, w.expected())
-        # Only the targeted workers are in the chain; the other keeps its version.
+        # Only the targeted workers take part; the other keeps its version.
         w.randomize()
         subset = w.scheme.send(worker_ids=[0, 2])
-        assert w.scheme.staging.last_chains == [(1, 3)]
+        assert _routes(w.scheme) == ([((1,), {1: (3,)})] if share else [((1, 3), {})])
         assert w.state(0) == (subset.version, w.expected())
         assert w.state(2) == (subset.version, w.expected())
         assert w.state(1)[0] == report.version
@@ -126,8 +147,9 @@ def test_a_mismatch_is_refused_before_any_worker_is_touched() -> None:
         assert w.scheme.send().version == before[0][0] + 1
 
 
-def test_a_killed_worker_is_named_and_the_others_are_updated() -> None:
-    with workers(3) as w:
+@pytest.mark.parametrize("share", [True, False], ids=["host-leader", "all-in-chain"])
+def test_a_killed_worker_is_named_and_the_others_are_updated(share: bool) -> None:
+    with workers(3, share_on_host=share) as w:
         w.scheme.connect()
         os.kill(w.procs[1].pid, signal.SIGKILL)
         w.procs[1].join(10)
@@ -143,13 +165,46 @@ def test_a_killed_worker_is_named_and_the_others_are_updated() -> None:
         assert w.state(0) == (error.version, w.expected())
         assert w.state(2) == (error.version, w.expected())
         # The chain went around it, and so do later sends.
-        assert w.scheme.staging.last_chains == [(1, 3)]
+        assert _routes(w.scheme) == ([((1,), {1: (3,)})] if share else [((1, 3), {})])
         w.randomize()
         report = w.scheme.send(worker_ids=[0, 2])
         assert w.state(0) == (report.version, w.expected())
         assert w.state(2) == (report.version, w.expected())
         with pytest.raises(ws.WorkerLostError):
             w.scheme.send()  # it is still a worker: named again, at once
+
+
+def test_a_killed_host_leader_is_named_and_another_feeds_the_host() -> None:
+    with workers(3) as w:
+        w.scheme.connect()
+        os.kill(w.procs[0].pid, signal.SIGKILL)
+        w.procs[0].join(10)
+        w.randomize()
+        with pytest.raises(ws.WorkerLostError) as caught:
+            w.scheme.send()
+        assert caught.value.worker_ids == (0,)
+        assert _routes(w.scheme) == [((2,), {2: (3,)})]
+        assert w.state(1) == (caught.value.version, w.expected())
+        assert w.state(2) == (caught.value.version, w.expected())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to start a worker as another user")
+def test_a_worker_that_cannot_map_its_host_leaders_memory_joins_the_chain() -> None:
+    """Worker 1 runs as user nobody: /proc/<leader>/fd is closed to it.
+    Its copy fails, the send gives it a chain of its own, and later sends
+    put it in the chain, beside the leader that feeds the third."""
+    with workers(3, uids={2: 65534}) as w:
+        w.scheme.connect()  # (the first weights already went this way)
+        w.randomize()
+        report = w.scheme.send()
+        assert _routes(w.scheme) == [((1, 2), {1: (3,)})]
+        for wid in range(3):
+            assert w.state(wid) == (report.version, w.expected())
+        w.randomize()
+        report = w.scheme.send()
+        assert _routes(w.scheme) == [((1, 2), {1: (3,)})]
+        for wid in range(3):
+            assert w.state(wid) == (report.version, w.expected())
 
 
 @pytest.mark.extended

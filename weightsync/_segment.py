@@ -10,7 +10,14 @@ Layout: a 64-byte header, then the data::
 
     [0:8]    published version (int64); -1 while the sender is writing
     [8:24]   random token identifying this segment
+    [24:32]  the version being written (int64), when written progressively
+    [32:40]  how many of its bytes are in so far (int64); -1: it never will be
     [64:..]  data
+
+The last two let a reader copy a version out while it is still arriving
+(:meth:`Segment.begin_fill`, :meth:`Segment.filled_to`, :meth:`Segment.progress`),
+as the torch.distributed transport's host leader does for its host's other
+workers.
 """
 
 from __future__ import annotations
@@ -31,11 +38,15 @@ from ._digest import copy_and_check, copy_out
 from ._exceptions import out_of_resources
 from ._packet import Manifest, Packet
 
-__all__ = ["HEADER_BYTES", "AttachedSegments", "Segment", "SegmentRef"]
+__all__ = ["BROKEN", "HEADER_BYTES", "AttachedSegments", "Segment", "SegmentRef"]
 
 HEADER_BYTES = 64
 WRITING = -1
 _VERSION = struct.Struct("<q")
+_PROGRESS = struct.Struct("<qq")
+_PROGRESS_AT = 24
+#: ``filled`` of a version that will never be complete.
+BROKEN = -1
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
@@ -135,6 +146,27 @@ class Segment:
     def publish(self, version: int) -> None:
         assert self._mmap is not None
         _VERSION.pack_into(self._mmap, 0, version)
+
+    def begin_fill(self, version: int) -> None:
+        """Start writing ``version`` progressively: unpublished, none of its
+        bytes in yet. (On x86 the stores of a thread are seen by other
+        cores in program order, so a reader that sees a count sees the
+        bytes before it.)"""
+        assert self._mmap is not None
+        self.begin_write()
+        _PROGRESS.pack_into(self._mmap, _PROGRESS_AT, version, 0)
+
+    def filled_to(self, nbytes: int) -> None:
+        """The first ``nbytes`` bytes of the version begun are in
+        (:data:`BROKEN`: it will never be complete)."""
+        assert self._mmap is not None
+        _VERSION.pack_into(self._mmap, _PROGRESS_AT + 8, nbytes)
+
+    def progress(self) -> tuple[int, int, int]:
+        """(published version, version being written, its bytes in so far)."""
+        assert self._mmap is not None
+        writing, filled = _PROGRESS.unpack_from(self._mmap, _PROGRESS_AT)
+        return int(_VERSION.unpack_from(self._mmap, 0)[0]), int(writing), int(filled)
 
     def write(
         self, views: list[torch.Tensor], packet: Packet, digest: bool = False

@@ -56,6 +56,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,7 @@ from .._digest import copy_out
 from .._exceptions import SenderClosedError, SenderLostError, WorkerLostError
 from .._offload import run_blocking
 from .._packet import Manifest, Packet, Signature
+from .._segment import BROKEN, Segment, SegmentRef
 from ._base import worker_failed, worker_lost
 from ._channel import _wait_readable_any, describe_exit, exit_status, started_here
 from ._gloo_chain import CHUNK_BYTES, connect_store, gloo_group, relay_chain, send_chain, short_message
@@ -89,9 +91,13 @@ _ATTEMPTS = 3
 # Poll intervals (seconds): the first, and the longest (they double).
 _POLL = (0.0005, 0.005)
 _IDLE_POLL = (0.001, 0.01)
+# A follower's polls of its host leader's progress: a chunk arrives every ~8 ms at 1 Gbit/s.
+_FOLLOW_POLL = (0.002, 0.008)
 _HELLO = struct.Struct("!4sIQ")
 _MAGIC = b"WSL1"
 _CLOSING = b"C"
+#: How a follower's report starts when it cannot map its host leader's memory.
+UNMAPPED = "it cannot map its host leader's memory"
 
 
 def session_prefix(model_id: str | None, session: str) -> str:
@@ -102,6 +108,17 @@ def session_prefix(model_id: str | None, session: str) -> str:
 def session_key(model_id: str | None) -> str:
     """Where the trainer publishes its session (each init_on_sender a new one)."""
     return f"weightsync/{model_id}/session"
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` (of this host) still runs."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass
+    return True
 
 
 def _get_now(store: Any, key: str) -> bytes | None:
@@ -243,12 +260,14 @@ class ChainStaging:
         prefix: str,
         liveness: Liveness,
         *,
+        share_on_host: bool = True,
         chunk: int = CHUNK_BYTES,
     ) -> None:
         self.model_id = model_id
         self.store = store
         self.prefix = prefix
         self.liveness = liveness
+        self.share_on_host = share_on_host
         self.chunk = chunk
         self._store_address = store_address
         self._buffer: torch.Tensor | None = None
@@ -268,6 +287,10 @@ class ChainStaging:
         self._closed = False
         #: Per send: the ranks each chain went over, in order (for tests and the benchmark).
         self.last_chains: list[tuple[int, ...]] = []
+        #: Per send: for each chain, the workers each host leader fed.
+        self.last_fed: list[dict[int, tuple[int, ...]]] = []
+        # Workers that could not map their host leader's memory: in the chain themselves.
+        self._direct: set[int] = set()
 
     # -- staging ---------------------------------------------------------------
     async def stage(self, packet: Packet, digest: bool = False) -> tuple[int, ...] | None:
@@ -336,6 +359,33 @@ class ChainStaging:
 
         return sorted(ranks, key=key)
 
+    def _plan(self, ranks: list[int]) -> tuple[list[int], dict[int, tuple[int, ...]]]:
+        """The chain over ``ranks`` and whom each of its workers feeds.
+
+        With ``share_on_host``, one worker of each host (its host leader,
+        the first in chain order) is in the chain, and writes what it
+        receives into shared memory of its own, from which the host's other
+        workers copy it as it arrives: the bytes cross the host's NIC once
+        and its memory bus once per worker, instead of once per worker
+        through the host's loopback. Otherwise every worker is in the chain."""
+        ordered = self._order(ranks)
+        if not self.share_on_host:
+            return ordered, {}
+        chain: list[int] = []
+        fed: dict[int, list[int]] = {}
+        leaders: dict[tuple[str, str], int] = {}
+        for rank in ordered:
+            member = self.members.get(rank)
+            if member is None or rank in self._direct:
+                chain.append(rank)
+                continue
+            leader = leaders.setdefault((member.address, member.hostname), rank)
+            if leader == rank:
+                chain.append(rank)
+            else:
+                fed.setdefault(leader, []).append(rank)
+        return chain, {leader: tuple(ranks) for leader, ranks in fed.items()}
+
     def _alive(self, rank: int) -> bool:
         member = self.members.get(rank)
         return member is not None and self.liveness.state(rank, member.nonce) != "gone"
@@ -369,9 +419,9 @@ class ChainStaging:
         source = self._buffer[:nbytes]
         pending = list(ranks)
         excluded: set[int] = set()
-        self.last_chains = []
+        self.last_chains, self.last_fed = [], []
         for _ in range(_ATTEMPTS):
-            chain = self._order([r for r in pending if r not in excluded and self._alive(r)])
+            chain, fed = self._plan([r for r in pending if r not in excluded and self._alive(r)])
             left = deadline - time.monotonic()
             if not chain or left <= 0 or self._closed:
                 break
@@ -380,13 +430,13 @@ class ChainStaging:
                 self._drop()
                 self._generations += 1
             generation = f"g{self._generations}"
+            what = (version, send.layout_id, send.subset, send.digests, send.threads, nbytes, generation)
             for i, rank in enumerate(chain):
                 dst = i + 2 if i + 1 < len(chain) else None
-                self.notify(
-                    rank,
-                    ("update", version, send.layout_id, send.subset, send.digests, send.threads, nbytes,
-                     generation, tuple(chain), i, dst, stall, 2 * stall),
-                )  # fmt: skip
+                self.notify(rank, ("update", *what, tuple(chain), i, dst, stall, 2 * stall, rank in fed))
+            for leader, followers in fed.items():
+                for rank in followers:
+                    self.notify(rank, ("follow", *what, leader, self.members[leader].pid, stall, 2 * stall))
             if self._group is None:
                 try:
                     self._group = gloo_group(
@@ -399,14 +449,16 @@ class ChainStaging:
                     excluded |= set(chain) - joined
                     continue
             self.last_chains.append(tuple(chain))
+            self.last_fed.append(fed)
             broken = False
             if nbytes:
                 try:
                     send_chain(self._group, [source], self.chunk, 1, stall)
                 except RuntimeError:
                     broken = True
-            # Every worker of the chain reports whether it got every byte.
-            waiting = {rank: f"{self.prefix}got/{generation}/{version}/{rank}" for rank in chain}
+            # Every worker of the send reports whether it got every byte.
+            everyone = chain + [rank for followers in fed.values() for rank in followers]
+            waiting = {rank: f"{self.prefix}got/{generation}/{version}/{rank}" for rank in everyone}
             patience = deadline if not broken else min(deadline, time.monotonic() + stall + 1.0)
             delay = _POLL[0]
             while waiting and time.monotonic() < patience and not self._closed:
@@ -418,7 +470,7 @@ class ChainStaging:
                             del waiting[rank]
                             excluded.add(rank)
                             self.outcome[rank] = "it died during the chain"
-                            broken = True
+                            broken = broken or rank in chain
                         continue
                     store.delete_key(key)
                     del waiting[rank]
@@ -428,7 +480,10 @@ class ChainStaging:
                         pending.remove(rank)
                     else:
                         self.outcome[rank] = f"the chain broke before it got every byte ({error})"
-                    if (not complete or error is not None) and not broken:
+                        if str(error).startswith(UNMAPPED):
+                            self._direct.add(rank)
+                    # (A follower's failure leaves the chain as it was.)
+                    if (not complete or error is not None) and not broken and rank in chain:
                         broken = True
                         patience = min(patience, time.monotonic() + stall + 1.0)
                 if waiting:
@@ -658,6 +713,10 @@ class ChainEndpoint:
         self._wake_w.setblocking(False)
         self._lock = threading.Lock()
         self._buffers: list[torch.Tensor | None] = [None, None]
+        # A receive buffer in shared memory (when this worker leads its host) or None.
+        self._segments: list[Segment | None] = [None, None]
+        # Host leaders' segments this worker copied from, by token (the newest few).
+        self._mapped: dict[bytes, Segment] = {}
         self._pending: ChainUpdate | None = None
         self._taken: int | None = None
         self._ended: Exception | None = None
@@ -748,8 +807,12 @@ class ChainEndpoint:
                 # A newer notice means the trainer is done with this one (it
                 # writes the next only once a chain ended): a worker that was
                 # stopped catches up without joining chains long gone.
-                if notice[0] == "update" and _get_now(store, f"{self.prefix}in/{self.rank}/{n + 1}") is None:
+                if _get_now(store, f"{self.prefix}in/{self.rank}/{n + 1}") is not None:
+                    continue
+                if notice[0] == "update":
                     self._relay(store, notice)
+                elif notice[0] == "follow":
+                    self._follow(store, notice)
         except Exception as exc:  # the store is gone with the trainer
             if not self._stop.is_set():
                 # A trainer that shut down said so on the liveness connection first.
@@ -760,8 +823,9 @@ class ChainEndpoint:
         finally:
             self._group = None
 
-    def _slot_for(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        """A receive buffer that the receiver does not hold; an update
+    def _slot_for(self, nbytes: int, shared: bool) -> tuple[int, torch.Tensor, Segment | None]:
+        """A receive buffer that the receiver does not hold, in shared
+        memory if ``shared``, and its segment if it is in one; an update
         pending in it is dropped (the one about to arrive supersedes it)."""
         with self._lock:
             if self._taken is not None:
@@ -772,17 +836,89 @@ class ChainEndpoint:
                 slot = 0
             if self._pending is not None and self._pending.slot == slot:
                 self._pending = None
-        buffer = self._buffers[slot]
-        if buffer is None or buffer.numel() < nbytes:
+        buffer, segment = self._buffers[slot], self._segments[slot]
+        if buffer is None or buffer.numel() < nbytes or (shared and segment is None):
             self._buffers[slot] = None
-            buffer = self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
-        return slot, buffer
+            if segment is not None:
+                # Mapped by followers, it is unmapped when the last of them lets go.
+                segment.close()
+                self._segments[slot] = segment = None
+            if shared:
+                segment = self._segments[slot] = Segment.create(nbytes)
+                assert segment.data is not None
+                buffer = self._buffers[slot] = segment.data
+            else:
+                buffer = self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
+        return slot, buffer, segment
 
     def _relay(self, store: Any, notice: tuple[Any, ...]) -> None:
-        _, version, layout_id, subset, digests, threads, nbytes, generation, chain, src, dst, stall, first = (
-            notice
-        )
-        report = f"{self.prefix}got/{generation}/{version}/{self.rank}"
+        """Take part in a chain: receive the update and pass it on (and, as
+        its host leader, write it where the host's other workers copy it from)."""
+        _, *what, chain, src, dst, stall, first, feeds = notice
+        version, generation = what[0], what[6]
+
+        def fill(view: torch.Tensor, segment: Segment | None) -> tuple[bool, str | None]:
+            if feeds:
+                assert segment is not None
+                lead = (generation, version, segment.ref())
+                store.set(f"{self.prefix}lead/{self.rank}", pickle.dumps(lead))
+            return self._chain(store, view, generation, chain, src, dst, stall, first, segment)
+
+        self._take_in(store, what, feeds, fill)
+
+    def _follow(self, store: Any, notice: tuple[Any, ...]) -> None:
+        """Copy an update from this host leader's shared memory, as it arrives there."""
+        _, *what, leader, pid, stall, first = notice
+        version, generation = what[0], what[6]
+
+        def fill(view: torch.Tensor, segment: Segment | None) -> tuple[bool, str | None]:
+            return self._copy_from(store, view, version, generation, (leader, pid), stall, first)
+
+        self._take_in(store, what, False, fill)
+
+    def _take_in(
+        self,
+        store: Any,
+        what: list[Any],
+        shared: bool,
+        fill: Callable[[torch.Tensor, Segment | None], tuple[bool, str | None]],
+    ) -> None:
+        """Receive one update into a free receive buffer (by ``fill``), keep
+        it for the receiver if it is whole, and report to the trainer."""
+        version, layout_id, subset, digests, threads, nbytes, generation = what
+        slot, buffer, segment = self._slot_for(nbytes, shared)
+        view = buffer[:nbytes]
+        if segment is not None:
+            # Followers of this send, or a late one of an earlier send, may read it.
+            segment.begin_fill(version)
+        complete, error = False, None
+        try:
+            complete, error = fill(view, segment)
+        finally:
+            if segment is not None:
+                if complete:
+                    segment.publish(version)
+                else:
+                    segment.filled_to(BROKEN)
+        if complete:
+            with self._lock:
+                self._pending = ChainUpdate(version, layout_id, subset, digests, threads, view, slot)
+            self._wake()
+        store.set(f"{self.prefix}got/{generation}/{version}/{self.rank}", pickle.dumps((complete, error)))
+
+    def _chain(
+        self,
+        store: Any,
+        view: torch.Tensor,
+        generation: str,
+        chain: tuple[int, ...],
+        src: int,
+        dst: int | None,
+        stall: float,
+        first: float,
+        segment: Segment | None,
+    ) -> tuple[bool, str | None]:
+        """Take part in the chain of ``generation``: receive ``view`` and pass it on."""
         if self._generation != generation:
             self._group, self._generation = None, ""
             store.set(f"{self.prefix}joining/{generation}/{self.rank}", b"1")
@@ -792,19 +928,84 @@ class ChainEndpoint:
                     self.address, stall,
                 )  # fmt: skip
             except RuntimeError as exc:
-                store.set(report, pickle.dumps((False, f"no group: {short_message(exc)}")))
-                return
+                return False, f"no group: {short_message(exc)}"
             self._generation = generation
-        slot, buffer = self._slot_for(nbytes)
-        view = buffer[:nbytes]
-        complete, error = relay_chain(self._group, view, CHUNK_BYTES, src, dst, stall, first)
+        progress = None if segment is None else segment.filled_to
+        complete, error = relay_chain(self._group, view, CHUNK_BYTES, src, dst, stall, first, progress)
         if error is not None:
             self._group, self._generation = None, ""
-        if complete:
-            with self._lock:
-                self._pending = ChainUpdate(version, layout_id, subset, digests, threads, view, slot)
-            self._wake()
-        store.set(report, pickle.dumps((complete, error)))
+        return complete, error
+
+    def _copy_from(
+        self,
+        store: Any,
+        view: torch.Tensor,
+        version: int,
+        generation: str,
+        leader: tuple[int, int],
+        stall: float,
+        first: float,
+    ) -> tuple[bool, str | None]:
+        """Copy ``version`` into ``view`` from the segment of host leader
+        ``leader`` (rank, pid), each part as soon as it is there; (whether
+        it was all copied, why not). Waits up to ``stall`` seconds for the
+        leader to say where (it does before it joins the chain), ``first``
+        for the first part and ``stall`` for each part after."""
+        who = f"its host leader (rank {leader[0]})"
+        deadline = time.monotonic() + stall
+        delay = _POLL[0]
+        while True:
+            value = _get_now(store, f"{self.prefix}lead/{leader[0]}")
+            if value is not None:
+                lead_generation, lead_version, ref = pickle.loads(value)
+                if (lead_generation, lead_version) == (generation, version):
+                    break
+            if not _running(leader[1]):
+                return False, f"{who} died"
+            if time.monotonic() > deadline or self._stop.is_set():
+                return False, f"{who} did not start"
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL[1])
+        try:
+            source = self._map(ref)
+        except Exception as exc:  # not this user's, another host after all, out of files...
+            return False, f"{UNMAPPED} (rank {leader[0]}): {short_message(exc)}"
+        assert source.data is not None
+        nbytes = view.numel()
+        done, last, limit = 0, time.monotonic(), first
+        delay = _FOLLOW_POLL[0]
+        while done < nbytes:
+            published, writing, filled = source.progress()
+            if published == version:
+                filled = nbytes
+            elif writing != version:
+                return False, f"{who} moved on to another version"
+            elif filled == BROKEN:
+                return False, f"{who} did not get every byte"
+            if filled > done:
+                view[done:filled].copy_(source.data[done:filled])
+                done, last, limit, delay = filled, time.monotonic(), stall, _FOLLOW_POLL[0]
+                continue
+            if time.monotonic() - last > limit or self._stop.is_set():
+                return False, f"{who} stalled"
+            if not _running(ref.pid):
+                return False, f"{who} died"
+            time.sleep(delay)
+            delay = min(delay * 2, _FOLLOW_POLL[1])
+        # Not overwritten by another version while it was copied (see Segment.begin_fill).
+        if source.progress()[1] != version:
+            return False, f"{who} moved on to another version while this worker copied"
+        return True, None
+
+    def _map(self, ref: SegmentRef) -> Segment:
+        """A host leader's segment, mapped read-only on first use."""
+        segment = self._mapped.get(ref.token)
+        if segment is None:
+            # A leader has two at a time; older ones were replaced or their leader changed.
+            while len(self._mapped) >= 4:
+                self._mapped.pop(next(iter(self._mapped))).close()
+            segment = self._mapped[ref.token] = Segment.attach(ref.pid, ref.fd, ref.nbytes, ref.token)
+        return segment
 
     # -- the receiver's calls --------------------------------------------------------
     async def announce(self, manifest: Manifest) -> None:
@@ -866,6 +1067,10 @@ class ChainEndpoint:
                 await anyio.sleep(0.005)
         self._group = None
         self._buffers = [None, None]
+        for segment in [*self._segments, *self._mapped.values()]:
+            if segment is not None:
+                segment.close()
+        self._segments, self._mapped = [None, None], {}
         self._pending = None
         self._live.close()
         self._wake_r.close()

@@ -10,7 +10,7 @@ torch.distributed transport (``_distributed``); it knows nothing of either.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -111,11 +111,19 @@ def send_chain(group: Any, sources: Sequence[torch.Tensor], chunk: int, dst: int
 
 
 def relay_chain(
-    group: Any, buffer: torch.Tensor, chunk: int, src: int, dst: int | None, stall: float, first: float
+    group: Any,
+    buffer: torch.Tensor,
+    chunk: int,
+    src: int,
+    dst: int | None,
+    stall: float,
+    first: float,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[bool, str | None]:
     """Receive ``buffer`` from rank ``src`` in chunks, passing each on to
     rank ``dst`` (if any) as soon as it is in. ``first``: how long to wait
-    for the first chunk (the chain may still be filling).
+    for the first chunk (the chain may still be filling). ``progress``:
+    called with the number of leading bytes of ``buffer`` in, after each chunk.
 
     Returns (whether all of ``buffer`` arrived, gloo's error or None): a
     host whose next host failed still holds the whole send.
@@ -136,6 +144,8 @@ def relay_chain(
             if k + 1 < len(starts):
                 nxt = starts[k + 1]
                 pending = group.recv([buffer[nxt : min(nxt + chunk, total)]], src, 0)
+            if progress is not None:
+                progress(min(start + chunk, total))
             if forwarding:
                 try:
                     sends.append(group.send([buffer[start : min(start + chunk, total)]], dst, 0))

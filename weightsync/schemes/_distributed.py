@@ -67,13 +67,20 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     version at a time, and acked then. Every tensor keeps its identity and
     ``data_ptr()``.
 
-    Each send's bytes go along a pipelined chain of the workers of the send
-    (gloo point-to-point, 1 MiB chunks, each worker passing every chunk on
-    to the next as soon as it has it), so every NIC carries them about once:
-    about S/B + (workers - 1) x 1 MiB/B for S bytes over links of B bytes/s,
+    Each send's bytes go along a pipelined chain of the hosts of the send
+    (gloo point-to-point, 1 MiB chunks, each passing every chunk on to the
+    next as soon as it has it), so every NIC carries them about once:
+    about S/B + (hosts - 1) x 1 MiB/B for S bytes over links of B bytes/s,
     where a star (torchrl's scheme, or a gloo ``broadcast``) takes workers x
-    S/B. Versions, acks and errors go over the store; a TCP connection per
-    worker tells each side at once that the other's process ended.
+    S/B. With ``share_on_host`` (the default), one worker of each host is in
+    the chain and writes what it receives into shared memory (a ``memfd``,
+    which nothing can leave behind), from which the host's other workers
+    copy each part as it arrives: one local copy each, no loopback hop. A
+    worker that cannot map it (another user's process) is put in the chain
+    itself. With ``share_on_host=False`` every worker is in the chain, the
+    workers of a host next to each other. Versions, acks and errors go over
+    the store; a TCP connection per worker tells each side at once that the
+    other's process ended.
 
     Errors are those of every scheme: a weight mismatch is refused before
     any worker is touched; a dead worker is a :class:`WorkerLostError`
@@ -97,6 +104,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         *,
         verify: bool = False,
         per_worker_weights: bool = False,
+        share_on_host: bool = True,
     ) -> None:
         """:raises ValueError: a ``backend`` other than ``"gloo"`` (``"nccl"``
         needs CUDA staging, which weightsync does not have and cannot test)."""
@@ -110,17 +118,24 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         super().__init__(strategy, timeout=timeout, verify=verify, per_worker_weights=per_worker_weights)
         self.backend = backend
         self.sync = sync
+        self.share_on_host = share_on_host
         self._store_info: dict[str, Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(backend=self.backend, sync=self.sync, store_info=self._store_info)
+        state.update(
+            backend=self.backend,
+            sync=self.sync,
+            share_on_host=self.share_on_host,
+            store_info=self._store_info,
+        )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.backend = state.get("backend", "gloo")
         self.sync = state.get("sync", True)
+        self.share_on_host = state.get("share_on_host", True)
         self._store_info = state.get("store_info")
 
     def get_store_info(self) -> dict[str, Any] | None:
@@ -168,7 +183,9 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         # Published last: a worker that sees the session finds the rest.
         store.set(session_key(self._model_id), session.encode())
         self._store_info = {"host": host, "port": port}
-        staging = ChainStaging(self._model_id, store, (host, port), prefix, liveness)
+        staging = ChainStaging(
+            self._model_id, store, (host, port), prefix, liveness, share_on_host=self.share_on_host
+        )
         transports: dict[int, SenderTransport] = {
             i: DistributedSenderTransport(i + 1, i, staging, self._model_id) for i in range(num_workers)
         }
