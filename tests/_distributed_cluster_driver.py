@@ -6,7 +6,8 @@ one per line, answering on stdout:
     (start)             -> STORE <host> <port>
     connect             -> OK <json>       once every worker announced itself
     send [ids]          -> SENDING, then SENT <json>: version, digests (sha256 per
-                           tensor of what was sent), seconds, error, chains
+                           tensor of what was sent), seconds, error, chains, fed
+                           (per chain: whom each host leader fed)
     quit                -> BYE             after shutdown()
 """
 
@@ -21,6 +22,7 @@ import torch
 from _distributed_workers import build_model, state_of
 
 import weightsync as ws
+from weightsync._transports._distributed import ChainStaging
 
 
 def _error(exc: ws.WorkerError) -> dict[str, Any]:
@@ -60,9 +62,12 @@ def main() -> None:
             except ws.WorkerError as exc:
                 version, error = exc.version, _error(exc)
             seconds = time.perf_counter() - started
-            chains = [list(c) for c in scheme.staging.last_chains]  # type: ignore[union-attr]
+            staging = scheme.staging
+            assert isinstance(staging, ChainStaging)
+            chains = [list(c) for c in staging.last_chains]
+            fed = [{str(k): list(v) for k, v in f.items()} for f in staging.last_fed]
             result = {"version": version, "digests": digests, "seconds": seconds, "error": error}
-            print("SENT " + json.dumps({**result, "chains": chains}), flush=True)
+            print("SENT " + json.dumps({**result, "chains": chains, "fed": fed}), flush=True)
         elif command == "quit":
             scheme.shutdown()
             print("BYE", flush=True)

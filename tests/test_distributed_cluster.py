@@ -2,12 +2,14 @@
 namespaces with 1 Gbit/s NICs (weightsync.bench._netns), no Ray.
 
 The trainer runs on host 0 (tests/_distributed_cluster_driver.py), one
-worker on each of hosts 1..3 (tests/_distributed_workers.py, rank = host).
-Every send is checked bit for bit on every worker that should have it. A
-host is killed (SIGKILL to every process of its namespace) in the middle of
-a send: the worker before it in the chain keeps the update, the one after it
-gets it from a second chain, the send names the dead one, and the next send
-works without it.
+worker on each of hosts 1..3 (tests/_distributed_workers.py, rank = host),
+or two, the second fed by the first through shared memory. Every send is
+checked bit for bit on every worker that should have it. A host is killed
+(SIGKILL to every process of its namespace) in the middle of a send: the
+worker before it in the chain keeps the update, the one after it gets it
+from a second chain, the send names the dead one, and the next send works
+without it. A host leader alone is killed in the middle of a send: the
+host's other worker leads it in a second chain.
 
 Needs root and iproute2 (skipped otherwise); not in the default run:
 ``pytest -m cluster`` (a CI step of its own).
@@ -156,16 +158,19 @@ def test_every_host_gets_the_weights_bit_for_bit(run: Run) -> None:
 
 @pytest.mark.parametrize("run", [2], indirect=True)
 def test_a_host_with_two_workers_takes_the_bytes_in_once(run: Run) -> None:
-    """Ranks 1..6 round robin over hosts 1..3: the chain visits each host's
-    workers one after the other, so each NIC carries the bytes once in and
-    once out, and the send costs about what one worker per host does."""
+    """Ranks 1..6 round robin over hosts 1..3: the chain visits one worker
+    of each host (its leader, the lowest rank there), which feeds the
+    host's other worker through shared memory, so each NIC carries the
+    bytes once in and once out, and the send costs about what one worker
+    per host does."""
     run.command("connect")
     seconds = []
     for _ in range(2):
         assert run.command("send") is None
         result = run.sent()
         assert result["error"] is None, result["error"]
-        assert result["chains"] == [[1, 4, 2, 5, 3, 6]]
+        assert result["chains"] == [[1, 2, 3]]
+        assert result["fed"] == [{"1": [4], "2": [5], "3": [6]}]
         seconds.append(result["seconds"])
         for rank in range(1, 7):
             assert run.state(rank) == (result["version"], result["digests"])
@@ -206,6 +211,36 @@ def test_a_relaying_host_killed_mid_send_is_named_and_the_others_are_updated(run
         f"the next one {after['seconds']:.2f} s ({after['seconds'] / FLOOR:.2f} x S/B)"
     )
     for rank in (1, 3):
+        assert run.state(rank) == (after["version"], after["digests"])
+
+
+@pytest.mark.parametrize("run", [2], indirect=True)
+def test_a_host_leader_killed_mid_send_is_named_and_its_host_is_fed_by_another(run: Run) -> None:
+    """Rank 1 leads host 1 (and is first in the chain); it is SIGKILLed
+    while the bytes are on their way: the send names it, rank 4 (on the
+    same host) leads host 1 in a second chain, everyone else is updated."""
+    run.command("connect")
+    assert run.command("send") is None
+    assert run.sent()["error"] is None
+    assert run.command("send") is None
+    time.sleep(0.25)
+    run.workers[1].kill()
+    result = run.sent()
+    error = result["error"]
+    assert error is not None and error["worker_ids"] == [0], error
+    assert error["failures"] == {"0": "WorkerLostError"}, error
+    assert result["chains"][0] == [1, 2, 3]
+    assert result["chains"][-1][0] == 4, result
+    for rank in (2, 3, 4, 5, 6):
+        assert run.state(rank) == (result["version"], result["digests"])
+    # Its follower tells it died (a zombie, not reaped yet, counts) at once, not after a stall limit.
+    assert result["seconds"] < 3.5
+    print(f"64 MiB, host 1's leader killed mid-send: {result['seconds']:.2f} s, chains {result['chains']}")
+    assert run.command("send [1,2,3,4,5]") is None
+    after = run.sent()
+    assert after["error"] is None, after["error"]
+    assert after["chains"] == [[4, 2, 3]]
+    for rank in (2, 3, 4, 5, 6):
         assert run.state(rank) == (after["version"], after["digests"])
 
 

@@ -111,14 +111,16 @@ def session_key(model_id: str | None) -> str:
 
 
 def _running(pid: int) -> bool:
-    """Whether process ``pid`` (of this host) still runs."""
+    """Whether process ``pid`` (of this host) still runs: not gone, and not
+    a zombie (a killed worker stays one until its launcher reaps it)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            # "pid (name) state ...": the name may hold spaces and parentheses.
+            return stat.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
         return False
-    except OSError:
-        pass
-    return True
+    except (OSError, IndexError):
+        return True  # cannot tell: the stall limit will
 
 
 def _get_now(store: Any, key: str) -> bytes | None:
