@@ -71,7 +71,15 @@ from .._packet import Manifest, Packet, Signature
 from .._segment import BROKEN, Segment, SegmentRef
 from ._base import worker_failed, worker_lost
 from ._channel import _wait_readable_any, describe_exit, exit_status, started_here
-from ._gloo_chain import CHUNK_BYTES, connect_store, gloo_group, relay_chain, send_chain, short_message
+from ._gloo_chain import (
+    CHUNK_BYTES,
+    connect_store,
+    gloo_group,
+    relay_chain,
+    seconds,
+    send_chain,
+    short_message,
+)
 
 __all__ = [
     "ChainEndpoint",
@@ -91,6 +99,9 @@ _ATTEMPTS = 3
 # Poll intervals (seconds): the first, and the longest (they double).
 _POLL = (0.0005, 0.005)
 _IDLE_POLL = (0.001, 0.01)
+# How long the relay thread waits for a notice in the store before it looks
+# at its trainer's liveness connection and its stop flag again.
+_NOTICE_WAIT = 0.05
 # A follower's polls of its host leader's progress: a chunk arrives every ~8 ms at 1 Gbit/s.
 _FOLLOW_POLL = (0.002, 0.008)
 _HELLO = struct.Struct("!4sIQ")
@@ -461,11 +472,16 @@ class ChainStaging:
             # Every worker of the send reports whether it got every byte.
             everyone = chain + [rank for followers in fed.values() for rank in followers]
             waiting = {rank: f"{self.prefix}got/{generation}/{version}/{rank}" for rank in everyone}
+            # Each report also counts itself here: one store call per poll
+            # tells whether any came, however many workers there are.
+            counter, counted = f"{self.prefix}got/{generation}/{version}/count", 0
             patience = deadline if not broken else min(deadline, time.monotonic() + stall + 1.0)
             delay = _POLL[0]
             while waiting and time.monotonic() < patience and not self._closed:
+                reported = int(store.add(counter, 0))
+                fresh, counted = reported > counted, reported
                 for rank, key in list(waiting.items()):
-                    value = _get_now(store, key)
+                    value = _get_now(store, key) if fresh else None
                     if value is None:
                         if not self._alive(rank):
                             # Dead: it will never answer, and the chain broke at it.
@@ -491,6 +507,7 @@ class ChainStaging:
                 if waiting:
                     time.sleep(delay)
                     delay = min(delay * 2, _POLL[1])
+            store.delete_key(counter)
             # One that never answered is stopped, cut off or dead: not in the next chain.
             excluded |= set(waiting)
             for rank in waiting:
@@ -779,27 +796,23 @@ class ChainEndpoint:
     def _relay_loop(self) -> None:
         store = self._relay_store
         n = 0
-        delay = _IDLE_POLL[0]
-        last_check = 0.0
         try:
             while not self._stop.is_set():
                 key = f"{self.prefix}in/{self.rank}/{n + 1}"
                 value = _get_now(store, key)
                 if value is None:
-                    now = time.monotonic()
-                    if now - last_check > 0.05:
-                        last_check = now
-                        state = self._trainer_state()
-                        if state == "closed":
-                            self._end(self._closed_error())
-                            return
-                        if state == "gone":
-                            self._end(self.lost("its connection to this worker closed"))
-                            return
-                    self._stop.wait(delay)
-                    delay = min(delay * 2, _IDLE_POLL[1])
+                    state = self._trainer_state()
+                    if state == "closed":
+                        self._end(self._closed_error())
+                        return
+                    if state == "gone":
+                        self._end(self.lost("its connection to this worker closed"))
+                        return
+                    # Waits in the store's server, which answers once the
+                    # notice is there: no polling while idle.
+                    with contextlib.suppress(RuntimeError):  # (its timeout)
+                        store.wait([key], seconds(_NOTICE_WAIT))
                     continue
-                delay = _IDLE_POLL[0]
                 n += 1
                 store.delete_key(key)
                 notice = pickle.loads(value)
@@ -906,7 +919,9 @@ class ChainEndpoint:
             with self._lock:
                 self._pending = ChainUpdate(version, layout_id, subset, digests, threads, view, slot)
             self._wake()
-        store.set(f"{self.prefix}got/{generation}/{version}/{self.rank}", pickle.dumps((complete, error)))
+        report = f"{self.prefix}got/{generation}/{version}/"
+        store.set(f"{report}{self.rank}", pickle.dumps((complete, error)))
+        store.add(f"{report}count", 1)
 
     def _chain(
         self,

@@ -15,6 +15,11 @@ timing:
 - ``gloo star``: one gloo ``send`` of the flat buffer to each worker in
   turn, as torchrl's ``DistributedWeightSyncScheme`` sends.
 
+With several workers per host, the scheme's target is the floor plus one
+local copy (a host leader's followers copy the bytes out of its shared
+memory): the row's ``copy`` is a one-thread copy of S bytes, timed in the
+trainer's process (as the workers copy), median of 5.
+
 Processes: :func:`run_case` (in the machine's own namespace) starts
 ``python -m weightsync.bench._dist_hosts trainer ...`` on host 0 and one
 ``... worker ...`` per rank on its host. The trainer drives the workers
@@ -37,6 +42,7 @@ from typing import Any
 import torch
 
 import weightsync as ws
+from weightsync._transports._distributed import ChainStaging
 
 from ._hosts import gloo_peer_group
 from ._model import mlp_shapes
@@ -86,21 +92,27 @@ def worker_main(host: str, port: int, ctrl_port: int, rank: int, mib: float) -> 
     """Worker ``rank``: takes the trainer's sends whichever way they come."""
     torch.set_num_threads(1)
     tensors = {name: torch.zeros(shape) for name, shape in mlp_shapes(int(mib * MIB), 8).items()}
-    scheme = ws.DistributedWeightSyncScheme(timeout=_TIMEOUT)
+    # Applied in the background as each update arrives, so that this thread
+    # waits for commands in the control store's server: on one machine
+    # that emulates every host, polling workers would take CPU from the sends.
+    scheme = ws.DistributedWeightSyncScheme(sync=False, timeout=_TIMEOUT)
     scheme.init_on_worker(MODEL_ID, model=tensors, worker_idx=rank, store_info={"host": host, "port": port})
     ctrl = _store(host, ctrl_port, master=False)
     ctrl.set(f"up/{rank}", b"1")
+    scheme.connect()
     group: Any = None
     flat = torch.empty(sum(t.numel() for t in tensors.values()))
     k = 0
     try:
         while True:
-            try:
-                scheme.receive(timeout=_POLL)
-            except ws.SenderLostError:
-                return
             key = f"cmd/{k + 1}"
-            if not ctrl.check([key]):
+            try:
+                ctrl.wait([key], datetime.timedelta(seconds=1))
+            except RuntimeError:  # its timeout: is the trainer still there?
+                try:
+                    scheme.receive()
+                except ws.SenderLostError:
+                    return
                 continue
             k += 1
             command, tag = json.loads(bytes(ctrl.get(key)))
@@ -164,6 +176,7 @@ def trainer_main(
             raise SystemExit(f"{tag}: ranks {bad} do not hold the trainer's weights")
 
     row: dict[str, Any] = {"hosts": len(set(addresses)), "workers": workers, "mib": mib, "bytes": nbytes}
+    row["copy"] = _copy_times(nbytes)
     scheme.connect()
     scheme.send()  # untimed: every buffer touched once
     times = []
@@ -174,7 +187,10 @@ def trainer_main(
         times.append(time.perf_counter() - started)
         check(f"ws{step}")
     row["weightsync"] = times
-    row["chain"] = list(scheme.staging.last_chains[-1]) if scheme.staging.last_chains else []  # type: ignore[union-attr]
+    staging = scheme.staging
+    assert isinstance(staging, ChainStaging)
+    row["chain"] = list(staging.last_chains[-1]) if staging.last_chains else []
+    row["fed"] = {str(k): list(v) for k, v in staging.last_fed[-1].items()} if staging.last_fed else {}
     if peers:
         for r, address in zip(ranks, addresses, strict=True):
             ctrl.set(f"address/{r}", address.encode())
@@ -203,6 +219,20 @@ def trainer_main(
     command("quit", 0)
     scheme.shutdown()
     print(json.dumps(row), flush=True)
+
+
+def _copy_times(nbytes: int, repeats: int = 5) -> list[float]:
+    """Seconds of a one-thread copy of ``nbytes`` bytes between two buffers
+    (touched once first), ``repeats`` times."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - started)
+    return times
 
 
 # -- on the emulated cluster ----------------------------------------------------------
@@ -282,14 +312,15 @@ def emulate_distributed(
 def format_distributed_table(
     rows: Sequence[dict[str, Any]], bytes_per_second: float, header: bool = True
 ) -> str:
-    """Median ms of each way, and x the floor S/B."""
+    """Median ms of each way, and x the floor S/B; with several workers per
+    host, the copy (ms) and the scheme's time over floor + copy."""
     import statistics
 
     lines = []
     if header:
         lines.append(
             f"{'hosts':>5} {'wkr/h':>5} {'MiB':>6} {'floor ms':>9} {'weightsync ms':>14} {'x floor':>7} "
-            f"{'gloo bcast':>11} {'x floor':>7} {'gloo star':>10} {'x floor':>7}"
+            f"{'gloo bcast':>11} {'x floor':>7} {'gloo star':>10} {'x floor':>7} {'copy ms':>8} {'x(f+c)':>7}"
         )
     for row in rows:
         floor = row["bytes"] / bytes_per_second
@@ -301,9 +332,13 @@ def format_distributed_table(
             return f"{med * 1e3:>{width}.0f} {f'{med / floor:.2f}x':>7}"
 
         per_host = row["workers"] // max(row["hosts"], 1)
+        copy = ""
+        if per_host > 1 and row.get("copy"):
+            med, ws_med = statistics.median(row["copy"]), statistics.median(row["weightsync"])
+            copy = f" {med * 1e3:>8.0f} {f'{ws_med / (floor + med):.2f}x':>7}"
         lines.append(
             f"{row['hosts']:>5} {per_host:>5} {row['mib']:>6g} {floor * 1e3:>9.0f} "
-            f"{cell('weightsync', 14)} {cell('gloo_bcast', 11)} {cell('gloo_star', 10)}"
+            f"{cell('weightsync', 14)} {cell('gloo_bcast', 11)} {cell('gloo_star', 10)}{copy}"
         )
     return "\n".join(lines)
 
