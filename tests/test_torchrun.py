@@ -70,10 +70,12 @@ def test_bench_under_torchrun_across_emulated_hosts(tmp_path: Path) -> None:
                 "--nnodes", "3", "--node-rank", str(node), "--nproc-per-node", "2",
                 "--master-addr", master, "--master-port", "29531", *_bench(out),
             )  # fmt: skip
-            quiet = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+            # GLOO_SOCKET_IFNAME: the bench's gloo peers run in the world group, whose
+            # sockets otherwise bind to the address of the host's name (here 127.0.0.1).
+            quiet = {"TORCH_CPP_LOG_LEVEL": "ERROR", "GLOO_SOCKET_IFNAME": "eth0"}
             pipes = subprocess.PIPE
             procs.append(cluster.popen(node, argv, env=quiet, stdout=pipes, stderr=pipes, text=True))
-        outputs = [proc.communicate(timeout=240) for proc in procs]
+        outputs = [proc.communicate(timeout=180) for proc in procs]
         codes = [proc.returncode for proc in procs]
     assert codes == [0, 0, 0], [o[0][-2000:] + o[1][-2000:] for o in outputs]
     (row,) = json.loads(out.read_text())["rows"]

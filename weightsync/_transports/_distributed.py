@@ -363,7 +363,7 @@ class ChainStaging:
         neighbours in the chain, so the bytes cross each host's NIC once in
         and once out, however many workers it has and however the ranks
         were spread over the hosts (the hops between them stay on the host)."""
-        here = self._store_address[0]
+        here = self.liveness.address[0]
 
         def key(rank: int) -> tuple[bool, str, int]:
             member = self.members.get(rank)
@@ -453,7 +453,12 @@ class ChainStaging:
             if self._group is None:
                 try:
                     self._group = gloo_group(
-                        store, f"{self.prefix}{generation}/", 0, len(chain) + 1, self._store_address[0], stall
+                        store,
+                        f"{self.prefix}{generation}/",
+                        0,
+                        len(chain) + 1,
+                        self.liveness.address[0],
+                        stall,
                     )
                     self._group_ranks = tuple(chain)
                 except RuntimeError:

@@ -175,9 +175,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     across.add_argument(
         "--link-rate",
-        default="1gbit",
         metavar="RATE",
-        help="NIC speed of each emulated host (default: 1gbit)",
+        help="NIC speed of each emulated host (default: 1gbit); under torchrun, of each real host's "
+        "NIC, for the floor S/B (default: none, GB/s per worker is shown instead)",
     )
     across.add_argument(
         "--cluster",
@@ -230,6 +230,8 @@ def _across_hosts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     """``--emulate-hosts`` / ``--cluster``: the cases of :mod:`._hosts`, or
     (``--scheme distributed``) of :mod:`._dist_hosts`."""
     from ._hosts import emulate, format_hosts_table, receiving_nodes, run_on_cluster
+
+    args.link_rate = args.link_rate or "1gbit"
 
     sizes = tuple(args.size) if args.size != list(_DEFAULTS.sizes_mib) else (64.0, 256.0)
     if "distributed" in args.scheme:
@@ -420,6 +422,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench" and (args.emulate_hosts is not None or args.cluster):
         return _across_hosts(args, parser)
+    if args.command == "bench" and args.scheme == ["distributed"]:
+        from ._netns import parse_rate
+        from ._torchrun import torchrun_bench, under_torchrun
+
+        if under_torchrun():
+            # Every rank runs the cases; rank 0 prints the table.
+            sizes = tuple(args.size) if args.size != list(_DEFAULTS.sizes_mib) else (64.0, 256.0)
+            rate = parse_rate(args.link_rate) if args.link_rate else None
+            return torchrun_bench(sizes, args.repeats, rate, args.json)
     if args.command == "bench":
         return _bench(args, parser)
     parser.print_help()

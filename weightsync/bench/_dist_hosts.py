@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -44,7 +45,7 @@ import torch
 import weightsync as ws
 from weightsync._transports._distributed import ChainStaging
 
-from ._hosts import gloo_peer_group
+from ._hosts import NAMESPACES_ENV, cpu_seconds_in, gloo_peer_group, namespace_inodes
 from ._model import mlp_shapes
 from ._netns import EmulatedCluster
 
@@ -179,14 +180,20 @@ def trainer_main(
     row["copy"] = _copy_times(nbytes)
     scheme.connect()
     scheme.send()  # untimed: every buffer touched once
-    times = []
+    times, cpu = [], 0.0
+    hosts_here = namespace_inodes(os.environ.get(NAMESPACES_ENV, "").split())
     for step in range(repeats):
         change(step)
+        before = cpu_seconds_in(hosts_here) if hosts_here else 0.0
         started = time.perf_counter()
         scheme.send()
         times.append(time.perf_counter() - started)
+        cpu += cpu_seconds_in(hosts_here) - before if hosts_here else 0.0
         check(f"ws{step}")
     row["weightsync"] = times
+    if hosts_here:
+        # The share of this machine's CPUs the emulated hosts used during the sends.
+        row["cpu"] = cpu / (sum(times) * (os.cpu_count() or 1))
     staging = scheme.staging
     assert isinstance(staging, ChainStaging)
     row["chain"] = list(staging.last_chains[-1]) if staging.last_chains else []
@@ -260,7 +267,8 @@ def run_case(
     addresses = [cluster.addresses[host_of(r, hosts)] for r in range(1, workers + 1)]
     argv = [sys.executable, "-m", "weightsync.bench._dist_hosts", "trainer", cluster.addresses[0],
             str(workers), str(mib), str(repeats), "1" if peers else "0", *addresses]  # fmt: skip
-    trainer = cluster.popen(0, argv, env=_QUIET, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**_QUIET, NAMESPACES_ENV: " ".join(cluster.namespaces)}
+    trainer = cluster.popen(0, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     procs = []
     try:
         assert trainer.stdout is not None
@@ -320,7 +328,8 @@ def format_distributed_table(
     if header:
         lines.append(
             f"{'hosts':>5} {'wkr/h':>5} {'MiB':>6} {'floor ms':>9} {'weightsync ms':>14} {'x floor':>7} "
-            f"{'gloo bcast':>11} {'x floor':>7} {'gloo star':>10} {'x floor':>7} {'copy ms':>8} {'x(f+c)':>7}"
+            f"{'gloo bcast':>11} {'x floor':>7} {'gloo star':>10} {'x floor':>7} {'cpu':>4} {'copy ms':>8} "
+            f"{'x(f+c)':>7}"
         )
     for row in rows:
         floor = row["bytes"] / bytes_per_second
@@ -336,9 +345,10 @@ def format_distributed_table(
         if per_host > 1 and row.get("copy"):
             med, ws_med = statistics.median(row["copy"]), statistics.median(row["weightsync"])
             copy = f" {med * 1e3:>8.0f} {f'{ws_med / (floor + med):.2f}x':>7}"
+        cpu = f"{row['cpu']:.0%}" if "cpu" in row else "-"
         lines.append(
             f"{row['hosts']:>5} {per_host:>5} {row['mib']:>6g} {floor * 1e3:>9.0f} "
-            f"{cell('weightsync', 14)} {cell('gloo_bcast', 11)} {cell('gloo_star', 10)}{copy}"
+            f"{cell('weightsync', 14)} {cell('gloo_bcast', 11)} {cell('gloo_star', 10)} {cpu:>4}{copy}"
         )
     return "\n".join(lines)
 

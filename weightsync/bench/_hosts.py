@@ -50,17 +50,20 @@ from ._model import mlp_shapes
 from ._netns import EmulatedCluster
 
 __all__ = [
+    "NAMESPACES_ENV",
     "HostActor",
+    "cpu_seconds_in",
     "emulate",
     "format_hosts_table",
     "gloo_peer_group",
+    "namespace_inodes",
     "receiving_nodes",
     "run_on_cluster",
 ]
 
 MIB = 1 << 20
 _STORE_PORT = 29501
-_NAMESPACES_ENV = "WEIGHTSYNC_BENCH_NAMESPACES"
+NAMESPACES_ENV = "WEIGHTSYNC_BENCH_NAMESPACES"
 
 
 def gloo_peer_group(
@@ -131,7 +134,7 @@ class HostActor:
         self.scheme, self.group, self.flat, self.tensors = None, None, None, {}
 
 
-def _namespace_inodes(names: Sequence[str]) -> set[int]:
+def namespace_inodes(names: Sequence[str]) -> set[int]:
     inodes = set()
     for name in names:
         with contextlib.suppress(OSError):  # not a namespace (any more)
@@ -139,7 +142,7 @@ def _namespace_inodes(names: Sequence[str]) -> set[int]:
     return inodes
 
 
-def _cpu_seconds_in(inodes: set[int]) -> float:
+def cpu_seconds_in(inodes: set[int]) -> float:
     """CPU seconds (user + system) used so far by the processes living in
     the network namespaces of ``inodes``: the emulated cluster's hosts."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -197,7 +200,7 @@ def run_on_cluster(
         address, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
     )
     # On an emulated cluster (see :func:`emulate`): its hosts' namespaces.
-    hosts_here = _namespace_inodes(os.environ.get(_NAMESPACES_ENV, "").split())
+    hosts_here = namespace_inodes(os.environ.get(NAMESPACES_ENV, "").split())
     case_number = 0
     for size in sizes_mib:
         shapes = mlp_shapes(int(size * MIB), 8)
@@ -232,11 +235,11 @@ def run_on_cluster(
             times, cpu = [], 0.0
             for step in range(repeats):
                 change(step)
-                before = _cpu_seconds_in(hosts_here) if hosts_here else 0.0
+                before = cpu_seconds_in(hosts_here) if hosts_here else 0.0
                 started = time.perf_counter()
                 scheme.send()
                 times.append(time.perf_counter() - started)
-                cpu += _cpu_seconds_in(hosts_here) - before if hosts_here else 0.0
+                cpu += cpu_seconds_in(hosts_here) - before if hosts_here else 0.0
                 check(step)
             row["weightsync"] = times
             if hosts_here:
@@ -353,7 +356,7 @@ def emulate(
         if not peers:
             argv.append("--no-peers")
         driver = cluster.popen(0, argv, env={"RAY_ADDRESS": cluster.ray_address or "",
-                                    _NAMESPACES_ENV: " ".join(cluster.namespaces)},
+                                    NAMESPACES_ENV: " ".join(cluster.namespaces)},
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
         rows = []
         assert driver.stdout is not None

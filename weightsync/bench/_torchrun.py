@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 import weightsync as ws
+from weightsync._transports._distributed import ChainStaging
 
 from ._machine import describe_machine, machine_facts
 from ._model import mlp_shapes
@@ -100,6 +101,12 @@ def _case(mib: float, repeats: int, rank: int, world: int) -> dict[str, Any] | N
                 times.append(time.perf_counter() - started)
             check("weightsync", step)
         row["weightsync"] = times
+        staging = scheme.staging
+        if isinstance(staging, ChainStaging):  # (rank 0)
+            row["chain"] = list(staging.last_chains[-1]) if staging.last_chains else []
+            row["fed"] = (
+                {str(k): list(v) for k, v in staging.last_fed[-1].items()} if staging.last_fed else {}
+            )
     finally:
         scheme.shutdown()
 
@@ -176,6 +183,7 @@ def torchrun_bench(
                 "(torchrl's DistributedWeightSyncScheme)",
                 flush=True,
             )
+            print(format_torchrun_table([], bytes_per_second), flush=True)
         rows = []
         for mib in sizes_mib:
             row = _case(mib, repeats, rank, world)

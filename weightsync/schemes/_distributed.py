@@ -18,9 +18,32 @@ from .._transports._distributed import (
     session_key,
     session_prefix,
 )
+from .._transports._gloo_chain import connect_store
 from ._base import EndpointFactory, StrategyName, WeightSyncScheme, _num_workers
 
 __all__ = ["DistributedWeightSyncScheme"]
+
+
+def _torchrun_store() -> tuple[str, int] | None:
+    """The store of torchrun's agent, which it shares with the ranks it
+    started (``TORCHELASTIC_USE_AGENT_STORE``), if this process is one."""
+    env = os.environ
+    if (
+        env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and env.get("MASTER_ADDR")
+        and env.get("MASTER_PORT")
+    ):
+        return env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    return None
+
+
+def _address_towards(host: str, port: int) -> str:
+    """This host's address on its route to ``host`` (the one a process
+    there reaches it by). Sends nothing: connecting a UDP socket only
+    looks the route up."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(host), port))
+        return str(probe.getsockname()[0])
 
 
 def _default_host() -> str:
@@ -162,12 +185,24 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
 
         import torch.distributed as dist
 
+        if (
+            "num_workers" not in kwargs
+            and context is None
+            and _torchrun_store()
+            and "WORLD_SIZE" in os.environ
+        ):
+            kwargs = {**kwargs, "num_workers": int(os.environ["WORLD_SIZE"]) - 1}
         num_workers = _num_workers(context, kwargs)
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"{type(self).__name__}.init_on_sender needs num_workers=N (N >= 1)")
         store: Any = kwargs.get("store")
-        host = kwargs.get("host") or getattr(store, "host", None) or _default_host()
-        if store is None:
+        if store is None and "host" not in kwargs and "port" not in kwargs and (found := _torchrun_store()):
+            store = connect_store(*found, timeout=self.timeout)
+        if store is not None:
+            store_host = str(store.host)
+            host = kwargs.get("host") or _address_towards(store_host, int(store.port))
+        else:
+            host = store_host = kwargs.get("host") or _default_host()
             store = dist.TCPStore(
                 host,
                 int(kwargs.get("port", 0)),
@@ -182,9 +217,9 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         store.set(f"{prefix}live", pickle.dumps(liveness.address))
         # Published last: a worker that sees the session finds the rest.
         store.set(session_key(self._model_id), session.encode())
-        self._store_info = {"host": host, "port": port}
+        self._store_info = {"host": store_host, "port": port}
         staging = ChainStaging(
-            self._model_id, store, (host, port), prefix, liveness, share_on_host=self.share_on_host
+            self._model_id, store, (store_host, port), prefix, liveness, share_on_host=self.share_on_host
         )
         transports: dict[int, SenderTransport] = {
             i: DistributedSenderTransport(i + 1, i, staging, self._model_id) for i in range(num_workers)
@@ -216,6 +251,12 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         self._worker_idx = rank
         store = kwargs.get("store")
         info = kwargs.get("store_info") or self._store_info
+        if store is None and info is None and (found := _torchrun_store()):
+            info = {"host": found[0], "port": found[1]}
+        if store is not None and hasattr(store, "host"):
+            # A TCPStore: clients of weightsync's own (one per thread) to its address.
+            info = {"host": store.host, "port": store.port}
+            store = None
         if store is None and info is None:
             raise ValueError(
                 f"{type(self).__name__}.init_on_worker needs where the trainer's store is: a scheme pickled "
