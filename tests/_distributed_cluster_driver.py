@@ -22,7 +22,6 @@ import torch
 from _distributed_workers import build_model, state_of
 
 import weightsync as ws
-from weightsync._transports._distributed import ChainStaging
 
 
 def _error(exc: ws.WorkerError) -> dict[str, Any]:
@@ -62,10 +61,8 @@ def main() -> None:
             except ws.WorkerError as exc:
                 version, error = exc.version, _error(exc)
             seconds = time.perf_counter() - started
-            staging = scheme.staging
-            assert isinstance(staging, ChainStaging)
-            chains = [list(c) for c in staging.last_chains]
-            fed = [{str(k): list(v) for k, v in f.items()} for f in staging.last_fed]
+            chains = [list(chain) for chain, _ in scheme.last_routes]
+            fed = [{str(k): list(v) for k, v in f.items()} for _, f in scheme.last_routes]
             result = {"version": version, "digests": digests, "seconds": seconds, "error": error}
             print("SENT " + json.dumps({**result, "chains": chains, "fed": fed}), flush=True)
         elif command == "quit":

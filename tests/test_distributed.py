@@ -30,7 +30,6 @@ import torch
 from conftest import PROCS, fd_baseline, open_fds, reap
 
 import weightsync as ws
-from weightsync._transports._distributed import ChainStaging
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,16 +93,6 @@ def workers(n: int, **options: Any) -> Iterator[Workers]:
         made.close()
 
 
-Route = tuple[tuple[int, ...], dict[int, tuple[int, ...]]]
-
-
-def _routes(scheme: ws.DistributedWeightSyncScheme) -> list[Route]:
-    """Per chain of the last send: its ranks, and whom each host leader fed."""
-    staging = scheme.staging
-    assert isinstance(staging, ChainStaging)
-    return list(zip(staging.last_chains, staging.last_fed, strict=True))
-
-
 @pytest.mark.parametrize("share", [True, False], ids=["host-leader", "all-in-chain"])
 def test_every_worker_gets_the_weights_bit_for_bit(share: bool) -> None:
     with workers(3, share_on_host=share) as w:
@@ -113,13 +102,13 @@ def test_every_worker_gets_the_weights_bit_for_bit(share: bool) -> None:
             report = w.scheme.send()
             assert report.worker_ids == (0, 1, 2)
             # One chain: rank 1 feeds the others through shared memory, or all in rank order.
-            assert _routes(w.scheme) == ([((1,), {1: (2, 3)})] if share else [((1, 2, 3), {})])
+            assert w.scheme.last_routes == ([((1,), {1: (2, 3)})] if share else [((1, 2, 3), {})])
         for wid in range(3):
             assert w.state(wid) == (report.version, w.expected())
         # Only the targeted workers take part; the other keeps its version.
         w.randomize()
         subset = w.scheme.send(worker_ids=[0, 2])
-        assert _routes(w.scheme) == ([((1,), {1: (3,)})] if share else [((1, 3), {})])
+        assert w.scheme.last_routes == ([((1,), {1: (3,)})] if share else [((1, 3), {})])
         assert w.state(0) == (subset.version, w.expected())
         assert w.state(2) == (subset.version, w.expected())
         assert w.state(1)[0] == report.version
@@ -165,7 +154,7 @@ def test_a_killed_worker_is_named_and_the_others_are_updated(share: bool) -> Non
         assert w.state(0) == (error.version, w.expected())
         assert w.state(2) == (error.version, w.expected())
         # The chain went around it, and so do later sends.
-        assert _routes(w.scheme) == ([((1,), {1: (3,)})] if share else [((1, 3), {})])
+        assert w.scheme.last_routes == ([((1,), {1: (3,)})] if share else [((1, 3), {})])
         w.randomize()
         report = w.scheme.send(worker_ids=[0, 2])
         assert w.state(0) == (report.version, w.expected())
@@ -183,7 +172,7 @@ def test_a_killed_host_leader_is_named_and_another_feeds_the_host() -> None:
         with pytest.raises(ws.WorkerLostError) as caught:
             w.scheme.send()
         assert caught.value.worker_ids == (0,)
-        assert _routes(w.scheme) == [((2,), {2: (3,)})]
+        assert w.scheme.last_routes == [((2,), {2: (3,)})]
         assert w.state(1) == (caught.value.version, w.expected())
         assert w.state(2) == (caught.value.version, w.expected())
 
@@ -197,12 +186,12 @@ def test_a_worker_that_cannot_map_its_host_leaders_memory_joins_the_chain() -> N
         w.scheme.connect()  # (the first weights already went this way)
         w.randomize()
         report = w.scheme.send()
-        assert _routes(w.scheme) == [((1, 2), {1: (3,)})]
+        assert w.scheme.last_routes == [((1, 2), {1: (3,)})]
         for wid in range(3):
             assert w.state(wid) == (report.version, w.expected())
         w.randomize()
         report = w.scheme.send()
-        assert _routes(w.scheme) == [((1, 2), {1: (3,)})]
+        assert w.scheme.last_routes == [((1, 2), {1: (3,)})]
         for wid in range(3):
             assert w.state(wid) == (report.version, w.expected())
 

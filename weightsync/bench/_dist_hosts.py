@@ -43,7 +43,6 @@ from typing import Any
 import torch
 
 import weightsync as ws
-from weightsync._transports._distributed import ChainStaging
 
 from ._hosts import NAMESPACES_ENV, cpu_seconds_in, gloo_peer_group, namespace_inodes
 from ._model import mlp_shapes
@@ -194,10 +193,9 @@ def trainer_main(
     if hosts_here:
         # The share of this machine's CPUs the emulated hosts used during the sends.
         row["cpu"] = cpu / (sum(times) * (os.cpu_count() or 1))
-    staging = scheme.staging
-    assert isinstance(staging, ChainStaging)
-    row["chain"] = list(staging.last_chains[-1]) if staging.last_chains else []
-    row["fed"] = {str(k): list(v) for k, v in staging.last_fed[-1].items()} if staging.last_fed else {}
+    if scheme.last_routes:
+        chain, fed = scheme.last_routes[-1]
+        row["chain"], row["fed"] = list(chain), {str(k): list(v) for k, v in fed.items()}
     if peers:
         for r, address in zip(ranks, addresses, strict=True):
             ctrl.set(f"address/{r}", address.encode())

@@ -12,7 +12,11 @@ every other rank three ways, each checked bit for bit after every send
 - ``gloo bcast``: a ``broadcast`` of one flat buffer in the world group
   (``init_process_group("gloo")``), which each worker copies into its model;
 - ``gloo star``: one ``send`` of the flat buffer to each worker in turn, as
-  torchrl's ``DistributedWeightSyncScheme`` sends.
+  torchrl's ``DistributedWeightSyncScheme`` sends;
+- ``torchrl`` (where torchrl is installed): torchrl's own
+  ``DistributedWeightSyncScheme.send()`` (it sends to each worker in turn,
+  one gloo message per tensor, and waits for that worker's ack), its
+  workers taking updates in their background thread.
 
 The gloo ways end with a barrier, so that each time covers every worker's
 copy. Rank 0 prints the table: ms, and x the floor S/B when ``--link-rate``
@@ -24,16 +28,17 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 import statistics
 import time
+import types
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 import weightsync as ws
-from weightsync._transports._distributed import ChainStaging
 
 from ._machine import describe_machine, machine_facts
 from ._model import mlp_shapes
@@ -53,89 +58,141 @@ def _checksums(tensors: dict[str, torch.Tensor]) -> list[int]:
     return [zlib.crc32(t.numpy().tobytes()) for t in tensors.values()]
 
 
-def _case(mib: float, repeats: int, rank: int, world: int) -> dict[str, Any] | None:
-    """One size: every way, ``repeats`` times after one untimed round.
-    Returns the row on rank 0, None elsewhere.
+class _Case:
+    """One size on this rank: the model, and how each way is timed."""
 
-    :raises SystemExit: a rank does not hold the trainer's weights.
-    """
-    import torch.distributed as dist
+    def __init__(self, mib: float, repeats: int, rank: int, world: int) -> None:
+        shapes = mlp_shapes(int(mib * MIB), 8)
+        make = torch.randn if rank == 0 else torch.zeros
+        self.tensors = {name: make(shape) for name, shape in shapes.items()}
+        self.nbytes = sum(t.numel() * 4 for t in self.tensors.values())
+        self.mib, self.repeats, self.rank, self.world = mib, repeats, rank, world
+        self.steps = 0
 
-    shapes = mlp_shapes(int(mib * MIB), 8)
-    if rank == 0:
-        tensors = {name: torch.randn(shape) for name, shape in shapes.items()}
-    else:
-        tensors = {name: torch.zeros(shape) for name, shape in shapes.items()}
-    nbytes = sum(t.numel() * 4 for t in tensors.values())
-    model_id = f"bench-{mib:g}"
-    scheme = ws.DistributedWeightSyncScheme(sync=False, timeout=_TIMEOUT)
-    if rank == 0:
-        scheme.init_on_sender(model_id, model=tensors)
-    else:
-        scheme.init_on_worker(model_id, model=tensors)
-    row: dict[str, Any] = {"workers": world - 1, "mib": mib, "bytes": nbytes}
+    def timed(self, way: str, send: Callable[[], None]) -> list[float]:
+        """``send()`` on every rank (``repeats`` times after one untimed
+        round), from a barrier to a barrier once it is done everywhere;
+        every rank's weights are checked against rank 0's after each.
 
-    def check(way: str, step: int) -> None:
-        sums: list[Any] = [None] * world
-        dist.all_gather_object(sums, _checksums(tensors))
-        bad = [r for r in range(1, world) if sums[r] != sums[0]]
-        if bad:
-            raise SystemExit(f"{way}, step {step}: ranks {bad} do not hold the trainer's weights")
+        :raises SystemExit: a rank does not hold the trainer's weights.
+        """
+        import torch.distributed as dist
 
-    def change(step: int) -> None:
-        if rank == 0:
-            first = next(iter(tensors.values()))
-            first.view(-1)[step % first.numel()] += 1.0
-
-    try:
-        scheme.connect()
         times = []
-        for step in range(-1, repeats):
-            change(step)
+        for step in range(-1, self.repeats):
+            self.steps += 1
+            if self.rank == 0:  # a new version each time
+                first = next(iter(self.tensors.values()))
+                first.view(-1)[self.steps % first.numel()] += 1.0
             dist.barrier()
             started = time.perf_counter()
-            if rank == 0:
-                scheme.send()
-            dist.barrier()  # (the workers wait here: rank 0 returned once every worker acked)
+            send()
+            dist.barrier()
             if step >= 0:
                 times.append(time.perf_counter() - started)
-            check("weightsync", step)
-        row["weightsync"] = times
-        staging = scheme.staging
-        if isinstance(staging, ChainStaging):  # (rank 0)
-            row["chain"] = list(staging.last_chains[-1]) if staging.last_chains else []
-            row["fed"] = (
-                {str(k): list(v) for k, v in staging.last_fed[-1].items()} if staging.last_fed else {}
-            )
-    finally:
-        scheme.shutdown()
+            sums: list[Any] = [None] * self.world
+            dist.all_gather_object(sums, _checksums(self.tensors))
+            bad = [r for r in range(1, self.world) if sums[r] != sums[0]]
+            if bad:
+                raise SystemExit(f"{way}, step {step}: ranks {bad} do not hold the trainer's weights")
+        return times
 
-    flat = torch.empty(nbytes // 4)
-    for way in ("bcast", "star"):
-        times = []
-        for step in range(-1, repeats):
-            change(1000 + step)
-            dist.barrier()
-            started = time.perf_counter()
-            if rank == 0:
-                torch.cat([t.view(-1) for t in tensors.values()], out=flat)
+    def _on_trainer(self, send: Callable[[], Any]) -> None:
+        if self.rank == 0:
+            send()
+
+    def weightsync(self, row: dict[str, Any]) -> None:
+        scheme = ws.DistributedWeightSyncScheme(sync=False, timeout=_TIMEOUT)
+        if self.rank == 0:
+            scheme.init_on_sender(f"bench-{self.mib:g}", model=self.tensors)
+        else:
+            scheme.init_on_worker(f"bench-{self.mib:g}", model=self.tensors)
+        try:
+            scheme.connect()
+            # (The workers wait at the barrier: rank 0's send returns once every worker acked.)
+            row["weightsync"] = self.timed("weightsync", lambda: self._on_trainer(scheme.send))
+            if scheme.last_routes:  # (rank 0)
+                chain, fed = scheme.last_routes[-1]
+                row["chain"], row["fed"] = list(chain), {str(k): list(v) for k, v in fed.items()}
+        finally:
+            scheme.shutdown()
+
+    def gloo(self, row: dict[str, Any]) -> None:
+        import torch.distributed as dist
+
+        flat = torch.empty(self.nbytes // 4)
+
+        def send(way: str) -> None:
+            if self.rank == 0:
+                torch.cat([t.view(-1) for t in self.tensors.values()], out=flat)
             if way == "bcast":
                 dist.broadcast(flat, 0)
-            elif rank == 0:
-                for r in range(1, world):  # one worker after the other, as torchrl's scheme
+            elif self.rank == 0:
+                for r in range(1, self.world):  # one worker after the other, as torchrl's scheme
                     dist.send(flat, r)
             else:
                 dist.recv(flat, 0)
-            if rank != 0:
+            if self.rank != 0:
                 offset = 0
-                for target in tensors.values():
+                for target in self.tensors.values():
                     target.view(-1).copy_(flat[offset : offset + target.numel()])
                     offset += target.numel()
-            dist.barrier()
-            if step >= 0:
-                times.append(time.perf_counter() - started)
-            check(f"gloo {way}", step)
-        row[f"gloo_{way}"] = times
+
+        for way in ("bcast", "star"):
+            row[f"gloo_{way}"] = self.timed(f"gloo {way}", lambda way=way: send(way))  # type: ignore[misc]
+
+    def torchrl(self, row: dict[str, Any]) -> None:
+        """torchrl's ``DistributedWeightSyncScheme``, timed as weightsync's
+        is (nothing where torchrl is not installed: the same on every rank)."""
+        try:
+            from torchrl.weight_update import DistributedWeightSyncScheme as TorchrlScheme
+        except ImportError:
+            return
+        import torch.distributed as dist
+
+        module = torch.nn.Module()  # torchrl's scheme takes its weights from a module
+        for i, tensor in enumerate(self.tensors.values()):
+            module.register_parameter(f"p{i}", torch.nn.Parameter(tensor, requires_grad=False))
+        scheme = TorchrlScheme(backend="gloo", timeout=_TIMEOUT)
+        info: list[Any] = [None]
+        if self.rank == 0:
+            # Its store binds to the address of this host's name; an emulated
+            # host's name is the machine's, so while the store is made the
+            # name is the address the workers reach this host by.
+            named = socket.gethostname
+            address = _address_towards(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+            socket.gethostname = lambda: address
+            try:
+                scheme.init_on_sender(model_id="policy", num_workers=self.world - 1, model=module)
+            finally:
+                socket.gethostname = named
+            info = [scheme.get_store_info()] if hasattr(scheme, "get_store_info") else [scheme._store_info]
+        dist.broadcast_object_list(info, 0)
+        if self.rank != 0:
+            scheme._store_info = info[0]  # what a scheme pickled after init_on_sender carries
+            context = types.SimpleNamespace(policy=module)
+            scheme.init_on_receiver(model_id="policy", context=context, worker_idx=self.rank)
+        try:
+            scheme.connect()  # its workers then take updates in a thread of theirs
+            row["torchrl"] = self.timed("torchrl", lambda: self._on_trainer(scheme.send))
+        finally:
+            scheme.shutdown()
+
+
+def _address_towards(host: str, port: int) -> str:
+    """This host's address on its route to ``host`` (sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(host), port))
+        return str(probe.getsockname()[0])
+
+
+def _case(mib: float, repeats: int, rank: int, world: int) -> dict[str, Any] | None:
+    """One size: every way. Returns the row on rank 0, None elsewhere."""
+    case = _Case(mib, repeats, rank, world)
+    row: dict[str, Any] = {"workers": world - 1, "mib": mib, "bytes": case.nbytes}
+    case.weightsync(row)
+    case.gloo(row)
+    case.torchrl(row)
     return row if rank == 0 else None
 
 

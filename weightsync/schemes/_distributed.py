@@ -161,6 +161,17 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         self.share_on_host = state.get("share_on_host", True)
         self._store_info = state.get("store_info")
 
+    @property
+    def last_routes(self) -> list[tuple[tuple[int, ...], dict[int, tuple[int, ...]]]]:
+        """How the trainer's last send went: for each chain it formed (a
+        repair forms more than one), its ranks in chain order, and the
+        ranks each host leader of it fed through shared memory. Empty on a
+        worker and before the first send."""
+        staging = self.staging
+        if not isinstance(staging, ChainStaging):
+            return []
+        return list(zip(staging.last_chains, staging.last_fed, strict=True))
+
     def get_store_info(self) -> dict[str, Any] | None:
         """Where the trainer's store is: ``{"host": ..., "port": ...}``
         (after ``init_on_sender``; a pickled scheme carries it), or None."""
