@@ -26,12 +26,12 @@ gives B (the NIC's rate); otherwise the effective rate per worker.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import socket
 import statistics
 import time
-import types
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -170,13 +170,22 @@ class _Case:
         dist.broadcast_object_list(info, 0)
         if self.rank != 0:
             scheme._store_info = info[0]  # what a scheme pickled after init_on_sender carries
-            context = types.SimpleNamespace(policy=module)
+            context = _Holder(module)  # (torchrl keeps a weak reference to it: held here till the end)
             scheme.init_on_receiver(model_id="policy", context=context, worker_idx=self.rank)
         try:
             scheme.connect()  # its workers then take updates in a thread of theirs
-            row["torchrl"] = self.timed("torchrl", lambda: self._on_trainer(scheme.send))
+            row["torchrl"] = self.timed(
+                "torchrl", lambda: self._on_trainer(lambda: scheme.send(weights=module))
+            )
         finally:
             scheme.shutdown()
+
+
+class _Holder:
+    """What torchrl's scheme finds a worker's model in (``.policy``)."""
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        self.policy = policy
 
 
 def _address_towards(host: str, port: int) -> str:
@@ -196,17 +205,23 @@ def _case(mib: float, repeats: int, rank: int, world: int) -> dict[str, Any] | N
     return row if rank == 0 else None
 
 
-def format_torchrun_table(rows: Sequence[dict[str, Any]], bytes_per_second: float | None) -> str:
-    """Median ms of each way, and x the floor S/B (or GB/s per worker without a link rate)."""
+def format_torchrun_table(
+    rows: Sequence[dict[str, Any]], bytes_per_second: float | None, torchrl: bool = False
+) -> str:
+    """Median ms of each way, and x the floor S/B (without a link rate, S
+    over the time, in GB/s); ``torchrl``: with torchrl's scheme's column."""
     unit = "x floor" if bytes_per_second else "GB/s"
     lines = [
         f"{'workers':>7} {'MiB':>6} {'floor ms':>9} {'weightsync ms':>14} {unit:>7} "
         f"{'gloo bcast':>11} {unit:>7} {'gloo star':>10} {unit:>7}"
+        + (f" {'torchrl':>10} {unit:>7}" if torchrl else "")
     ]
     for row in rows:
         floor = row["bytes"] / bytes_per_second if bytes_per_second else None
 
         def cell(key: str, width: int, row: dict[str, Any] = row, floor: float | None = floor) -> str:
+            if key not in row:
+                return f"{'-':>{width}} {'':>7}"
             med = statistics.median(row[key])
             ratio = f"{med / floor:.2f}x" if floor else f"{row['bytes'] / med / 1e9:.2f}"
             return f"{med * 1e3:>{width}.0f} {ratio:>7}"
@@ -215,6 +230,7 @@ def format_torchrun_table(rows: Sequence[dict[str, Any]], bytes_per_second: floa
         lines.append(
             f"{row['workers']:>7} {row['mib']:>6g} {floor_ms} {cell('weightsync', 14)} "
             f"{cell('gloo_bcast', 11)} {cell('gloo_star', 10)}"
+            + (f" {cell('torchrl', 10)}" if torchrl else "")
         )
     return "\n".join(lines)
 
@@ -228,6 +244,7 @@ def torchrun_bench(
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torchrl = importlib.util.find_spec("torchrl") is not None
     if world < 2:
         raise SystemExit("weightsync bench under torchrun needs at least 2 ranks (a trainer and a worker)")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=_TIMEOUT))
@@ -240,15 +257,15 @@ def torchrun_bench(
                 "(torchrl's DistributedWeightSyncScheme)",
                 flush=True,
             )
-            print(format_torchrun_table([], bytes_per_second), flush=True)
+            print(format_torchrun_table([], bytes_per_second, torchrl), flush=True)
         rows = []
         for mib in sizes_mib:
             row = _case(mib, repeats, rank, world)
             if row is not None:
                 rows.append(row)
-                print(format_torchrun_table([row], bytes_per_second).splitlines()[-1], flush=True)
+                print(format_torchrun_table([row], bytes_per_second, torchrl).splitlines()[-1], flush=True)
         if rank == 0:
-            print("\nall cases:\n" + format_torchrun_table(rows, bytes_per_second), flush=True)
+            print("\nall cases:\n" + format_torchrun_table(rows, bytes_per_second, torchrl), flush=True)
             if json_path:
                 with open(json_path, "w") as handle:
                     json.dump({"rows": rows, "bytes_per_second": bytes_per_second}, handle, indent=1)
