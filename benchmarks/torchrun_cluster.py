@@ -20,7 +20,8 @@ from weightsync.bench import _netns
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     parser.add_argument("--hosts", type=int, default=8, help="hosts, the trainer's among them (default: 8)")
     parser.add_argument("--per-host", type=int, default=1, help="ranks per host (default: 1)")
     parser.add_argument("--link-rate", default="1gbit", help="each host's NIC (default: 1gbit)")
@@ -40,9 +41,10 @@ def main() -> int:
     with _netns.EmulatedCluster(args.hosts, args.link_rate) as cluster:
         procs = []
         for node in range(args.hosts):
-            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.hosts),
-                    "--node-rank", str(node), "--nproc-per-node", str(args.per_host),
-                    "--master-addr", cluster.addresses[0], "--master-port", str(args.port), *bench]  # fmt: skip
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.hosts),
+                        "--node-rank", str(node), "--nproc-per-node", str(args.per_host),
+                        "--master-addr", cluster.addresses[0], "--master-port", str(args.port)]  # fmt: skip
+            argv = [*torchrun, *bench]
             out = None if node == 0 else subprocess.DEVNULL
             procs.append(cluster.popen(node, argv, env=env, stdout=out, stderr=subprocess.DEVNULL))
         codes = [proc.wait() for proc in procs]
