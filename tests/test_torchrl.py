@@ -255,3 +255,22 @@ def test_torchrl_extracts_weights_in_the_form_a_scheme_names(
     else:
         assert isinstance(weights, dict)
         assert float(weights["module.bias"][0]) == 3.0
+
+
+def test_the_torchrun_bench_times_torchrls_distributed_scheme_beside_weightsyncs(tmp_path: Any) -> None:
+    """``torchrun ... -m weightsync bench --scheme distributed`` where torchrl
+    is installed: torchrl's own DistributedWeightSyncScheme is a column of
+    the table, each of its sends checked bit for bit on every rank."""
+    import json
+
+    out = tmp_path / "bench.json"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+            "-m", "weightsync", "bench", "--scheme", "distributed", "--size", "1", "--repeats", "2",
+            "--json", str(out)]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    header = next(line for line in result.stdout.splitlines() if line.lstrip().startswith("workers"))
+    assert "torchrl" in header
+    (row,) = json.loads(out.read_text())["rows"]
+    for way in ("weightsync", "gloo_bcast", "gloo_star", "torchrl"):
+        assert len(row[way]) == 2 and all(s > 0 for s in row[way]), way
