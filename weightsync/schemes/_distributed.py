@@ -73,10 +73,17 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     The scheme makes its own TCPStore on ``host`` (default: ``MASTER_ADDR``,
     else the address this host's name resolves to, which some systems map
     to a loopback address: pass ``host=`` there) and ``port`` (default: any
-    free one), unless
-    given ``store=`` (a ``torch.distributed.TCPStore``, e.g. torchrun's).
+    free one), unless given ``store=`` (a ``torch.distributed.TCPStore``).
     :meth:`get_store_info` says where it is; a pickled scheme carries it to
     the workers.
+
+    Under ``torchrun`` (``TORCHELASTIC_USE_AGENT_STORE=True`` in the
+    environment), given neither ``store`` nor ``host``/``port``, both sides
+    use torchrun's own store (``MASTER_ADDR:MASTER_PORT``), the trainer
+    takes ``num_workers`` as ``WORLD_SIZE - 1`` and a worker its rank from
+    ``RANK``: nothing needs to be passed from rank to rank. The trainer
+    listens (for its workers' liveness connections and its end of the
+    chain) on its own address on the route to the store.
 
     Worker: ``init_on_worker(model_id, model=..., worker_idx=rank)``, with
     its rank 1..N (the trainer is rank 0, as torchrl's distributed
