@@ -76,7 +76,6 @@ from ._gloo_chain import (
     connect_store,
     gloo_group,
     relay_chain,
-    seconds,
     send_chain,
     short_message,
 )
@@ -99,9 +98,6 @@ _ATTEMPTS = 3
 # Poll intervals (seconds): the first, and the longest (they double).
 _POLL = (0.0005, 0.005)
 _IDLE_POLL = (0.001, 0.01)
-# How long the relay thread waits for a notice in the store before it looks
-# at its trainer's liveness connection and its stop flag again.
-_NOTICE_WAIT = 0.05
 # A follower's polls of its host leader's progress: a chunk arrives every ~8 ms at 1 Gbit/s.
 _FOLLOW_POLL = (0.002, 0.008)
 _HELLO = struct.Struct("!4sIQ")
@@ -801,6 +797,7 @@ class ChainEndpoint:
     def _relay_loop(self) -> None:
         store = self._relay_store
         n = 0
+        delay = _IDLE_POLL[0]
         try:
             while not self._stop.is_set():
                 key = f"{self.prefix}in/{self.rank}/{n + 1}"
@@ -813,11 +810,10 @@ class ChainEndpoint:
                     if state == "gone":
                         self._end(self.lost("its connection to this worker closed"))
                         return
-                    # Waits in the store's server, which answers once the
-                    # notice is there: no polling while idle.
-                    with contextlib.suppress(RuntimeError):  # (its timeout)
-                        store.wait([key], seconds(_NOTICE_WAIT))
+                    self._stop.wait(delay)
+                    delay = min(delay * 2, _IDLE_POLL[1])
                     continue
+                delay = _IDLE_POLL[0]
                 n += 1
                 store.delete_key(key)
                 notice = pickle.loads(value)
