@@ -240,12 +240,13 @@ class AttachedSegments:
     """A worker's read-only mappings of its sender's segments, each mapped
     once, with typed views cached per (segment, layout).
 
-    ``keep_one``: a new segment replaces the previous one (the sender has a
-    single staging segment); otherwise all are kept (versioned slots).
+    ``keep``: how many stay mapped; mapping one more unmaps the oldest
+    (1: the sender has a single staging segment; None: all are kept, for
+    versioned slots).
     """
 
-    def __init__(self, *, keep_one: bool) -> None:
-        self._keep_one = keep_one
+    def __init__(self, *, keep: int | None) -> None:
+        self._keep = keep
         self._segments: dict[bytes, Segment] = {}
         self._views: dict[tuple[bytes, str], list[torch.Tensor]] = {}
 
@@ -257,10 +258,14 @@ class AttachedSegments:
         """
         segment = self._segments.get(ref.token)
         if segment is None:
-            if self._keep_one:
-                self.close()
+            while self._keep is not None and len(self._segments) >= self._keep:
+                self._drop(next(iter(self._segments)))  # the oldest
             segment = self._segments[ref.token] = Segment.attach(ref.pid, ref.fd, ref.nbytes, ref.token)
         return segment
+
+    def _drop(self, token: bytes) -> None:
+        self._segments.pop(token).close()
+        self._views = {key: views for key, views in self._views.items() if key[0] != token}
 
     def holds(self, ref: SegmentRef, version: int) -> bool:
         """Whether that segment holds ``version`` now (the sender has not

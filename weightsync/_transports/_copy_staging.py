@@ -68,7 +68,7 @@ class CopyReader:
     checked_on_host = False
 
     def __init__(self) -> None:
-        self._segments = AttachedSegments(keep_one=True)
+        self._segments = AttachedSegments(keep=1)
         # The copy plan of the current (model tensors, source views) pair;
         # both lists are cached objects, so identity tells when to redo it.
         self._plan: tuple[list[torch.Tensor], list[torch.Tensor], CopyPlan] | None = None

@@ -68,9 +68,9 @@ from .._digest import copy_out
 from .._exceptions import SenderClosedError, SenderLostError, WorkerLostError
 from .._offload import run_blocking
 from .._packet import Manifest, Packet, Signature
-from .._segment import BROKEN, Segment, SegmentRef
+from .._segment import BROKEN, AttachedSegments, Segment
 from ._base import worker_failed, worker_lost
-from ._channel import _wait_readable_any, describe_exit, exit_status, started_here
+from ._channel import ProcessWatch, _wait_readable_any, describe_exit, exit_status, started_here
 from ._gloo_chain import (
     CHUNK_BYTES,
     connect_store,
@@ -115,19 +115,6 @@ def session_prefix(model_id: str | None, session: str) -> str:
 def session_key(model_id: str | None) -> str:
     """Where the trainer publishes its session (each init_on_sender a new one)."""
     return f"weightsync/{model_id}/session"
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` (of this host) still runs: not gone, and not
-    a zombie (a killed worker stays one until its launcher reaps it)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            # "pid (name) state ...": the name may hold spaces and parentheses.
-            return stat.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        return True  # cannot tell: the stall limit will
 
 
 def _get_now(store: Any, key: str) -> bytes | None:
@@ -294,10 +281,8 @@ class ChainStaging:
         self._generations = 0
         self._notices: dict[int, int] = {}
         self._closed = False
-        #: Per send: the ranks each chain went over, in order (for tests and the benchmark).
-        self.last_chains: list[tuple[int, ...]] = []
-        #: Per send: for each chain, the workers each host leader fed.
-        self.last_fed: list[dict[int, tuple[int, ...]]] = []
+        #: Per send: for each chain, its ranks in order and whom each host leader fed.
+        self.last_routes: list[tuple[tuple[int, ...], dict[int, tuple[int, ...]]]] = []
         # Workers that could not map their host leader's memory: in the chain themselves.
         self._direct: set[int] = set()
 
@@ -428,7 +413,7 @@ class ChainStaging:
         source = self._buffer[:nbytes]
         pending = list(ranks)
         excluded: set[int] = set()
-        self.last_chains, self.last_fed = [], []
+        self.last_routes = []
         for _ in range(_ATTEMPTS):
             chain, fed = self._plan([r for r in pending if r not in excluded and self._alive(r)])
             left = deadline - time.monotonic()
@@ -462,8 +447,7 @@ class ChainStaging:
                     joined = {r for r in chain if store.check([f"{self.prefix}joining/{generation}/{r}"])}
                     excluded |= set(chain) - joined
                     continue
-            self.last_chains.append(tuple(chain))
-            self.last_fed.append(fed)
+            self.last_routes.append((tuple(chain), fed))
             broken = False
             if nbytes:
                 try:
@@ -735,8 +719,9 @@ class ChainEndpoint:
         self._buffers: list[torch.Tensor | None] = [None, None]
         # A receive buffer in shared memory (when this worker leads its host) or None.
         self._segments: list[Segment | None] = [None, None]
-        # Host leaders' segments this worker copied from, by token (the newest few).
-        self._mapped: dict[bytes, Segment] = {}
+        # Host leaders' segments this worker copied from: a leader has two at
+        # a time, and a new pair when it grows them or the leader changes.
+        self._mapped = AttachedSegments(keep=4)
         self._pending: ChainUpdate | None = None
         self._taken: int | None = None
         self._ended: Exception | None = None
@@ -969,61 +954,53 @@ class ChainEndpoint:
         it was all copied, why not). Waits up to ``stall`` seconds for the
         leader to say where (it does before it joins the chain), ``first``
         for the first part and ``stall`` for each part after."""
-        who = f"its host leader (rank {leader[0]})"
-        deadline = time.monotonic() + stall
-        delay = _POLL[0]
-        while True:
-            value = _get_now(store, f"{self.prefix}lead/{leader[0]}")
-            if value is not None:
-                lead_generation, lead_version, ref = pickle.loads(value)
-                if (lead_generation, lead_version) == (generation, version):
-                    break
-            if not _running(leader[1]):
-                return False, f"{who} died"
-            if time.monotonic() > deadline or self._stop.is_set():
-                return False, f"{who} did not start"
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL[1])
-        try:
-            source = self._map(ref)
-        except Exception as exc:  # not this user's, another host after all, out of files...
-            return False, f"{UNMAPPED} (rank {leader[0]}): {short_message(exc)}"
-        assert source.data is not None
-        nbytes = view.numel()
-        done, last, limit = 0, time.monotonic(), first
-        delay = _FOLLOW_POLL[0]
-        while done < nbytes:
-            published, writing, filled = source.progress()
-            if published == version:
-                filled = nbytes
-            elif writing != version:
-                return False, f"{who} moved on to another version"
-            elif filled == BROKEN:
-                return False, f"{who} did not get every byte"
-            if filled > done:
-                view[done:filled].copy_(source.data[done:filled])
-                done, last, limit, delay = filled, time.monotonic(), stall, _FOLLOW_POLL[0]
-                continue
-            if time.monotonic() - last > limit or self._stop.is_set():
-                return False, f"{who} stalled"
-            if not _running(ref.pid):
-                return False, f"{who} died"
-            time.sleep(delay)
-            delay = min(delay * 2, _FOLLOW_POLL[1])
-        # Not overwritten by another version while it was copied (see Segment.begin_fill).
-        if source.progress()[1] != version:
-            return False, f"{who} moved on to another version while this worker copied"
-        return True, None
-
-    def _map(self, ref: SegmentRef) -> Segment:
-        """A host leader's segment, mapped read-only on first use."""
-        segment = self._mapped.get(ref.token)
-        if segment is None:
-            # A leader has two at a time; older ones were replaced or their leader changed.
-            while len(self._mapped) >= 4:
-                self._mapped.pop(next(iter(self._mapped))).close()
-            segment = self._mapped[ref.token] = Segment.attach(ref.pid, ref.fd, ref.nbytes, ref.token)
-        return segment
+        # (A killed leader is a zombie until its launcher reaps it: dead already.)
+        with contextlib.closing(ProcessWatch(leader[1])) as watch:
+            who = f"its host leader (rank {leader[0]})"
+            deadline = time.monotonic() + stall
+            delay = _POLL[0]
+            while True:
+                value = _get_now(store, f"{self.prefix}lead/{leader[0]}")
+                if value is not None:
+                    lead_generation, lead_version, ref = pickle.loads(value)
+                    if (lead_generation, lead_version) == (generation, version):
+                        break
+                if not watch.alive():
+                    return False, f"{who} died"
+                if time.monotonic() > deadline or self._stop.is_set():
+                    return False, f"{who} did not start"
+                time.sleep(delay)
+                delay = min(delay * 2, _POLL[1])
+            try:
+                source = self._mapped.segment(ref)
+            except Exception as exc:  # not this user's, another host after all, out of files...
+                return False, f"{UNMAPPED} (rank {leader[0]}): {short_message(exc)}"
+            assert source.data is not None
+            nbytes = view.numel()
+            done, last, limit = 0, time.monotonic(), first
+            delay = _FOLLOW_POLL[0]
+            while done < nbytes:
+                published, writing, filled = source.progress()
+                if published == version:
+                    filled = nbytes
+                elif writing != version:
+                    return False, f"{who} moved on to another version"
+                elif filled == BROKEN:
+                    return False, f"{who} did not get every byte"
+                if filled > done:
+                    view[done:filled].copy_(source.data[done:filled])
+                    done, last, limit, delay = filled, time.monotonic(), stall, _FOLLOW_POLL[0]
+                    continue
+                if time.monotonic() - last > limit or self._stop.is_set():
+                    return False, f"{who} stalled"
+                if not watch.alive():
+                    return False, f"{who} died"
+                time.sleep(delay)
+                delay = min(delay * 2, _FOLLOW_POLL[1])
+            # Not overwritten by another version while it was copied (see Segment.begin_fill).
+            if source.progress()[1] != version:
+                return False, f"{who} moved on to another version while this worker copied"
+            return True, None
 
     # -- the receiver's calls --------------------------------------------------------
     async def announce(self, manifest: Manifest) -> None:
@@ -1085,10 +1062,11 @@ class ChainEndpoint:
                 await anyio.sleep(0.005)
         self._group = None
         self._buffers = [None, None]
-        for segment in [*self._segments, *self._mapped.values()]:
+        for segment in self._segments:
             if segment is not None:
                 segment.close()
-        self._segments, self._mapped = [None, None], {}
+        self._segments = [None, None]
+        self._mapped.close()
         self._pending = None
         self._live.close()
         self._wake_r.close()

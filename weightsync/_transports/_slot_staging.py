@@ -165,7 +165,7 @@ class SlotReader:
     checked_on_host = True
 
     def __init__(self) -> None:
-        self._segments = AttachedSegments(keep_one=False)
+        self._segments = AttachedSegments(keep=None)
         # The slot each re-pointed tensor runs on (by the tensor's id).
         self._on: dict[int, bytes] = {}
 

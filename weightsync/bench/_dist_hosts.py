@@ -36,7 +36,6 @@ import os
 import subprocess
 import sys
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,7 +44,8 @@ import torch
 import weightsync as ws
 
 from ._hosts import NAMESPACES_ENV, cpu_seconds_in, gloo_peer_group, namespace_inodes
-from ._model import mlp_shapes
+from ._memcpy import memcpy_seconds
+from ._model import mlp_shapes, tensor_checksums, unflatten_into
 from ._netns import EmulatedCluster
 
 __all__ = ["emulate_distributed", "format_distributed_table"]
@@ -71,18 +71,6 @@ def _wait_keys(store: Any, keys: Sequence[str], timeout: float = _TIMEOUT) -> li
             raise SystemExit(f"no {list(keys)[:3]}... in the store within {timeout} s")
         time.sleep(_POLL)
     return [bytes(store.get(k)) for k in keys]
-
-
-def _checksums(tensors: dict[str, torch.Tensor]) -> list[int]:
-    return [zlib.crc32(t.numpy().tobytes()) for t in tensors.values()]
-
-
-def _unflatten(flat: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
-    offset = 0
-    with torch.no_grad():
-        for target in tensors.values():
-            target.view(-1).copy_(flat[offset : offset + target.numel()])
-            offset += target.numel()
 
 
 # -- a worker (one rank) ------------------------------------------------------
@@ -117,7 +105,7 @@ def worker_main(host: str, port: int, ctrl_port: int, rank: int, mib: float) -> 
             k += 1
             command, tag = json.loads(bytes(ctrl.get(key)))
             if command == "crc":
-                ctrl.set(f"crc/{tag}/{rank}", json.dumps(_checksums(tensors)).encode())
+                ctrl.set(f"crc/{tag}/{rank}", json.dumps(tensor_checksums(tensors)).encode())
             elif command == "join":
                 address = str(ctrl.get(f"address/{rank}").decode())
                 group = gloo_peer_group(ctrl, tag, rank, int(ctrl.get("size")), address, _TIMEOUT)
@@ -126,7 +114,7 @@ def worker_main(host: str, port: int, ctrl_port: int, rank: int, mib: float) -> 
                     group.broadcast(flat, 0).wait()
                 else:
                     group.recv([flat], 0, 0).wait()
-                _unflatten(flat, tensors)
+                unflatten_into(flat, tensors)
                 ctrl.set(f"done/{tag}/{rank}", b"1")
             elif command == "quit":
                 return
@@ -161,12 +149,12 @@ def trainer_main(
         commands += 1
         ctrl.set(f"cmd/{commands}", json.dumps([name, tag]).encode())
 
-    want = _checksums(source)
+    want = tensor_checksums(source)
 
     def change(step: int) -> None:
         first = next(iter(source.values()))
         first.view(-1)[step % first.numel()] += 1.0
-        want[0] = zlib.crc32(first.numpy().tobytes())
+        want[:] = tensor_checksums(source)
 
     def check(tag: str) -> None:
         command("crc", tag)
@@ -176,7 +164,7 @@ def trainer_main(
             raise SystemExit(f"{tag}: ranks {bad} do not hold the trainer's weights")
 
     row: dict[str, Any] = {"hosts": len(set(addresses)), "workers": workers, "mib": mib, "bytes": nbytes}
-    row["copy"] = _copy_times(nbytes)
+    row["copy"] = memcpy_seconds(nbytes, 5)
     scheme.connect()
     scheme.send()  # untimed: every buffer touched once
     times, cpu = [], 0.0
@@ -224,20 +212,6 @@ def trainer_main(
     command("quit", 0)
     scheme.shutdown()
     print(json.dumps(row), flush=True)
-
-
-def _copy_times(nbytes: int, repeats: int = 5) -> list[float]:
-    """Seconds of a one-thread copy of ``nbytes`` bytes between two buffers
-    (touched once first), ``repeats`` times."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - started)
-    return times
 
 
 # -- on the emulated cluster ----------------------------------------------------------

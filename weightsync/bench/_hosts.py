@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import time
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,7 +45,7 @@ import torch
 
 import weightsync as ws
 
-from ._model import mlp_shapes
+from ._model import mlp_shapes, tensor_checksums, unflatten_into
 from ._netns import EmulatedCluster
 
 __all__ = [
@@ -101,7 +100,7 @@ class HostActor:
         return str(ray.get_runtime_context().get_node_id())
 
     def checksums(self) -> list[int]:
-        return [zlib.crc32(t.numpy().tobytes()) for t in self.tensors.values()]
+        return tensor_checksums(self.tensors)
 
     def put_apply(self, arrays: Sequence[Any]) -> None:
         import warnings
@@ -122,11 +121,7 @@ class HostActor:
     def gloo_receive(self) -> None:
         assert self.group is not None and self.flat is not None
         self.group.broadcast(self.flat, 0).wait()
-        offset = 0
-        with torch.no_grad():
-            for target in self.tensors.values():
-                target.view(-1).copy_(self.flat[offset : offset + target.numel()])
-                offset += target.numel()
+        unflatten_into(self.flat, self.tensors)
 
     def teardown(self) -> None:
         if self.scheme is not None:
@@ -209,7 +204,7 @@ def run_on_cluster(
         for count in hosts:
             case_number += 1
             targets = [a for node, _ in nodes[:count] for a in actors[node]]
-            want = [zlib.crc32(t.numpy().tobytes()) for t in source.values()]
+            want = tensor_checksums(source)
 
             def check(step: int, want: list[int] = want, targets: list[Any] = targets) -> None:
                 got = ray.get([a.checksums.remote() for a in targets])
@@ -220,7 +215,7 @@ def run_on_cluster(
             def change(step: int, want: list[int] = want, source: dict[str, torch.Tensor] = source) -> None:
                 first = next(iter(source.values()))
                 first.view(-1)[step % first.numel()] += 1.0
-                want[0] = zlib.crc32(first.numpy().tobytes())
+                want[:] = tensor_checksums(source)
 
             row: dict[str, Any] = {"hosts": count, "per_host": per_host, "mib": size, "bytes": nbytes}
             # weightsync

@@ -28,6 +28,7 @@ __all__ = [
     "mlp_shapes",
     "model_nbytes",
     "tensor_checksums",
+    "unflatten_into",
 ]
 
 
@@ -119,6 +120,16 @@ class GeneratedMLP(nn.Module):
             assert weight is not None, "mlp_shapes names every layer's weight"
             layers.append(_Layer(weight, tensor(f"layers.{i}.bias")))
         self.layers = nn.ModuleList(layers)
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` into ``tensors``, in their order
+    (how a gloo peer of the benchmark takes one flat buffer into a model)."""
+    offset = 0
+    with torch.no_grad():
+        for target in tensors.values():
+            target.view(-1).copy_(flat[offset : offset + target.numel()])
+            offset += target.numel()
 
 
 def tensor_checksums(tensors: Mapping[str, torch.Tensor]) -> list[int]:

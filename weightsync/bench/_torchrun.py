@@ -32,7 +32,6 @@ import os
 import socket
 import statistics
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,7 +40,7 @@ import torch
 import weightsync as ws
 
 from ._machine import describe_machine, machine_facts
-from ._model import mlp_shapes
+from ._model import mlp_shapes, tensor_checksums, unflatten_into
 
 __all__ = ["under_torchrun", "torchrun_bench"]
 
@@ -52,10 +51,6 @@ _TIMEOUT = 300.0
 def under_torchrun() -> bool:
     """Whether this process is a rank that torchrun started."""
     return all(name in os.environ for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"))
-
-
-def _checksums(tensors: dict[str, torch.Tensor]) -> list[int]:
-    return [zlib.crc32(t.numpy().tobytes()) for t in tensors.values()]
 
 
 class _Case:
@@ -91,7 +86,7 @@ class _Case:
             if step >= 0:
                 times.append(time.perf_counter() - started)
             sums: list[Any] = [None] * self.world
-            dist.all_gather_object(sums, _checksums(self.tensors))
+            dist.all_gather_object(sums, tensor_checksums(self.tensors))
             bad = [r for r in range(1, self.world) if sums[r] != sums[0]]
             if bad:
                 raise SystemExit(f"{way}, step {step}: ranks {bad} do not hold the trainer's weights")
@@ -133,10 +128,7 @@ class _Case:
             else:
                 dist.recv(flat, 0)
             if self.rank != 0:
-                offset = 0
-                for target in self.tensors.values():
-                    target.view(-1).copy_(flat[offset : offset + target.numel()])
-                    offset += target.numel()
+                unflatten_into(flat, self.tensors)
 
         for way in ("bcast", "star"):
             row[f"gloo_{way}"] = self.timed(f"gloo {way}", lambda way=way: send(way))  # type: ignore[misc]
@@ -166,7 +158,8 @@ class _Case:
                 scheme.init_on_sender(model_id="policy", num_workers=self.world - 1, model=module)
             finally:
                 socket.gethostname = named
-            info = [scheme.get_store_info()] if hasattr(scheme, "get_store_info") else [scheme._store_info]
+            # (torchrl 0.14 names get_store_info() in its docs but has no such method.)
+            info = [scheme._store_info]
         dist.broadcast_object_list(info, 0)
         if self.rank != 0:
             scheme._store_info = info[0]  # what a scheme pickled after init_on_sender carries

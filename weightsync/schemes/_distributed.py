@@ -177,7 +177,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         staging = self.staging
         if not isinstance(staging, ChainStaging):
             return []
-        return list(zip(staging.last_chains, staging.last_fed, strict=True))
+        return list(staging.last_routes)
 
     def get_store_info(self) -> dict[str, Any] | None:
         """Where the trainer's store is: ``{"host": ..., "port": ...}``
