@@ -19,7 +19,10 @@ LAYERS: list[set[str]] = [
     {"_digest"},
     {"_segment"},
     {"_transports._gloo_chain"},
-    {"_transports._base", "_transports._channel", "_transports._ray_relay"},
+    {"_transports._chain", "_transports._liveness"},
+    {"_transports._base", "_transports._channel", "_transports._ray_relay", "_transports._dist_protocol"},
+    {"_transports._host_share"},
+    {"_transports._dist_relay"},
     {
         "_transports",
         "_transports._pipe",

@@ -506,8 +506,11 @@ class AsyncWeightSender:
                         group.start_soon(one, wid)
         for wid in targets:
             if wid not in done and wid not in failures:
+                # (Only a send has a chain that may have broken before the worker.)
+                why = self.transports[wid].why_late() if version is not None else None
                 failures[wid] = AckTimeoutError(
-                    f"worker {wid} (model {self.model_id!r}) did not {what} before the deadline",
+                    f"worker {wid} (model {self.model_id!r}) did not {what} before the deadline"
+                    + (f": {why}" if why else ""),
                     worker_id=wid,
                     model_id=self.model_id,
                     version=version,

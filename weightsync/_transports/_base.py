@@ -136,6 +136,11 @@ class SenderTransport(Protocol):
         :raises WorkerApplyError: the worker reported a failure.
         """
 
+    def why_late(self) -> str | None:
+        """What the transport knows of why the worker has not acked the
+        current send (a chain that broke before it, say), for the error
+        raised at the deadline; None when it knows nothing. Never blocks."""
+
     async def aclose(self) -> None:
         """Close the channel; the worker's next receive reports the sender
         gone. Idempotent."""

@@ -3,13 +3,18 @@ to several ranks, each passing every chunk on to the next as soon as it has
 it, so every rank's link carries the bytes about once each way and the last
 rank finishes about (ranks - 1) chunks after the first.
 
-Used by the Ray transport's relay across hosts (``_ray_relay``) and by the
-torch.distributed transport (``_distributed``); it knows nothing of either.
+The unit that moves is a *frame*: a span of the buffer, sent as one gloo
+message. Today every frame but the last is ``chunk`` bytes (see
+:func:`frame_spans`), so a receiver knows each frame's size from the total
+and the chunk its notice carries. The chain driver above (``_chain``) and
+both transports know nothing of how a frame is cut; this module knows
+nothing of either transport.
 """
 
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +22,9 @@ import torch
 
 __all__ = [
     "CHUNK_BYTES",
+    "ChainBroken",
     "chunk_spans",
+    "frame_spans",
     "connect_store",
     "gloo_group",
     "relay_chain",
@@ -55,6 +62,28 @@ def chunk_spans(sizes: Sequence[int], chunk: int) -> list[list[tuple[int, int, i
     return chunks
 
 
+def frame_spans(total: int, chunk: int) -> list[tuple[int, int]]:
+    """The frames of a buffer of ``total`` bytes: (start, stop) spans of at
+    most ``chunk`` bytes, in order. Both ends of a hop cut the same frames
+    from the same (total, chunk), which is all a fixed-size frame needs."""
+    return [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
+
+
+class ChainBroken(RuntimeError):
+    """A hop of the chain failed: the message says which frame and why
+    (``stalled N s`` when the peer took or gave nothing for a stall limit)."""
+
+
+def _failure(exc: BaseException, started: float, limit: float, what: str) -> str:
+    """Why a gloo wait begun at ``started`` (``time.monotonic()``) with
+    limit ``limit`` failed: a stall when it waited out (most of) its limit,
+    else gloo's own word."""
+    waited = time.monotonic() - started
+    if waited >= 0.9 * limit:
+        return f"stalled {waited:.1f} s ({what})"
+    return f"{short_message(exc)} ({what})"
+
+
 def seconds(value: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(value, 0.001))
 
@@ -90,24 +119,38 @@ def gloo_group(store: Any, prefix: str, rank: int, size: int, address: str, stal
 
 def send_chain(group: Any, sources: Sequence[torch.Tensor], chunk: int, dst: int, stall: float) -> None:
     """Send the concatenation of ``sources`` (flat uint8 tensors) to rank
-    ``dst`` in chunks; a chunk spanning several sources is gathered first.
-    Two chunks are in flight at most.
+    ``dst`` in frames of ``chunk`` bytes; a frame spanning several sources
+    is gathered first. Two frames are in flight at most.
 
-    :raises RuntimeError: a chunk did not leave within ``stall`` seconds, or
+    :raises ChainBroken: a frame did not leave within ``stall`` seconds, or
         the peer is gone (gloo's error).
     """
-    in_flight: list[tuple[Any, torch.Tensor]] = []
-    for pieces in chunk_spans([s.numel() for s in sources], chunk):
+    in_flight: list[tuple[Any, torch.Tensor, int]] = []
+    spans = chunk_spans([s.numel() for s in sources], chunk)
+    last = len(spans)
+
+    def wait(work: Any, index: int) -> None:
+        started = time.monotonic()
+        try:
+            work.wait(seconds(stall))
+        except RuntimeError as exc:
+            raise ChainBroken(_failure(exc, started, stall, f"sending frame {index + 1} of {last}")) from exc
+
+    for index, pieces in enumerate(spans):
         if len(pieces) == 1:
-            index, start, stop = pieces[0]
-            data = sources[index][start:stop]
+            i, start, stop = pieces[0]
+            data = sources[i][start:stop]
         else:
             data = torch.cat([sources[i][a:b] for i, a, b in pieces])
-        in_flight.append((group.send([data], dst, 0), data))
+        try:
+            in_flight.append((group.send([data], dst, 0), data, index))
+        except RuntimeError as exc:
+            raise ChainBroken(f"{short_message(exc)} (sending frame {index + 1} of {last})") from exc
         if len(in_flight) > 2:
-            in_flight.pop(0)[0].wait(seconds(stall))
-    for work, _ in in_flight:
-        work.wait(seconds(stall))
+            work, _, k = in_flight.pop(0)
+            wait(work, k)
+    for work, _, k in in_flight:
+        wait(work, k)
 
 
 def relay_chain(
@@ -120,45 +163,64 @@ def relay_chain(
     first: float,
     progress: Callable[[int], None] | None = None,
 ) -> tuple[bool, str | None]:
-    """Receive ``buffer`` from rank ``src`` in chunks, passing each on to
-    rank ``dst`` (if any) as soon as it is in. ``first``: how long to wait
-    for the first chunk (the chain may still be filling). ``progress``:
-    called with the number of leading bytes of ``buffer`` in, after each chunk.
+    """Receive ``buffer`` from rank ``src`` frame by frame (see
+    :func:`frame_spans`), passing each on to rank ``dst`` (if any) as soon
+    as it is in. Blocks until every frame is in and passed on, or a hop
+    fails. ``first``: how long to wait for the first frame (the chain may
+    still be filling); ``stall`` for each one after. ``progress``: called
+    with the number of leading bytes of ``buffer`` in, after each frame.
 
-    Returns (whether all of ``buffer`` arrived, gloo's error or None): a
-    host whose next host failed still holds the whole send.
+    Returns (whether all of ``buffer`` arrived, why a hop failed or None):
+    a host whose next host failed still holds the whole send. Never raises
+    for a failed hop.
     """
-    total = buffer.numel()
-    starts = list(range(0, total, chunk))
-    if not starts:
+    frames = frame_spans(buffer.numel(), chunk)
+    if not frames:
         return True, None
-    sends: list[Any] = []
+    sends: list[tuple[Any, int]] = []
     received = 0
     forwarding = dst is not None
     error: str | None = None
+    last = len(frames)
+
+    def wait_send(work: Any, index: int) -> None:
+        started = time.monotonic()
+        try:
+            work.wait(seconds(stall))
+        except RuntimeError as exc:
+            raise ChainBroken(
+                _failure(exc, started, stall, f"passing frame {index + 1} of {last} on")
+            ) from exc
+
     try:
-        pending = group.recv([buffer[0 : min(chunk, total)]], src, 0)
-        for k, start in enumerate(starts):
-            pending.wait(seconds(first if k == 0 else stall))
+        pending = group.recv([buffer[frames[0][0] : frames[0][1]]], src, 0)
+        for k, (start, stop) in enumerate(frames):
+            limit, started = first if k == 0 else stall, time.monotonic()
+            try:
+                pending.wait(seconds(limit))
+            except RuntimeError as exc:
+                raise ChainBroken(
+                    _failure(exc, started, limit, f"receiving frame {k + 1} of {last}")
+                ) from exc
             received = k + 1
-            if k + 1 < len(starts):
-                nxt = starts[k + 1]
-                pending = group.recv([buffer[nxt : min(nxt + chunk, total)]], src, 0)
+            if k + 1 < last:
+                pending = group.recv([buffer[frames[k + 1][0] : frames[k + 1][1]]], src, 0)
             if progress is not None:
-                progress(min(start + chunk, total))
+                progress(stop)
             if forwarding:
                 try:
-                    sends.append(group.send([buffer[start : min(start + chunk, total)]], dst, 0))
+                    sends.append((group.send([buffer[start:stop]], dst, 0), k))
                     if len(sends) > 2:
-                        sends.pop(0).wait(seconds(stall))
+                        wait_send(*sends.pop(0))
                 except RuntimeError as exc:
                     # The next host is gone: keep receiving, for this host.
-                    forwarding, sends, error = False, [], short_message(exc)
-        for work in sends:
-            work.wait(seconds(stall))
+                    why = str(exc) if isinstance(exc, ChainBroken) else short_message(exc)
+                    forwarding, sends, error = False, [], why
+        for work, k in sends:
+            wait_send(work, k)
     except RuntimeError as exc:
-        error = short_message(exc)
-    return received == len(starts), error
+        error = str(exc) if isinstance(exc, ChainBroken) else short_message(exc)
+    return received == last, error
 
 
 def short_message(exc: BaseException) -> str:

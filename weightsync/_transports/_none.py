@@ -23,6 +23,9 @@ class NoTransport:
     async def deliver(self, packet: Packet) -> None:
         return None
 
+    def why_late(self) -> str | None:
+        return None
+
     async def aclose(self) -> None:
         return None
 

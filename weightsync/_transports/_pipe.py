@@ -187,6 +187,9 @@ class PipeSenderTransport:
             # Anything else is an ack or error of an older, abandoned send,
             # or a duplicate: a stale ack never completes this one.
 
+    def why_late(self) -> str | None:
+        return None
+
     async def aclose(self) -> None:
         if self._closed:
             return

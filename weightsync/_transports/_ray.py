@@ -202,6 +202,13 @@ class RayStaging:
                 self._routes = self.relay.start(self.ref, self.header, nodes, time.monotonic() + left)
         return self._routes
 
+    def why(self, worker_id: int) -> str | None:
+        """Why the relay did not bring worker ``worker_id``'s node its copy
+        of the current send (None: it did, or the worker is not relayed)."""
+        if self.relay is None or worker_id not in self.deferred:
+            return None
+        return self.relay.why(self.node_of[worker_id])
+
     def wait_all(self) -> None:
         """Block until every call of the current send returned, or until the
         caller's deadline (the enclosing cancel scope's), and collect each
@@ -269,7 +276,11 @@ class RaySenderTransport:
         self._closed = False
 
     def _lost(self, reason: str) -> WorkerLostError:
-        return worker_lost(self.worker_id, self.model_id, reason)
+        why = self._staging.why(self.worker_id)
+        return worker_lost(self.worker_id, self.model_id, f"{reason}; {why}" if why else reason)
+
+    def why_late(self) -> str | None:
+        return self._staging.why(self.worker_id)
 
     def _failed(self, version: int, message: str) -> WorkerApplyError:
         return worker_failed(self.worker_id, self.model_id, version, message)

@@ -42,25 +42,18 @@ import concurrent.futures
 import contextlib
 import os
 import threading
-import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from ._gloo_chain import CHUNK_BYTES, chunk_spans, connect_store, gloo_group, relay_chain, send_chain
+from ._chain import ChainDriver, ChainMember, Link, Report, Route
+from ._gloo_chain import CHUNK_BYTES, chunk_spans, connect_store
 from ._gloo_chain import seconds as _seconds
 
 __all__ = ["CHUNK_BYTES", "HostRelay", "RelayAgent", "chunk_spans"]
-
-# The longest a chain waits for one chunk to move before it calls the hop
-# broken, as a fraction of the time left in the send, within these bounds.
-_STALL_BOUNDS = (1.0, 5.0)
-_STALL_FRACTION = 0.125
-# Attempts at one send: the first chain, then repairs around failed hosts.
-_ATTEMPTS = 3
 
 
 def _node_address() -> str:
@@ -85,70 +78,45 @@ def _resolve(future: concurrent.futures.Future[Any], value: Any) -> None:
 class RelayAgent:
     """One host's relay (made a Ray actor by :class:`HostRelay`, pinned to its
     node): receives a send's bytes from the previous host of the chain,
-    passes them on to the next, and puts them into its node's object store
-    for the actors of the host. Holds one receive buffer, reused by sends of
-    the same size."""
+    passes them on to the next (a :class:`ChainMember`), and puts them into
+    its node's object store for the actors of the host. Holds one receive
+    buffer, reused by sends of the same size."""
 
     def __init__(self) -> None:
         torch.set_num_threads(1)
-        self._group: Any = None
-        self._generation = ""
+        self._member = ChainMember(_node_address())
         self._buffer: torch.Tensor | None = None
         self._ref: Any = None
-        self._lock = threading.Lock()
 
     def address(self) -> str:
         """This host's address, which its end of the chain binds to."""
-        return _node_address()
+        return self._member.address
 
     def ping(self) -> int:
         """Answers at once (a relay in progress runs on another thread)."""
         return os.getpid()
 
-    def join(self, host: str, port: int, generation: str, rank: int, size: int, stall: float) -> bool:
-        """Become rank ``rank`` of group ``generation``; blocks until every
-        member joined (or raises after ``stall`` seconds)."""
-        store = connect_store(host, port, stall)
-        group = gloo_group(store, generation, rank, size, _node_address(), stall)
-        with self._lock:
-            self._group, self._generation = group, generation
-        return True
-
     def relay(
-        self,
-        generation: str,
-        header: tuple[Any, ...],
-        sizes: Sequence[int],
-        chunk: int,
-        src: int,
-        dst: int | None,
-        stall: float,
-        first: float,
+        self, store: tuple[str, int], link: Link, header: tuple[Any, ...], sizes: Sequence[int]
     ) -> tuple[Any, ...]:
-        """Receive one send (tensors of ``sizes`` bytes) and pass it on;
-        return ``("ok", [ref], error)`` with the host's copy, stored as the
-        trainer's object is (``(header, byte arrays)``; ``error`` is None, or
-        why the next host did not get it all), or ``("error", message)``.
-        On any error the group is dropped."""
+        """Take part in the chain of ``link`` (joining its group, in the
+        trainer's store at ``store``, when it is a new one): receive one send
+        (tensors of ``sizes`` bytes) and pass it on. Blocks until the send
+        ended here. Returns ``("ok", [ref], error)`` with the host's copy,
+        stored as the trainer's object is (``(header, byte arrays)``;
+        ``error`` is None, or why the next host did not get it all), or
+        ``("error", why)``."""
         import ray
 
-        with self._lock:
-            group = self._group if self._generation == generation else None
-        if group is None:
-            return ("error", f"not a member of group {generation}")
         total = int(sum(sizes))
         self._ref = None  # the previous send's copy is no longer needed here
         if self._buffer is None or self._buffer.numel() != total:
             self._buffer = None
             self._buffer = torch.empty(total, dtype=torch.uint8)
         buffer = self._buffer
-        complete, error = relay_chain(group, buffer, chunk, src, dst, stall, first)
-        if error is not None:
-            with self._lock:
-                if self._generation == generation:
-                    self._group, self._generation = None, ""
-        if not complete:
-            return ("error", error)
+        report = self._member.relay(lambda timeout: connect_store(*store, timeout), link, buffer)
+        if not report.complete:
+            return ("error", report.error)
         flat = buffer.numpy()
         arrays, offset = [], 0
         for size in sizes:
@@ -156,44 +124,120 @@ class RelayAgent:
             offset += size
         self._ref = ray.put((header, tuple(arrays)))
         # The chain broke after this host (error set): it still has it all.
-        return ("ok", [self._ref], error)
+        return ("ok", [self._ref], report.error)
 
     def leave(self) -> None:
-        with self._lock:
-            self._group, self._generation = None, ""
+        self._member.leave()
         self._buffer, self._ref = None, None
+
+
+class _RelayControl:
+    """The Ray relay's part of the chain (a ``ChainControl`` over node ids):
+    members are told by a call to their agent, whose result is their report
+    and, when the host got it all, its copy, which resolves the host's
+    future. :meth:`begin` sets what the current send carries."""
+
+    def __init__(self, relay: HostRelay) -> None:
+        self.namespace = relay.namespace
+        self.address = relay.address
+        self._relay = relay
+        self._header: tuple[Any, ...] = ()
+        self._sizes: list[int] = []
+        self._futures: dict[str, concurrent.futures.Future[Any]] = {}
+        self._calls: dict[Any, str] = {}
+        self._names: dict[str, str] = {}
+
+    def begin(
+        self, header: tuple[Any, ...], sizes: list[int], futures: dict[str, concurrent.futures.Future[Any]]
+    ) -> None:
+        self._header, self._sizes, self._futures = header, sizes, futures
+
+    def group_store(self, stall: float) -> Any:
+        # A client of its own, whose waits give up after a stall limit.
+        return connect_store(self.address, self._relay.port, stall)
+
+    def plan(self, members: list[str]) -> tuple[list[str], dict[str, tuple[str, ...]]]:
+        return list(members), {}
+
+    def name(self, member: str) -> str:
+        if not self._names:
+            import ray
+
+            with contextlib.suppress(Exception):
+                self._names = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        return f"host {self._names.get(member, member[:12])}"
+
+    def launch(self, route: Route[str]) -> None:
+        store = (self.address, self._relay.port)
+        self._calls = {
+            self._relay.agent(node).relay.remote(store, route.link(node), self._header, self._sizes): node
+            for node in route.chain
+        }
+
+    def poll(self, route: Route[str], waiting: Collection[str], wait: float) -> list[tuple[str, Report]]:
+        import ray
+        import ray.exceptions
+
+        calls = [ref for ref, node in self._calls.items() if node in waiting]
+        ready, _ = ray.wait(calls, num_returns=1, timeout=wait)
+        came = []
+        for ref in ready:
+            node = self._calls.pop(ref)
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                came.append(
+                    (node, Report(False, f"its relay agent is gone ({type(exc).__name__})", gone=True))
+                )
+                continue
+            if result[0] == "ok":
+                _resolve(self._futures[node], result[1][0])
+                came.append((node, Report(True, result[2])))
+            else:
+                came.append((node, Report(False, result[1])))
+        return came
+
+    def settle(self, route: Route[str]) -> None:
+        self._calls = {}
 
 
 class HostRelay:
     """The trainer's side of the relay for one Ray scheme: the agents (one
-    per receiving node, started on first use and kept), the store, the
-    current group, and the chain of each send.
+    per receiving node, started on first use and kept), the store, and a
+    :class:`ChainDriver` that carries each send.
 
     :meth:`start` returns at once; the chain runs on a thread of its own and
     resolves one future per host with the object that host's actors are to
-    read: its own copy, or the trainer's object where no chain reached it.
+    read: its own copy, or the trainer's object where no chain reached it
+    (:meth:`why` then says why).
     """
 
     def __init__(self, model_id: str | None, chunk: int = CHUNK_BYTES) -> None:
         self.model_id = model_id
         self.chunk = chunk
         self._agents: dict[str, Any] = {}
-        self._address = ""
+        self.address = ""
+        self.port = 0
         self._store: Any = None
-        self._group: Any = None
-        # The nodes of the current group, in rank order (rank i + 1).
-        self._members: tuple[str, ...] = ()
-        self._generations = 0
-        self._generation = ""
-        self._token = os.urandom(4).hex()
+        self.namespace = f"ws{os.urandom(4).hex()}/{model_id}/"
+        self._control: _RelayControl | None = None
+        self._driver: ChainDriver[str] | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
-        #: Per send: how many chains ran, and the nodes each one reached
-        #: (for the benchmark and the tests).
-        self.last_attempts: list[tuple[str, ...]] = []
+
+    @property
+    def last_attempts(self) -> list[tuple[str, ...]]:
+        """How many chains the last send ran, and the nodes each one reached
+        (for the benchmark and the tests)."""
+        return [] if self._driver is None else [route.chain for route in self._driver.routes]
+
+    def why(self, node: str) -> str | None:
+        """Why no chain of the last send brought ``node`` its copy (None: one did, or it was not in it)."""
+        return None if self._driver is None else self._driver.why(node)
 
     # -- setup -----------------------------------------------------------------
-    def _agent(self, node: str) -> Any:
+    def agent(self, node: str) -> Any:
+        """The agent of ``node``, started on first use."""
         agent = self._agents.get(node)
         if agent is None:
             import ray
@@ -212,34 +256,11 @@ class HostRelay:
         if self._store is None:
             import torch.distributed as dist
 
-            self._address = _node_address()
+            self.address = _node_address()
             self._store = dist.TCPStore(
-                self._address, 0, is_master=True, wait_for_workers=False, timeout=_seconds(60)
+                self.address, 0, is_master=True, wait_for_workers=False, timeout=_seconds(60)
             )
-
-    def _form(self, nodes: Sequence[str], stall: float) -> None:
-        """A new group: the trainer (rank 0) and ``nodes`` (ranks 1..n)."""
-        import ray
-
-        self._drop()
-        self._ensure_store()
-        self._generations += 1
-        generation = f"ws{self._token}/{self.model_id}/g{self._generations}"
-        port = int(self._store.port)
-        size = len(nodes) + 1
-        joins = [
-            self._agent(node).join.remote(self._address, port, generation, i + 1, size, stall)
-            for i, node in enumerate(nodes)
-        ]
-        # A client of its own, whose waits give up after a stall limit.
-        store = connect_store(self._address, port, stall)
-        group = gloo_group(store, generation, 0, size, self._address, stall)
-        ray.get(joins, timeout=stall + 5.0)
-        self._group, self._members = group, tuple(nodes)
-        self._generation = generation
-
-    def _drop(self) -> None:
-        self._group, self._members, self._generation = None, (), ""
+            self.port = int(self._store.port)
 
     # -- one send --------------------------------------------------------------
     def start(
@@ -247,7 +268,7 @@ class HostRelay:
     ) -> dict[str, concurrent.futures.Future[Any]]:
         """Start sending the trainer's object ``ref`` (``(header, byte
         arrays)``) to ``nodes`` along a chain; ``deadline``: a
-        ``time.monotonic()`` time. Returns a future per node."""
+        ``time.monotonic()`` time. Returns a future per node; never waits."""
         futures: dict[str, concurrent.futures.Future[Any]] = {n: concurrent.futures.Future() for n in nodes}
         # A chain of an abandoned send may still be ending (within a stall
         # limit): the new chain waits for it on its own thread, never here,
@@ -271,104 +292,24 @@ class HostRelay:
         try:
             if previous is not None:
                 previous.join()
-            self._chains(ref, header, nodes, deadline, futures)
+            if self._closed:
+                return
+            import ray
+
+            self._ensure_store()
+            _, arrays = ray.get(ref)
+            sources = _byte_tensors(arrays)
+            if self._control is None or self._driver is None:
+                self._control = _RelayControl(self)
+                # One host (or none) left is served by the direct path.
+                self._driver = ChainDriver(self._control, chunk=self.chunk, min_chain=2)
+            self._control.begin(header, [s.numel() for s in sources], futures)
+            self._driver.run(sources, nodes, deadline)
         except BaseException:  # never leave a waiting deliver() without an answer
             pass
         finally:
             for future in futures.values():
                 _resolve(future, ref)
-
-    def _chains(
-        self,
-        ref: Any,
-        header: tuple[Any, ...],
-        nodes: list[str],
-        deadline: float,
-        futures: dict[str, concurrent.futures.Future[Any]],
-    ) -> None:
-        import ray
-        import ray.exceptions
-
-        _, arrays = ray.get(ref)
-        sources = _byte_tensors(arrays)
-        sizes = [s.numel() for s in sources]
-        pending = list(nodes)
-        excluded: set[str] = set()
-        self.last_attempts = []
-        for _ in range(_ATTEMPTS):
-            chain = [n for n in pending if n not in excluded]
-            left = deadline - time.monotonic()
-            if len(chain) < 2 or left <= 0 or self._closed:
-                return  # one host (or none) left: the direct path serves it
-            stall = min(max(left * _STALL_FRACTION, _STALL_BOUNDS[0]), _STALL_BOUNDS[1])
-            if self._members != tuple(chain):
-                try:
-                    self._form(chain, stall)
-                except Exception:
-                    self._drop()
-                    excluded |= self._unresponsive(chain)
-                    continue
-            generation = self._generation
-            calls = {
-                node: self._agents[node].relay.remote(
-                    generation, header, sizes, self.chunk, i, i + 2 if i + 2 <= len(chain) else None,
-                    stall, 2 * stall,
-                )
-                for i, node in enumerate(chain)
-            }  # fmt: skip
-            self.last_attempts.append(tuple(chain))
-            broken = False
-            try:
-                send_chain(self._group, sources, self.chunk, 1, stall)
-            except RuntimeError:
-                broken = True
-            # Collect the agents' results: all of them, or, once the chain
-            # broke, those that answer within a stall limit more.
-            waiting = dict(calls)
-            patience = deadline
-            while waiting:
-                timeout = max(min(patience, deadline) - time.monotonic(), 0.0)
-                ready, _ = ray.wait(list(waiting.values()), num_returns=1, timeout=timeout)
-                if not ready:
-                    break
-                node = next(n for n, r in waiting.items() if r == ready[0])
-                del waiting[node]
-                try:
-                    result = ray.get(ready[0])
-                except ray.exceptions.RayError:
-                    excluded.add(node)
-                    result = ("error", "agent lost")
-                if result[0] == "ok":
-                    _resolve(futures[node], result[1][0])
-                    pending.remove(node)
-                if result[0] != "ok" or result[2] is not None:
-                    broken = True
-                if broken:
-                    # The others answer within a stall limit (their own
-                    # waits give up); one that does not is stopped or cut off.
-                    patience = min(patience, time.monotonic() + stall + 1.0)
-            excluded |= set(waiting)
-            if not broken and not waiting:
-                return
-            self._drop()
-            if not pending:
-                return
-
-    def _unresponsive(self, nodes: Sequence[str]) -> set[str]:
-        """The agents of ``nodes`` that do not answer a ping within a second."""
-        import ray
-
-        pings = {node: self._agent(node).ping.remote() for node in nodes}
-        ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=1.0)
-        answered = set()
-        for node, ref in pings.items():
-            if ref in ready:
-                try:
-                    ray.get(ref)
-                    answered.add(node)
-                except Exception:
-                    pass
-        return {n for n in nodes if n not in answered}
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the chain of the previous send to end."""
@@ -382,8 +323,9 @@ class HostRelay:
         if self._closed:
             return
         self._closed = True
+        if self._driver is not None:
+            self._driver.close()
         self.join(timeout=15.0)
-        self._drop()
         agents, self._agents = list(self._agents.values()), {}
         if agents:
             import ray

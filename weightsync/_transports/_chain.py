@@ -1,0 +1,413 @@
+"""The chain: one send's bytes along a pipelined chain of members, repaired
+around the members that fail. Both cross-host transports run on it: the Ray
+relay (members: one relay agent per host) and the torch.distributed
+transport (members: workers; with host-local sharing, one host leader per
+host).
+
+- :class:`ChainDriver` is the trainer's side of every send: it asks the
+  transport (a :class:`ChainControl`) which members make the chain, forms a
+  gloo group of the trainer (rank 0) and the chain (a new *generation*, over
+  a new store prefix, whenever the chain's members change: a group with a
+  dead member is dropped, never repaired), tells each member its place (a
+  :class:`Link`: the generation, its neighbours, its stall limits and the
+  frame size), sends the bytes to the first member and gathers one
+  :class:`Report` per member. A chain that broke is re-formed over the
+  members still missing the bytes, up to :data:`ATTEMPTS` chains per send,
+  within the send's deadline; it records where each chain broke and why, so
+  that the transport can say so in the error it raises for a worker.
+- :class:`ChainMember` is a member's side: it joins the group of a
+  generation once (the trainer forms a new one only when members change),
+  then receives the send frame by frame and passes each frame on
+  (``_gloo_chain.relay_chain``), and reports.
+
+The transport owns how members are told and how they answer (Ray calls, or
+notices and reports in a TCPStore), and who is in the chain; this module
+owns the attempts, the stall limits, the generations and the repair.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+
+import torch
+
+from ._gloo_chain import CHUNK_BYTES, gloo_group, relay_chain, send_chain, short_message
+
+__all__ = [
+    "ATTEMPTS",
+    "ChainControl",
+    "ChainDriver",
+    "ChainMember",
+    "Link",
+    "Report",
+    "Route",
+    "joining_key",
+    "stall_limit",
+]
+
+#: Chains per send: the first, then repairs around the members that failed.
+ATTEMPTS = 3
+# The longest a chain waits for one frame to move before it calls the hop
+# broken: this fraction of the time left in the send, within these bounds.
+_STALL_BOUNDS = (1.0, 5.0)
+_STALL_FRACTION = 0.125
+# The driver's polls of the members' reports (seconds): the first, and the longest (they double).
+_POLL = (0.0005, 0.005)
+
+M = TypeVar("M")
+
+
+def stall_limit(left: float) -> float:
+    """The stall limit of a chain begun with ``left`` seconds left in its send."""
+    return min(max(left * _STALL_FRACTION, _STALL_BOUNDS[0]), _STALL_BOUNDS[1])
+
+
+def joining_key(namespace: str, generation: str, rank: int) -> str:
+    """Set by group rank ``rank`` as it joins group ``generation``: tells a
+    trainer whose group did not form who never came."""
+    return f"{namespace}joining/{generation}/{rank}"
+
+
+@dataclass(frozen=True)
+class Link:
+    """A member's place in one chain: what it needs to take part (its
+    transport carries it in the member's notice)."""
+
+    #: Where the chain's keys live in the store: the group's own under
+    #: ``{namespace}{generation}/``, and :func:`joining_key`.
+    namespace: str
+    #: The chain's group; a member keeps its group while this stays.
+    generation: str
+    #: This member's rank in the group (1 .. size - 1; the trainer is 0).
+    rank: int
+    size: int
+    #: How long a hop may stall, and how long to wait for the first frame.
+    stall: float
+    first: float
+    #: The frame size: every frame but the last is this many bytes.
+    chunk: int
+
+    @property
+    def src(self) -> int:
+        return self.rank - 1
+
+    @property
+    def dst(self) -> int | None:
+        return self.rank + 1 if self.rank + 1 < self.size else None
+
+
+class Report(NamedTuple):
+    """A member's word on one chain."""
+
+    #: It holds every byte of the send.
+    complete: bool
+    #: Why it does not, or why the hop after it failed (it may still be complete).
+    error: str | None = None
+    #: It is gone (its process died, its agent was lost): not in the next chain.
+    gone: bool = False
+
+
+@dataclass
+class Route(Generic[M]):
+    """One chain of a send: its generation, its members in order, whom each
+    of them feeds outside the chain (host-local followers), and its limits."""
+
+    namespace: str
+    generation: str
+    chain: tuple[M, ...]
+    fed: dict[M, tuple[M, ...]]
+    stall: float
+    chunk: int
+    #: Where it broke and why (None: it did not), once its reports are in.
+    broke: str | None = field(default=None)
+
+    def link(self, member: M) -> Link:
+        """``member``'s place in this chain (a member of :attr:`chain`)."""
+        return Link(
+            self.namespace, self.generation, self.chain.index(member) + 1, len(self.chain) + 1,
+            self.stall, 2 * self.stall, self.chunk,
+        )  # fmt: skip
+
+    @property
+    def everyone(self) -> list[M]:
+        """The members of the chain, then those they feed."""
+        return [*self.chain, *(m for fed in self.fed.values() for m in fed)]
+
+
+class ChainControl(Protocol[M]):
+    """What a transport gives the chain driver: who can be in a chain, how
+    its members are told, and how their reports come back. Called from the
+    driver's thread only."""
+
+    #: The prefix of the chain's keys in the store (see :class:`Link`).
+    namespace: str
+    #: The address the trainer's end of the chain binds to.
+    address: str
+
+    def group_store(self, stall: float) -> Any:
+        """A client of the store the members' groups meet in."""
+
+    def plan(self, members: list[M]) -> tuple[list[M], dict[M, tuple[M, ...]]]:
+        """The chain over those of ``members`` that can take part, in chain
+        order, and whom each of them feeds outside the chain."""
+
+    def name(self, member: M) -> str:
+        """``member`` as an error message names it (``"rank 3 (host h3)"``)."""
+
+    def launch(self, route: Route[M]) -> None:
+        """Tell every member of ``route`` to take part (never waits for them)."""
+
+    def poll(self, route: Route[M], waiting: Collection[M], wait: float) -> list[tuple[M, Report]]:
+        """The reports of ``waiting`` members that came, waiting up to
+        ``wait`` seconds for one; a member found gone is reported as such."""
+
+    def settle(self, route: Route[M]) -> None:
+        """The driver is done with ``route``'s reports (late ones are dropped)."""
+
+
+class ChainDriver(Generic[M]):
+    """The trainer's side of the chain of one transport: the group, its
+    generations, and each send's chains (:meth:`run`).
+
+    ``min_chain``: the fewest members worth a chain (fewer: the transport
+    serves them another way).
+    """
+
+    def __init__(self, control: ChainControl[M], *, chunk: int = CHUNK_BYTES, min_chain: int = 1) -> None:
+        self.control = control
+        self.chunk = chunk
+        self.min_chain = min_chain
+        self._group: Any = None
+        self._group_members: tuple[M, ...] = ()
+        self._generations = 0
+        self._closed = False
+        #: Per send: every chain that ran, in order.
+        self.routes: list[Route[M]] = []
+        #: Per send: member -> True (it got every byte) or why not.
+        self.outcome: dict[M, bool | str] = {}
+        # Per send: member -> where the chain it missed broke.
+        self._broke_for: dict[M, str] = {}
+
+    def why(self, member: M) -> str | None:
+        """Why ``member`` did not get the last send (None: it did, or it was
+        not in it), with where its chain broke when known."""
+        outcome = self.outcome.get(member)
+        if outcome is None or outcome is True:
+            return None
+        where = self._broke_for.get(member)
+        return f"{outcome}; {where}" if where else str(outcome)
+
+    def forget(self) -> None:
+        """Forget the last send's outcome (a new send begins); its routes stay until it runs."""
+        self.outcome, self._broke_for = {}, {}
+
+    def run(self, sources: Sequence[torch.Tensor], members: Sequence[M], deadline: float) -> None:
+        """Send the concatenation of ``sources`` (flat uint8 tensors) to
+        ``members``, along chains, until each has it, each left has failed
+        (:attr:`outcome` says why), or ``deadline`` (``time.monotonic()``).
+        Blocks; never raises (a failure is an outcome)."""
+        self.routes, self.outcome, self._broke_for = [], {}, {}
+        try:
+            self._chains(sources, list(members), deadline)
+        except Exception as exc:  # the store or gloo failed outright
+            for member in members:
+                self.outcome.setdefault(member, f"the chain failed: {short_message(exc)}")
+            self.drop()
+
+    def _chains(self, sources: Sequence[torch.Tensor], pending: list[M], deadline: float) -> None:
+        control = self.control
+        nbytes = sum(s.numel() for s in sources)
+        excluded: set[M] = set()
+        for _ in range(ATTEMPTS):
+            chain, fed = control.plan([m for m in pending if m not in excluded])
+            left = deadline - time.monotonic()
+            if len(chain) < self.min_chain or left <= 0 or self._closed:
+                return
+            stall = stall_limit(left)
+            if self._group is None or self._group_members != tuple(chain):
+                self.drop()
+                self._generations += 1
+            route = Route(control.namespace, f"g{self._generations}", tuple(chain), fed, stall, self.chunk)
+            control.launch(route)
+            if self._group is None:
+                absent = self._form(route)
+                if self._group is None:
+                    excluded |= absent
+                    continue
+            self.routes.append(route)
+            sent_error: str | None = None
+            if nbytes:
+                try:
+                    send_chain(self._group, sources, self.chunk, 1, stall)
+                except RuntimeError as exc:
+                    sent_error = str(exc)
+            reports, waiting = self._gather(route, deadline, broken=sent_error is not None)
+            for member, report in reports.items():
+                if report.gone:
+                    excluded.add(member)
+                elif report.complete:
+                    pending.remove(member)
+            # One that never answered is stopped, cut off or dead: not in the next chain.
+            excluded |= waiting
+            for member in waiting:
+                self.outcome.setdefault(member, "it did not take part in the chain")
+            route.broke = self._where(route, reports, sent_error)
+            if route.broke is not None or waiting:
+                for member in route.everyone:
+                    if self.outcome.get(member) is not True:
+                        self._broke_for[member] = route.broke or "its chain did not end"
+                self.drop()
+            if not pending:
+                return
+
+    def _form(self, route: Route[M]) -> set[M]:
+        """Form the trainer's end of ``route``'s group (after its members
+        were told). Returns the members that never came (none: it formed),
+        when not every member joined within the stall limit."""
+        control, chain = self.control, route.chain
+        prefix = f"{route.namespace}{route.generation}/"
+        try:
+            self._group = gloo_group(
+                control.group_store(route.stall), prefix, 0, len(chain) + 1, control.address, route.stall
+            )
+            self._group_members = chain
+            return set()
+        except RuntimeError:
+            self.drop()
+        store = control.group_store(route.stall)
+        absent = {
+            m
+            for i, m in enumerate(chain)
+            if not store.check([joining_key(route.namespace, route.generation, i + 1)])
+        }
+        names = ", ".join(control.name(m) for m in chain if m in absent) or "no member"
+        route.broke = f"the chain's group did not form ({names} did not join within {route.stall:.1f} s)"
+        for member in absent:
+            self.outcome[member] = "it did not join the chain"
+            self._broke_for[member] = route.broke
+        # (Those that joined are tried again in the next chain.)
+        return absent
+
+    def _gather(self, route: Route[M], deadline: float, *, broken: bool) -> tuple[dict[M, Report], set[M]]:
+        """Every member's report of ``route``, or, once the chain broke,
+        those that answer within a stall limit more (the others' own waits
+        give up within one); the members that did not answer."""
+        control, chain = self.control, route.chain
+        waiting = set(route.everyone)
+        reports: dict[M, Report] = {}
+
+        def give_up_soon() -> float:
+            return min(deadline, time.monotonic() + route.stall + 1.0)
+
+        patience = give_up_soon() if broken else deadline
+        delay = _POLL[0]
+        try:
+            while waiting and time.monotonic() < patience and not self._closed:
+                came = control.poll(route, waiting, min(delay, max(patience - time.monotonic(), 0.0)))
+                delay = min(delay * 2, _POLL[1])
+                for member, report in came:
+                    waiting.discard(member)
+                    reports[member] = report
+                    if report.gone:
+                        self.outcome[member] = report.error or "it died during the chain"
+                        # Dead: it will never answer, and the chain broke at it.
+                        broken = broken or member in chain
+                        continue
+                    if report.complete:
+                        self.outcome[member] = True
+                    else:
+                        self.outcome[member] = f"the chain broke before it got every byte ({report.error})"
+                    # (A follower's failure leaves the chain as it was.)
+                    if (not report.complete or report.error is not None) and not broken and member in chain:
+                        broken = True
+                        patience = min(patience, give_up_soon())
+        finally:
+            control.settle(route)
+        return reports, waiting
+
+    def _where(self, route: Route[M], reports: dict[M, Report], sent_error: str | None) -> str | None:
+        """Where ``route`` broke and why: at its first member that did not
+        get every byte, with the word of the hop into it (the stall seen by
+        the member before it), or its own."""
+        before = sent_error
+        for member in route.chain:
+            report = reports.get(member)
+            if report is None:
+                detail = before or "it did not report"
+            elif report.gone:
+                detail = report.error or "it died"
+            elif not report.complete:
+                detail = before or report.error or "it did not get every byte"
+            else:
+                before = report.error
+                continue
+            return f"the chain broke at {self.control.name(member)}: {detail}"
+        if before is not None and route.chain:
+            return f"the chain broke after {self.control.name(route.chain[-1])}: {before}"
+        return None
+
+    def drop(self) -> None:
+        """Let go of the group: the next chain forms a new one."""
+        self._group, self._group_members = None, ()
+
+    def close(self) -> None:
+        """Stop: a running :meth:`run` ends within a stall limit. Idempotent."""
+        self._closed = True
+        self.drop()
+
+
+class ChainMember:
+    """A member's side of the chains it is told to take part in: its end of
+    the group of the current generation (bound to ``address``), and the
+    relay of one send (:meth:`relay`). Its calls may come from several
+    threads; one send at a time is relayed into a given buffer."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._group: Any = None
+        self._generation: tuple[str, str] | None = None
+
+    def relay(
+        self,
+        store: Callable[[float], Any],
+        link: Link,
+        buffer: torch.Tensor,
+        progress: Callable[[int], None] | None = None,
+    ) -> Report:
+        """Take part in the chain of ``link``: join its group if it is a new
+        generation (``store(timeout)`` gives a client of the store it meets
+        in), receive ``buffer`` frame by frame and pass each frame on. Blocks
+        until the send ended here, or a hop failed (within ``link``'s stall
+        limits). ``progress``: called with the leading bytes in, after each
+        frame. Never raises for a failed hop or group: it is in the report."""
+        generation = (link.namespace, link.generation)
+        group = self._group if self._generation == generation else None
+        if group is None:
+            self.leave()
+            try:
+                client = store(link.stall)
+                client.set(joining_key(link.namespace, link.generation, link.rank), b"1")
+                group = gloo_group(
+                    client,
+                    f"{link.namespace}{link.generation}/",
+                    link.rank,
+                    link.size,
+                    self.address,
+                    link.stall,
+                )
+            except RuntimeError as exc:
+                return Report(False, f"no group: {short_message(exc)}")
+            self._group, self._generation = group, generation
+        complete, error = relay_chain(
+            group, buffer, link.chunk, link.src, link.dst, link.stall, link.first, progress
+        )
+        if error is not None and self._generation == generation:
+            self.leave()
+        return Report(complete, error)
+
+    def leave(self) -> None:
+        """Let go of the group (the next generation forms a new one)."""
+        self._group, self._generation = None, None

@@ -1,0 +1,269 @@
+"""A torch.distributed worker's relay thread: it reads the trainer's notices
+from the store and takes part in every send, whatever the worker's own code
+is doing: in the chain (a ``ChainMember``, and, as its host leader, into
+shared memory for the host's followers), or as a follower of its host
+leader. The bytes land in one of two receive buffers, never the one the
+receiver holds; the newest complete update waits for the receiver
+(:meth:`WorkerRelay.take`), and every update is reported to the trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import select
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._copy import copy_tensors
+from .._exceptions import SenderClosedError, SenderLostError
+from .._packet import Manifest, Signature
+from .._segment import AttachedSegments, Segment
+from ._chain import ChainMember, Report
+from ._dist_protocol import (
+    CloseNotice,
+    FollowNotice,
+    Lead,
+    SendInfo,
+    SessionKeys,
+    UpdateNotice,
+    decode_notice,
+    encode,
+    get_now,
+)
+from ._gloo_chain import short_message
+from ._host_share import ReceiveBuffers, fill_segment, follow
+from ._liveness import TrainerLink
+
+__all__ = ["ChainUpdate", "WorkerRelay"]
+
+# Polls of the store for the next notice (seconds): the first, and the longest (they double).
+_IDLE_POLL = (0.001, 0.01)
+
+
+@dataclasses.dataclass(eq=False)
+class ChainUpdate:
+    """An update whose bytes are in one of the worker's receive buffers
+    (``slot``), which the relay thread does not write while the receiver
+    holds it."""
+
+    version: int
+    layout_id: str
+    subset: Signature | None
+    digests: tuple[int, ...] | None
+    threads: int
+    buffer: torch.Tensor
+    slot: int
+
+    #: Each worker digests a verified update's bytes itself.
+    checked_on_host = False
+
+    def check_mapping(self, manifest: Manifest) -> str | None:
+        return None
+
+    def is_current(self) -> bool:
+        # Its buffer is never rewritten while the receiver holds it.
+        return True
+
+    def sources(self, manifest: Manifest) -> list[torch.Tensor]:
+        return manifest.views(self.buffer)
+
+    def apply(self, model: Any, targets: list[torch.Tensor], manifest: Manifest) -> None:
+        copy_tensors(targets, manifest.views(self.buffer), threads=self.threads)
+
+
+class WorkerRelay:
+    """The relay thread of worker ``rank`` (started at once) and what it
+    leaves for the receiver. ``store``: a store client of its own (gloo's
+    rendezvous waits on it); ``live``: its liveness connection, which tells
+    a trainer that shut down from one that died."""
+
+    def __init__(
+        self, model_id: str | None, rank: int, keys: SessionKeys, store: Any, live: TrainerLink, address: str
+    ) -> None:
+        self.model_id = model_id
+        self.rank = rank
+        self.keys = keys
+        self._store = store
+        self._live = live
+        self._member = ChainMember(address)
+        self._buffers = ReceiveBuffers()
+        # Host leaders' segments this worker copied from: a leader has two at
+        # a time, and a new pair when it grows them or the leader changes.
+        self._mapped = AttachedSegments(keep=4)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._lock = threading.Lock()
+        self._pending: ChainUpdate | None = None
+        self._taken: int | None = None
+        self._ended: Exception | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"weightsync-relay-{model_id}")
+        self._thread.start()
+
+    @property
+    def wake_fd(self) -> int:
+        """Readable when an update (or the trainer's end) is there to :meth:`take`."""
+        return self._wake_r.fileno()
+
+    def lost(self, reason: str) -> SenderLostError:
+        return SenderLostError(
+            f"the sender of model {self.model_id!r} is gone: {reason}", model_id=self.model_id
+        )
+
+    # -- the receiver's side -----------------------------------------------------
+    def take(self) -> ChainUpdate | None:
+        """The newest complete update (the receiver holds its buffer until
+        its next call), or None; never blocks.
+
+        :raises SenderClosedError: the trainer shut down.
+        :raises SenderLostError: the trainer is gone.
+        """
+        with contextlib.suppress(BlockingIOError, OSError):
+            while self._wake_r.recv(4096):
+                pass
+        with self._lock:
+            # The receiver is done with the update it took before.
+            self._taken = None
+            update, self._pending = self._pending, None
+            if update is not None:
+                self._taken = update.slot
+                return update
+            if self._ended is not None:
+                raise self._ended
+        return None
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds until :meth:`take` has something to say."""
+        with self._lock:
+            if self._pending is not None or self._ended is not None:
+                return True
+        ready, _, _ = select.select([self._wake_r], [], [], max(timeout, 0.0))
+        return bool(ready)
+
+    def stop(self) -> None:
+        """Ask the thread to end (within a stall limit, at most 5 s, if a chain runs)."""
+        self._stop.set()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        """Let go of the buffers and descriptors, once the thread ended. Idempotent."""
+        self._member.leave()
+        self._buffers.close()
+        self._mapped.close()
+        self._pending = None
+        self._wake_r.close()
+        self._wake_w.close()
+        self._store = None
+
+    # -- the thread ----------------------------------------------------------------
+    def _closed_error(self) -> SenderClosedError:
+        return SenderClosedError(f"the sender of model {self.model_id!r} shut down", model_id=self.model_id)
+
+    def _end(self, error: Exception) -> None:
+        with self._lock:
+            if self._ended is None:
+                self._ended = error
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def _loop(self) -> None:
+        store = self._store
+        n = 0
+        delay = _IDLE_POLL[0]
+        try:
+            while not self._stop.is_set():
+                key = self.keys.notice(self.rank, n + 1)
+                value = get_now(store, key)
+                if value is None:
+                    state = self._live.state()
+                    if state == "closed":
+                        self._end(self._closed_error())
+                        return
+                    if state == "gone":
+                        self._end(self.lost("its connection to this worker closed"))
+                        return
+                    self._stop.wait(delay)
+                    delay = min(delay * 2, _IDLE_POLL[1])
+                    continue
+                delay = _IDLE_POLL[0]
+                n += 1
+                store.delete_key(key)
+                notice = decode_notice(value)
+                if isinstance(notice, CloseNotice):
+                    self._end(self._closed_error())
+                    return
+                # A newer notice means the trainer is done with this one (it
+                # writes the next only once a chain ended): a worker that was
+                # stopped catches up without joining chains long gone.
+                if get_now(store, self.keys.notice(self.rank, n + 1)) is not None:
+                    continue
+                if isinstance(notice, UpdateNotice):
+                    self._take_in(store, notice.send, notice.feeds, self._chained(store, notice))
+                else:
+                    self._take_in(store, notice.send, False, self._follower(store, notice))
+        except Exception as exc:  # the store is gone with the trainer
+            if not self._stop.is_set():
+                # A trainer that shut down said so on the liveness connection first.
+                if self._live.state(wait=0.5) == "closed":
+                    self._end(self._closed_error())
+                else:
+                    self._end(self.lost(f"its store failed ({short_message(exc)})"))
+        finally:
+            self._member.leave()
+
+    def _chained(self, store: Any, notice: UpdateNotice) -> Callable[[torch.Tensor, Segment | None], Report]:
+        """How a chain member fills its buffer: from the chain, passing it on
+        (and, as its host leader, saying first where its followers copy from)."""
+        send = notice.send
+
+        def fill(view: torch.Tensor, segment: Segment | None) -> Report:
+            if notice.feeds:
+                assert segment is not None
+                lead = Lead(send.generation, send.version, segment.ref())
+                store.set(self.keys.lead(self.rank), encode(lead))
+            progress = None if segment is None else segment.filled_to
+            return self._member.relay(lambda _: store, notice.link, view, progress)
+
+        return fill
+
+    def _follower(self, store: Any, notice: FollowNotice) -> Callable[[torch.Tensor, Segment | None], Report]:
+        """How a follower fills its buffer: copied from its host leader's shared memory."""
+        return lambda view, _: follow(store, self.keys, self._mapped, view, notice, self._stop)
+
+    def _take_in(
+        self, store: Any, send: SendInfo, shared: bool, fill: Callable[[torch.Tensor, Segment | None], Report]
+    ) -> None:
+        """Receive one update into a free receive buffer (by ``fill``), keep
+        it for the receiver if it is whole, and report to the trainer."""
+        with self._lock:
+            # A buffer the receiver does not hold; an update pending in it is
+            # dropped (the one about to arrive supersedes it).
+            if self._taken is not None:
+                slot = 1 - self._taken
+            elif self._pending is not None:
+                slot = 1 - self._pending.slot
+            else:
+                slot = 0
+            if self._pending is not None and self._pending.slot == slot:
+                self._pending = None
+        buffer, segment = self._buffers.get(slot, send.nbytes, shared)
+        view = buffer[: send.nbytes]
+        report = fill_segment(segment, send.version, lambda: fill(view, segment))
+        if report.complete:
+            update = ChainUpdate(
+                send.version, send.layout_id, send.subset, send.digests, send.threads, view, slot
+            )
+            with self._lock:
+                self._pending = update
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"x")
+        store.set(self.keys.got(send.generation, send.version, self.rank), encode(report))
+        store.add(self.keys.got(send.generation, send.version, "count"), 1)

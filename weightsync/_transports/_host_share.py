@@ -1,0 +1,178 @@
+"""Host-local sharing for the torch.distributed transport: one worker of
+each host (its *host leader*) is in the chain and receives into shared
+memory of its own (a memfd segment), from which the host's other workers
+(its *followers*) copy each part as soon as it is there. The bytes cross
+the host's NIC once and its memory bus once per worker, instead of once per
+worker through the host's loopback.
+
+The trainer picks the leaders (:func:`plan_hosts`); a worker keeps two
+receive buffers (:class:`ReceiveBuffers`), in shared memory while it leads
+its host; a follower copies with :func:`follow`. A worker that cannot map
+its leader's memory (another user's process) reports :data:`UNMAPPED`, and
+the trainer puts it in the chain itself from then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from .._segment import BROKEN, AttachedSegments, Segment
+from ._chain import Report
+from ._channel import ProcessWatch
+from ._dist_protocol import FollowNotice, Lead, SessionKeys, decode, get_now
+from ._gloo_chain import short_message
+
+__all__ = ["UNMAPPED", "ReceiveBuffers", "fill_segment", "follow", "plan_hosts"]
+
+#: How a follower's report starts when it cannot map its host leader's memory.
+UNMAPPED = "it cannot map its host leader's memory"
+# A follower's waits for its leader to say where (seconds): the first, and the longest.
+_POLL = (0.0005, 0.005)
+# A follower's polls of its host leader's progress: a chunk arrives every ~8 ms at 1 Gbit/s.
+_FOLLOW_POLL = (0.002, 0.008)
+
+
+def plan_hosts(
+    ordered: list[int], host_of: Callable[[int], Hashable | None], direct: set[int]
+) -> tuple[list[int], dict[int, tuple[int, ...]]]:
+    """The chain over ``ordered`` (ranks in chain order, a host's next to
+    each other) with one worker per host, its host leader (the first of its
+    host), and the ranks each leader feeds. ``host_of``: a rank's host (None:
+    unknown, in the chain itself); ranks in ``direct`` are in the chain themselves."""
+    chain: list[int] = []
+    fed: dict[int, list[int]] = {}
+    leaders: dict[Hashable, int] = {}
+    for rank in ordered:
+        host = host_of(rank)
+        if host is None or rank in direct:
+            chain.append(rank)
+            continue
+        leader = leaders.setdefault(host, rank)
+        if leader == rank:
+            chain.append(rank)
+        else:
+            fed.setdefault(leader, []).append(rank)
+    return chain, {leader: tuple(ranks) for leader, ranks in fed.items()}
+
+
+class ReceiveBuffers:
+    """A worker's two receive buffers: the receiver holds at most one, the
+    relay thread fills the other. One is in shared memory (a segment its
+    followers map) when the worker leads its host."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.segments: list[Segment | None] = [None, None]
+
+    def get(self, slot: int, nbytes: int, shared: bool) -> tuple[torch.Tensor, Segment | None]:
+        """Buffer ``slot``, at least ``nbytes`` long, in shared memory if
+        ``shared``, and its segment if it is in one."""
+        buffer, segment = self.buffers[slot], self.segments[slot]
+        if buffer is None or buffer.numel() < nbytes or (shared and segment is None):
+            self.buffers[slot] = None
+            if segment is not None:
+                # Mapped by followers, it is unmapped when the last of them lets go.
+                segment.close()
+                self.segments[slot] = segment = None
+            if shared:
+                segment = self.segments[slot] = Segment.create(nbytes)
+                assert segment.data is not None
+                buffer = self.buffers[slot] = segment.data
+            else:
+                buffer = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
+        return buffer, segment
+
+    def close(self) -> None:
+        self.buffers = [None, None]
+        for segment in self.segments:
+            if segment is not None:
+                segment.close()
+        self.segments = [None, None]
+
+
+def fill_segment(segment: Segment | None, version: int, fill: Callable[[], Report]) -> Report:
+    """Receive ``version`` by ``fill`` into a buffer of ``segment`` (if
+    any), marking it there for followers: being filled, then published
+    when whole or broken when not. Blocks while ``fill`` runs."""
+    if segment is None:
+        return fill()
+    # Followers of this send, or a late one of an earlier send, may read it.
+    segment.begin_fill(version)
+    report = Report(False)
+    try:
+        report = fill()
+    finally:
+        if report.complete:
+            segment.publish(version)
+        else:
+            segment.filled_to(BROKEN)
+    return report
+
+
+def follow(
+    store: Any,
+    keys: SessionKeys,
+    mapped: AttachedSegments,
+    view: torch.Tensor,
+    notice: FollowNotice,
+    stop: threading.Event,
+) -> Report:
+    """Copy the send of ``notice`` into ``view`` from its host leader's
+    segment, each part as soon as it is there. Blocks until done, or up to
+    ``notice.stall`` seconds for the leader to say where (it does before it
+    joins the chain), ``notice.first`` for the first part and
+    ``notice.stall`` for each part after. Never raises: a failure is in the report."""
+    version, generation = notice.send.version, notice.send.generation
+    # (A killed leader is a zombie until its launcher reaps it: dead already.)
+    with contextlib.closing(ProcessWatch(notice.leader_pid)) as watch:
+        who = f"its host leader (rank {notice.leader})"
+        deadline = time.monotonic() + notice.stall
+        delay = _POLL[0]
+        while True:
+            value = get_now(store, keys.lead(notice.leader))
+            if value is not None:
+                said = decode(value, Lead)
+                if (said.generation, said.version) == (generation, version):
+                    break
+            if not watch.alive():
+                return Report(False, f"{who} died")
+            if time.monotonic() > deadline or stop.is_set():
+                return Report(False, f"{who} did not start")
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL[1])
+        try:
+            source = mapped.segment(said.segment)
+        except Exception as exc:  # not this user's, another host after all, out of files...
+            return Report(False, f"{UNMAPPED} (rank {notice.leader}): {short_message(exc)}")
+        assert source.data is not None
+        nbytes = view.numel()
+        done, last, limit = 0, time.monotonic(), notice.first
+        delay = _FOLLOW_POLL[0]
+        while done < nbytes:
+            published, writing, filled = source.progress()
+            if published == version:
+                filled = nbytes
+            elif writing != version:
+                return Report(False, f"{who} moved on to another version")
+            elif filled == BROKEN:
+                return Report(False, f"{who} did not get every byte")
+            if filled > done:
+                view[done:filled].copy_(source.data[done:filled])
+                done, last, limit, delay = filled, time.monotonic(), notice.stall, _FOLLOW_POLL[0]
+                continue
+            if time.monotonic() - last > limit or stop.is_set():
+                return Report(False, f"{who} stalled {time.monotonic() - last:.1f} s")
+            if not watch.alive():
+                return Report(False, f"{who} died")
+            time.sleep(delay)
+            delay = min(delay * 2, _FOLLOW_POLL[1])
+        # Not overwritten by another version while it was copied (see Segment.begin_fill).
+        if source.progress()[1] != version:
+            return Report(False, f"{who} moved on to another version while this worker copied")
+        return Report(True)
