@@ -473,7 +473,13 @@ def ray_trainer_then_die(address: str, name: str) -> None:
 
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     ray.init(
-        address=address, namespace="weightsync-tests", runtime_env={"env_vars": {"PYTHONPATH": tests_dir}}
+        address=address,
+        namespace="weightsync-tests",
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))
+            }
+        },
     )
     actor = ray.remote(num_cpus=0)(RayWorker).options(name=name).remote()
     pid = ray.get(actor.setup.remote(ws.RayWeightSyncScheme(), "policy", "net"))

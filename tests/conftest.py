@@ -307,7 +307,11 @@ class RayRuntime:
         tests_dir = os.path.dirname(os.path.abspath(__file__))
         ray.init(
             address=self.nodes.address,
-            runtime_env={"env_vars": {"PYTHONPATH": tests_dir}},
+            runtime_env={
+                "env_vars": {
+                    "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))
+                }
+            },
             log_to_driver=False,
         )
         # No CPU is reserved per actor: tests start more actors than cores.

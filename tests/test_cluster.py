@@ -60,7 +60,10 @@ def _drive(cluster: _netns.EmulatedCluster, scenario: str, during: Any = None, t
     proc = cluster.popen(
         0,
         [sys.executable, str(DRIVER), scenario],
-        env={"RAY_ADDRESS": cluster.ray_address or "", "PYTHONPATH": str(DRIVER.parent)},
+        env={
+            "RAY_ADDRESS": cluster.ray_address or "",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(DRIVER.parent), os.environ.get("PYTHONPATH")])),
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

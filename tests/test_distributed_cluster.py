@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import select
 import subprocess
 import sys
@@ -63,7 +64,7 @@ class Run:
     """The driver on host 0 and ``per_host`` workers on each other host."""
 
     def __init__(self, cluster: _netns.EmulatedCluster, per_host: int = 1) -> None:
-        env = {"PYTHONPATH": str(HERE)}
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
         self.cluster = cluster
         host = cluster.addresses[0]
         workers = (cluster.hosts - 1) * per_host

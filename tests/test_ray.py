@@ -189,7 +189,10 @@ def test_a_killed_trainer_takes_its_actors_with_it(ray_runtime: RayRuntime) -> N
     proc = subprocess.run(
         [sys.executable, "-c", code],
         cwd=tests_dir,
-        env={**os.environ, "PYTHONPATH": tests_dir},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])),
+        },
         capture_output=True,
         text=True,
         timeout=120,
