@@ -125,12 +125,12 @@ def test_a_mismatch_is_refused_before_any_worker_is_touched() -> None:
     with workers(2) as w:
         w.scheme.connect()
         before = [w.state(wid) for wid in range(2)]
-        notices = dict(w.scheme.staging._notices)
+        notices = dict(w.scheme.staging.workers.notices)
         wrong = dw.build_model({**SHAPES, "w1": 3002})
         with pytest.raises(ws.WeightMismatchError, match="w1"):
             w.scheme.send(wrong)
         # No notice left for any worker, nothing applied, no version used.
-        assert w.scheme.staging._notices == notices
+        assert w.scheme.staging.workers.notices == notices
         assert [w.state(wid) for wid in range(2)] == before
         w.randomize()
         assert w.scheme.send().version == before[0][0] + 1

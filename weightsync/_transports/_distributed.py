@@ -1,35 +1,19 @@
-"""The torch.distributed transport: bytes along a pipelined gloo chain, control
-over a TCPStore, liveness over one TCP connection per worker.
+"""The torch.distributed transport: bytes along the chain (``_chain``),
+control over a TCPStore, liveness over one TCP connection per worker.
 
-Who does what (each job in a module of its own):
-
-- **Data: the chain** (``_chain``). The trainer (group rank 0) and the
-  workers of a send form a ``ProcessGroupGloo`` of weightsync's own (over a
-  ``PrefixStore`` of the store: no ``init_process_group``, no global state),
-  the workers of a host next to each other (:meth:`ChainStaging._order`).
-  The trainer sends its staged copy of the packet, in 1 MiB frames, to the
-  first worker, which passes each frame on as soon as it has it. A thread
-  of each worker (its relay thread) takes part in every chain at once,
-  whatever the worker's own code is doing; the bytes land in one of two
-  receive buffers of the worker, never the one its receiver holds, so
-  ``receive()`` copies one whole version into the model (no torn reads),
-  at a safe point, as under the multiprocess scheme.
-- **Host-local sharing** (``_host_share``): with ``share_on_host``, one
-  worker of each host (its host leader) is in the chain and receives into
-  shared memory, from which the host's other workers copy as it arrives.
-- **Control: the store** (``_dist_protocol``): typed notices, reports and
-  replies, each side polling with ``check()`` so every wait has the caller's
-  deadline.
-- **Liveness** (``_liveness``): a TCP connection per worker, which the
-  kernel closes when either process ends: a dead worker is named at once
-  (a :class:`WorkerLostError`), a stopped one at the deadline.
-
-Faults. A worker that dies breaks the chain: its neighbours' waits end
-within a stall limit. The workers that got every byte keep their update;
-the trainer forms a new chain over those still missing the bytes whose
-liveness connection is open, up to three chains per send, within the
-send's deadline, and says where the chain broke in the error of a worker
-it did not reach. Later sends form their chain without a dead worker.
+The trainer's :class:`ChainStaging` copies each send once and runs its
+chain on a thread of its own (a ``ChainDriver`` over the workers of the
+send, told by notices in the store: ``_dist_chain``, ``_dist_protocol``);
+with ``share_on_host`` one worker of each host, its host leader, is in the
+chain and feeds the host's other workers through shared memory
+(``_host_share``). A worker's :class:`ChainEndpoint` has a relay thread
+(``_dist_relay``) that takes part in every send into one of two receive
+buffers, never the one its receiver holds, so ``receive()`` copies one
+whole version into the model at a safe point. Liveness (``_liveness``):
+the kernel closes a worker's connection to the trainer when either process
+ends, so a dead worker is named at once (:class:`WorkerLostError`), a
+stopped one at the deadline (``AckTimeoutError``), each with where its
+chain broke when one did.
 """
 
 from __future__ import annotations
@@ -42,7 +26,6 @@ import pickle
 import socket
 import threading
 import time
-from collections.abc import Collection
 from typing import Any
 
 import anyio
@@ -54,15 +37,14 @@ from .._exceptions import SenderLostError, WorkerLostError
 from .._offload import run_blocking
 from .._packet import Manifest, Packet
 from ._base import worker_failed, worker_lost
-from ._chain import ChainDriver, Report, Route
+from ._chain import ChainDriver
 from ._channel import _wait_readable_any, describe_exit, exit_status, started_here
+from ._dist_chain import WorkerChain
 from ._dist_protocol import (
     CloseNotice,
-    FollowNotice,
     Hello,
     SendInfo,
     SessionKeys,
-    UpdateNotice,
     decode,
     encode,
     get_now,
@@ -72,7 +54,6 @@ from ._dist_protocol import (
 )
 from ._dist_relay import ChainUpdate, WorkerRelay
 from ._gloo_chain import CHUNK_BYTES, connect_store, short_message
-from ._host_share import UNMAPPED, plan_hosts
 from ._liveness import Liveness, TrainerLink
 
 __all__ = [
@@ -101,9 +82,9 @@ class _Send:
 
 class ChainStaging:
     """The trainer's staged copy of each send (one flat buffer), the chain
-    that carries it to the workers of the send (a :class:`ChainDriver`, for
-    which this is the ``ChainControl``), and what the transports share: the
-    store, the liveness socket, the workers' hellos.
+    that carries it to the workers of the send (a :class:`ChainDriver` over
+    a :class:`WorkerChain`), and what the transports share: the store, the
+    liveness socket, the workers' hellos.
 
     :meth:`start` (called by the first ``deliver()`` of a send) runs the
     chain on a thread of its own; it never waits on the caller's loop.
@@ -122,25 +103,18 @@ class ChainStaging:
     ) -> None:
         self.model_id = model_id
         self.store = store
-        self.prefix = self.namespace = prefix
+        self.prefix = prefix
         self.keys = SessionKeys(prefix)
         self.liveness = liveness
-        self.address = liveness.address[0]
-        self.share_on_host = share_on_host
-        self._store_address = store_address
+        self.workers = WorkerChain(self.keys, store_address, liveness, share_on_host)
+        #: What each worker said of itself (its hello), by rank.
+        self.members = self.workers.members
+        self.driver: ChainDriver[int] = ChainDriver(self.workers, chunk=chunk)
         self._buffer: torch.Tensor | None = None
         self._views: tuple[str, list[torch.Tensor]] | None = None
         self._send: _Send | None = None
-        #: What each worker said of itself (its hello), by rank.
-        self.members: dict[int, Hello] = {}
         self._thread: threading.Thread | None = None
-        self._chain_store: Any = None
-        self._notices: dict[int, int] = {}
-        self._counted = 0
         self._closed = False
-        # Workers that could not map their host leader's memory: in the chain themselves.
-        self._direct: set[int] = set()
-        self.driver: ChainDriver[int] = ChainDriver(self, chunk=chunk)
 
     @property
     def last_routes(self) -> list[tuple[tuple[int, ...], dict[int, tuple[int, ...]]]]:
@@ -200,6 +174,7 @@ class ChainStaging:
         if not send.enlisted:
             return
         assert self._buffer is not None
+        self.workers.info = send.info
         source = self._buffer[: send.info.nbytes]
         self._thread = threading.Thread(
             target=self.driver.run, args=([source], sorted(send.enlisted), deadline), daemon=True,
@@ -207,94 +182,9 @@ class ChainStaging:
         )  # fmt: skip
         self._thread.start()
 
-    def _order(self, ranks: list[int]) -> list[int]:
-        """``ranks`` in chain order: the workers of the trainer's host first,
-        then host by host, by rank within a host. The workers of a host are
-        neighbours in the chain, so the bytes cross each host's NIC once in
-        and once out, however many workers it has and however the ranks
-        were spread over the hosts (the hops between them stay on the host)."""
-
-        def key(rank: int) -> tuple[bool, str, int]:
-            member = self.members.get(rank)
-            address = member.address if member is not None else ""
-            return (address != self.address, address, rank)
-
-        return sorted(ranks, key=key)
-
-    def _alive(self, rank: int) -> bool:
-        member = self.members.get(rank)
-        return member is not None and self.liveness.state(rank, member.nonce) != "gone"
-
-    # -- the chain's control (see ChainControl) ---------------------------------
-    def group_store(self, stall: float = 0.0) -> Any:
-        """The store client of the notices and the chain, made on first use."""
-        if self._chain_store is None:
-            self._chain_store = connect_store(*self._store_address, timeout=10.0)
-        return self._chain_store
-
-    def plan(self, ranks: list[int]) -> tuple[list[int], dict[int, tuple[int, ...]]]:
-        """The chain over the live workers of ``ranks`` (with
-        ``share_on_host``, their host leaders; see ``_host_share``)."""
-        ordered = self._order([r for r in ranks if self._alive(r)])
-        if not self.share_on_host:
-            return ordered, {}
-
-        def host_of(rank: int) -> tuple[str, str] | None:
-            member = self.members.get(rank)
-            return None if member is None else (member.address, member.hostname)
-
-        return plan_hosts(ordered, host_of, self._direct)
-
-    def name(self, rank: int) -> str:
-        member = self.members.get(rank)
-        return f"rank {rank}" + (f" (host {member.hostname}, {member.address})" if member is not None else "")
-
-    def launch(self, route: Route[int]) -> None:
-        assert self._send is not None
-        info = dataclasses.replace(self._send.info, generation=route.generation)
-        for rank in route.chain:
-            self.notify(rank, UpdateNotice(info, route.link(rank), rank in route.fed))
-        for leader, followers in route.fed.items():
-            for rank in followers:
-                pid = self.members[leader].pid
-                self.notify(rank, FollowNotice(info, leader, pid, route.stall, 2 * route.stall))
-        self._counted = 0
-
-    def poll(self, route: Route[int], waiting: Collection[int], wait: float) -> list[tuple[int, Report]]:
-        assert self._send is not None
-        store, version = self.group_store(), self._send.info.version
-        # Each report also counts itself: one store call per poll tells
-        # whether any came, however many workers there are.
-        reported = int(store.add(self.keys.got(route.generation, version, "count"), 0))
-        fresh, self._counted = reported > self._counted, reported
-        came: list[tuple[int, Report]] = []
-        for rank in list(waiting):
-            key = self.keys.got(route.generation, version, rank)
-            value = get_now(store, key) if fresh else None
-            if value is None:
-                if not self._alive(rank):
-                    came.append((rank, Report(False, "it died during the chain", gone=True)))
-                continue
-            store.delete_key(key)
-            report = decode(value, Report)
-            if not report.complete and str(report.error).startswith(UNMAPPED):
-                self._direct.add(rank)
-            came.append((rank, report))
-        if not came:
-            time.sleep(wait)
-        return came
-
-    def settle(self, route: Route[int]) -> None:
-        assert self._send is not None
-        self.group_store().delete_key(self.keys.got(route.generation, self._send.info.version, "count"))
-
-    def notify(self, rank: int, notice: UpdateNotice | FollowNotice | CloseNotice) -> str:
+    def notify(self, rank: int, notice: CloseNotice) -> str:
         """Leave ``notice`` for worker ``rank``; its key."""
-        n = self._notices.get(rank, 0) + 1
-        self._notices[rank] = n
-        key = self.keys.notice(rank, n)
-        self.group_store().set(key, encode(notice))
-        return key
+        return self.workers.notify(rank, notice)
 
     async def aclose(self) -> None:
         """Stop the chain, close the liveness socket (every worker hears the
@@ -313,7 +203,7 @@ class ChainStaging:
         self.driver.drop()
         self.liveness.close()
         self._buffer, self._views = None, None
-        self._chain_store = None
+        self.workers.close()
         self.store = None
 
 
