@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import re
 import signal
 import threading
 import time
@@ -197,8 +198,9 @@ def test_a_worker_that_cannot_map_its_host_leaders_memory_joins_the_chain() -> N
 
 
 @pytest.mark.extended
-def test_a_stopped_worker_misses_the_deadline_and_the_others_are_updated() -> None:
-    with workers(3, timeout=5.0) as w:
+@pytest.mark.parametrize("share", [True, False], ids=["host-leader", "all-in-chain"])
+def test_a_stopped_worker_misses_the_deadline_and_the_others_are_updated(share: bool) -> None:
+    with workers(3, timeout=5.0, share_on_host=share) as w:
         w.scheme.connect()
         os.kill(w.procs[1].pid, signal.SIGSTOP)
         try:
@@ -208,6 +210,12 @@ def test_a_stopped_worker_misses_the_deadline_and_the_others_are_updated() -> No
                 w.scheme.send()
             assert 4.9 < time.monotonic() - started < 8
             assert caught.value.worker_ids == (1,)
+            # The error says why: where the chain broke, or that it never answered.
+            message = str(caught.value)
+            if share:
+                assert re.search("(did not report|had not reported) on its chain", message), message
+            else:
+                assert "the chain broke at rank 2 (host" in message, message
             assert w.state(0) == (caught.value.version, w.expected())
             assert w.state(2) == (caught.value.version, w.expected())
         finally:

@@ -190,11 +190,17 @@ class ChainDriver(Generic[M]):
         self.outcome: dict[M, bool | str] = {}
         # Per send: member -> where the chain it missed broke.
         self._broke_for: dict[M, str] = {}
+        # The members whose report on the running chain has not come, and since when.
+        self._silent: tuple[set[M], float] = (set(), 0.0)
 
     def why(self, member: M) -> str | None:
         """Why ``member`` did not get the last send (None: it did, or it was
         not in it), with where its chain broke when known."""
         outcome = self.outcome.get(member)
+        silent, since = self._silent
+        if outcome is None and member in silent:
+            # (Asked at the send's deadline, which is also the chain's.)
+            return f"it had not reported on its chain after {time.monotonic() - since:.1f} s"
         if outcome is None or outcome is True:
             return None
         where = self._broke_for.get(member)
@@ -202,14 +208,14 @@ class ChainDriver(Generic[M]):
 
     def forget(self) -> None:
         """Forget the last send's outcome (a new send begins); its routes stay until it runs."""
-        self.outcome, self._broke_for = {}, {}
+        self.outcome, self._broke_for, self._silent = {}, {}, (set(), 0.0)
 
     def run(self, sources: Sequence[torch.Tensor], members: Sequence[M], deadline: float) -> None:
         """Send the concatenation of ``sources`` (flat uint8 tensors) to
         ``members``, along chains, until each has it, each left has failed
         (:attr:`outcome` says why), or ``deadline`` (``time.monotonic()``).
         Blocks; never raises (a failure is an outcome)."""
-        self.routes, self.outcome, self._broke_for = [], {}, {}
+        self.routes, self.outcome, self._broke_for, self._silent = [], {}, {}, (set(), 0.0)
         try:
             self._chains(sources, list(members), deadline)
         except Exception as exc:  # the store or gloo failed outright
@@ -244,6 +250,7 @@ class ChainDriver(Generic[M]):
                     send_chain(self._group, sources, self.chunk, 1, stall)
                 except RuntimeError as exc:
                     sent_error = str(exc)
+            began = time.monotonic()
             reports, waiting = self._gather(route, deadline, broken=sent_error is not None)
             for member, report in reports.items():
                 if report.gone:
@@ -253,12 +260,14 @@ class ChainDriver(Generic[M]):
             # One that never answered is stopped, cut off or dead: not in the next chain.
             excluded |= waiting
             for member in waiting:
-                self.outcome.setdefault(member, "it did not take part in the chain")
+                silence = f"it did not report on its chain within {time.monotonic() - began:.1f} s"
+                self.outcome.setdefault(member, silence)
             route.broke = self._where(route, reports, sent_error)
-            if route.broke is not None or waiting:
+            if route.broke is not None:
                 for member in route.everyone:
                     if self.outcome.get(member) is not True:
-                        self._broke_for[member] = route.broke or "its chain did not end"
+                        self._broke_for[member] = route.broke
+            if route.broke is not None or waiting:
                 self.drop()
             if not pending:
                 return
@@ -297,6 +306,7 @@ class ChainDriver(Generic[M]):
         give up within one); the members that did not answer."""
         control, chain = self.control, route.chain
         waiting = set(route.everyone)
+        self._silent = (waiting, time.monotonic())
         reports: dict[M, Report] = {}
 
         def give_up_soon() -> float:
@@ -326,28 +336,37 @@ class ChainDriver(Generic[M]):
                         patience = min(patience, give_up_soon())
         finally:
             control.settle(route)
+            self._silent = (set(), 0.0)
         return reports, waiting
 
     def _where(self, route: Route[M], reports: dict[M, Report], sent_error: str | None) -> str | None:
-        """Where ``route`` broke and why: at its first member that did not
-        get every byte, with the word of the hop into it (the stall seen by
-        the member before it), or its own."""
-        before = sent_error
-        for member in route.chain:
-            report = reports.get(member)
-            if report is None:
-                detail = before or "it did not report"
-            elif report.gone:
-                detail = report.error or "it died"
-            elif not report.complete:
-                detail = before or report.error or "it did not get every byte"
-            else:
-                before = report.error
-                continue
-            return f"the chain broke at {self.control.name(member)}: {detail}"
-        if before is not None and route.chain:
-            return f"the chain broke after {self.control.name(route.chain[-1])}: {before}"
-        return None
+        """Where ``route`` broke and why (None: it did not). A stall spreads
+        back along the chain (a member that cannot pass a frame on stops
+        taking frames in), so the break is put at the first member that
+        went silent or died, else at the first that did not get every
+        byte; the why is the word of the hop into it (the stall seen by the
+        member before it), else of the hop out of it, else its own."""
+        chain = route.chain
+
+        def error(i: int) -> str | None:
+            if i < 0:
+                return sent_error
+            report = reports.get(chain[i]) if i < len(chain) else None
+            return None if report is None else report.error
+
+        lost = [i for i, m in enumerate(chain) if m not in reports or reports[m].gone]
+        short = [i for i, m in enumerate(chain) if m in reports and not reports[m].complete]
+        if not lost and not short:
+            return None
+        i = (lost or short)[0]
+        report = reports.get(chain[i])
+        if report is None:
+            detail = error(i - 1) or error(i + 1) or "it did not report"
+        elif report.gone:
+            detail = report.error or "it died"
+        else:
+            detail = error(i - 1) or report.error or "it did not get every byte"
+        return f"the chain broke at {self.control.name(chain[i])}: {detail}"
 
     def drop(self) -> None:
         """Let go of the group: the next chain forms a new one."""

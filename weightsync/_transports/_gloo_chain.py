@@ -76,12 +76,14 @@ class ChainBroken(RuntimeError):
 
 def _failure(exc: BaseException, started: float, limit: float, what: str) -> str:
     """Why a gloo wait begun at ``started`` (``time.monotonic()``) with
-    limit ``limit`` failed: a stall when it waited out (most of) its limit,
-    else gloo's own word."""
+    limit ``limit`` failed: a stall when it waited out (most of) its limit
+    or gloo says a timeout closed the connection (another wait's, on the
+    same pair), else gloo's own word."""
     waited = time.monotonic() - started
-    if waited >= 0.9 * limit:
-        return f"stalled {waited:.1f} s ({what})"
-    return f"{short_message(exc)} ({what})"
+    message = short_message(exc)
+    if waited >= 0.9 * limit or "timeout" in message.lower() or "timed out" in message.lower():
+        return f"stalled {max(waited, limit):.1f} s ({what})"
+    return f"{message} ({what})"
 
 
 def seconds(value: float) -> datetime.timedelta:
@@ -145,7 +147,8 @@ def send_chain(group: Any, sources: Sequence[torch.Tensor], chunk: int, dst: int
         try:
             in_flight.append((group.send([data], dst, 0), data, index))
         except RuntimeError as exc:
-            raise ChainBroken(f"{short_message(exc)} (sending frame {index + 1} of {last})") from exc
+            what = f"sending frame {index + 1} of {last}"
+            raise ChainBroken(_failure(exc, time.monotonic(), stall, what)) from exc
         if len(in_flight) > 2:
             work, _, k = in_flight.pop(0)
             wait(work, k)
@@ -214,12 +217,18 @@ def relay_chain(
                         wait_send(*sends.pop(0))
                 except RuntimeError as exc:
                     # The next host is gone: keep receiving, for this host.
-                    why = str(exc) if isinstance(exc, ChainBroken) else short_message(exc)
+                    what = f"passing frame {k + 1} of {last} on"
+                    why = (
+                        str(exc)
+                        if isinstance(exc, ChainBroken)
+                        else _failure(exc, time.monotonic(), stall, what)
+                    )
                     forwarding, sends, error = False, [], why
         for work, k in sends:
             wait_send(work, k)
     except RuntimeError as exc:
-        error = str(exc) if isinstance(exc, ChainBroken) else short_message(exc)
+        what = f"receiving frame {received + 1} of {last}"
+        error = str(exc) if isinstance(exc, ChainBroken) else _failure(exc, time.monotonic(), stall, what)
     return received == last, error
 
 
