@@ -22,7 +22,7 @@ from ._exceptions import (
     WorkerError,
     combine_worker_errors,
 )
-from ._offload import run_blocking
+from ._offload import require_asyncio, run_blocking
 from ._packet import DEFAULT_TIMEOUT, Manifest, Packet, describe_mismatch, signature_of
 from ._strategy import WeightStrategy, flat_weights
 from ._transports._base import EVERY_VERSION, SenderTransport, Staging
@@ -274,8 +274,9 @@ class AsyncWeightSender:
         :raises WorkerApplyError: a worker failed to apply; carries its message.
         :raises ResourceExhaustedError: out of open files or memory for the
             staging (nothing was sent).
-        :raises WeightSyncStateError: another send is running, or the sender
-            is closed, or a partial update targets a worker that has not
+        :raises WeightSyncStateError: another send is running, or the sender is closed, or this
+            coroutine runs under another async library than asyncio (nothing was sent),
+            or a partial update targets a worker that has not
             applied a whole one (or missed a send since; nothing was sent).
         """
         pending = await self.start_send(
@@ -557,6 +558,7 @@ class AsyncWeightSender:
             )
 
     def _check_open(self) -> None:
+        require_asyncio(self.model_id)
         if self._closed:
             raise WeightSyncStateError(
                 f"the sender of model {self.model_id!r} is shut down", model_id=self.model_id
