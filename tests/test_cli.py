@@ -37,7 +37,7 @@ def test_bench_prints_table_and_writes_json(
     # The default table fits a terminal; --wide has the rest.
     assert len(lines[header]) <= 110 and "memcpy ms" not in lines[header]
     # A legend under the table says what each column means, x ref's target included.
-    legend = "\n".join(lines[header + 4 :])
+    legend = " ".join(" ".join(lines[header + 4 :]).split())
     assert "x floor" in legend and "1.15x target is for models of 128 MiB" in legend
     (out,) = tmp_path.glob("bench-*.json")
     rows = [line.split() for line in lines[header + 2 : header + 4]]
