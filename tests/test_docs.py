@@ -121,4 +121,5 @@ def test_block_runs_as_written(block: Block, tmp_path: Path) -> None:
         )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{block.id} did not finish within {BLOCK_TIMEOUT} s\n{exc.stdout}\n{exc.stderr}")
-    assert result.returncode == 0, f"{block.id} exited with {result.returncode}\n{result.stdout}\n{result.stderr}"
+    output = f"{result.stdout}\n{result.stderr}"
+    assert result.returncode == 0, f"{block.id} exited with {result.returncode}\n{output}"
