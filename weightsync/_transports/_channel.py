@@ -276,7 +276,7 @@ class PipeChannel:
             raise self._closed(exc) from exc
         try:
             # Trusted: the pipe the user set up between their own processes
-            # (unpickling runs code; see the README on what the channel trusts).
+            # (unpickling runs code; see docs/usage.md on what the channel trusts).
             message = pickle.loads(data)
         except Exception as exc:
             raise self._garbled(f"it sent bytes that are not a message ({type(exc).__name__})") from exc

@@ -168,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     across = bench.add_argument_group(
         "across hosts (Ray scheme against the network floor, ray put/get and gloo broadcast, or with "
         "--scheme distributed, the torch.distributed scheme against gloo broadcast and a gloo star; see "
-        "docs/scaling.md)"
+        "docs/distributed.md)"
     )
     across.add_argument(
         "--emulate-hosts",
@@ -289,7 +289,7 @@ def _distributed_across_hosts(
     if args.emulate_hosts is None:
         parser.error(
             "--scheme distributed runs on an emulated cluster (--emulate-hosts N); on a real one, start "
-            "the ranks with torchrun (see the README's 'Workers on other hosts')"
+            "the ranks with torchrun (see docs/distributed.md)"
         )
     checked = _emulation(args, parser)
     if checked is None:
