@@ -144,7 +144,9 @@ def chunk_spans(nbytes: int, chunk_bytes: int = CHUNK_BYTES, element_size: int =
     :raises ValueError: a size that is not positive.
     """
     if chunk_bytes <= 0 or element_size <= 0 or nbytes < 0:
-        raise ValueError(f"bad sizes: nbytes={nbytes}, chunk_bytes={chunk_bytes}, element_size={element_size}")
+        raise ValueError(
+            f"bad sizes: nbytes={nbytes}, chunk_bytes={chunk_bytes}, element_size={element_size}"
+        )
     step = max(element_size, chunk_bytes - chunk_bytes % element_size)
     return [(start, min(step, nbytes - start)) for start in range(0, nbytes, step)]
 
@@ -155,7 +157,11 @@ def _flat_bytes(buffer: Any) -> np.ndarray:
         if not (buffer.is_cpu and buffer.is_contiguous()):
             raise ValueError("delta frames need a contiguous CPU tensor")
         return buffer.detach().reshape(-1).view(torch.uint8).numpy()
-    return np.frombuffer(buffer, dtype=np.uint8) if not isinstance(buffer, np.ndarray) else buffer.reshape(-1).view(np.uint8)
+    return (
+        np.frombuffer(buffer, dtype=np.uint8)
+        if not isinstance(buffer, np.ndarray)
+        else buffer.reshape(-1).view(np.uint8)
+    )
 
 
 def _compress(blosc2: Any, data: np.ndarray, typesize: int, shuffle: bool) -> bytes:
@@ -456,9 +462,7 @@ def version_digest(buffer: Any, threads: int = 1) -> tuple[int, ...]:
 _CAST_ELEMENTS = 32768
 
 
-def to_wire_dtype(
-    tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.bfloat16
-) -> list[torch.Tensor]:
+def to_wire_dtype(tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
     """Cast each floating-point tensor of ``tensors`` of a wider dtype to
     ``dtype``, bit for bit what ``t.to(dtype)`` gives (the same torch
     kernel, run in pieces on the calling thread); other tensors are
