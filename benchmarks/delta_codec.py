@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -103,10 +104,12 @@ def _median_rate(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / MB
 
 
-def measure_candidates(steps: list[np.ndarray], item: int, repeat: int) -> list[tuple[str, float, float, float]]:
+def measure_candidates(
+    steps: list[np.ndarray], item: int, repeat: int
+) -> list[tuple[str, float, float, float]]:
     """(name, size / S, encode MB/s, decode MB/s) of each candidate, on the
     XOR of consecutive steps (the XOR itself not timed)."""
-    deltas = [np.bitwise_xor(b, a) for a, b in zip(steps, steps[1:])]
+    deltas = [np.bitwise_xor(b, a) for a, b in itertools.pairwise(steps)]
     size = steps[0].nbytes
     rows = []
     for name, (enc, dec) in candidates().items():
@@ -130,13 +133,13 @@ def index_value_size(steps: list[np.ndarray], item: int) -> float:
     """Bytes of the index/value format (4-byte index + value per changed
     element) as a fraction of S, averaged over the steps."""
     dt = UINT[item]
-    changed = [int(np.count_nonzero(a.view(dt) != b.view(dt))) for a, b in zip(steps, steps[1:])]
+    changed = [int(np.count_nonzero(a.view(dt) != b.view(dt))) for a, b in itertools.pairwise(steps)]
     return statistics.mean(changed) * (4 + item) / steps[0].nbytes
 
 
 def changed_fraction(steps: list[np.ndarray], item: int) -> float:
     dt = UINT[item]
-    return statistics.mean(float(np.mean(a.view(dt) != b.view(dt))) for a, b in zip(steps, steps[1:]))
+    return statistics.mean(float(np.mean(a.view(dt) != b.view(dt))) for a, b in itertools.pairwise(steps))
 
 
 def measure_codec(
@@ -154,7 +157,7 @@ def measure_codec(
         te: dict[int, list[float]] = {1: [], threads: []}
         td: list[float] = []
         for _ in range(repeat):
-            for a, b in zip(steps, steps[1:]):
+            for a, b in itertools.pairwise(steps):
                 for n in sorted(te):
                     encoder = DeltaEncoder(size, item, chunk_bytes=CHUNK, threads=n)
                     encoder.commit(a)
@@ -193,7 +196,9 @@ def memcpy_rate(nbytes: int, repeat: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size", type=float, default=32.0, help="fp32 model size in MiB (default 32)")
     parser.add_argument("--steps", type=int, default=4, help="measured steps per trajectory (default 4)")
     parser.add_argument("--repeat", type=int, default=3, help="timing repeats (default 3)")
