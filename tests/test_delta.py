@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from weightsync._delta import (
+    CHUNK_BYTES,
     HEADER_SIZE,
+    PROBE_BYTES,
     DeltaDecoder,
     DeltaEncoder,
     Mode,
@@ -96,7 +98,14 @@ def _modes_case() -> dict[str, tuple[np.ndarray, np.ndarray | None, int]]:
     odd = rng.integers(0, 4, 999, dtype=np.uint8)  # a tail of 999 bytes of 2-byte elements
     odd_new = odd.copy()
     odd_new[::7] ^= 1
+    big = rng.standard_normal(CHUNK_BYTES // 4, dtype=np.float32).view(np.uint8)
+    noise = rng.integers(0, 256, CHUNK_BYTES, dtype=np.uint8)
+    # Compressible where the sample is taken, random after it: tried, then raw.
+    half = noise.copy()
+    half[:PROBE_BYTES] = (big.view(np.float32) * np.float32(1.001)).view(np.uint8)[:PROBE_BYTES]
     return {
+        "RAW-probed": (noise, big, 4),
+        "RAW-after-trying": (half, big, 4),
         "SAME": (base.copy(), base, 4),
         "SPARSE": (sparse.view(np.uint8), base, 2),
         "DENSE": (dense, base, 4),
@@ -106,17 +115,21 @@ def _modes_case() -> dict[str, tuple[np.ndarray, np.ndarray | None, int]]:
     }
 
 
-@pytest.mark.parametrize("case", ["SAME", "SPARSE", "DENSE", "RAW", "PACKED", "tail"])
+@pytest.mark.parametrize(
+    "case", ["SAME", "SPARSE", "DENSE", "RAW", "RAW-probed", "RAW-after-trying", "PACKED", "tail"]
+)
 def test_each_mode_round_trips(case: str) -> None:
     current, base, item = _modes_case()[case]
     frame = encode_frame(current, base, item)
     head = read_header(frame)
     if case == "tail":
         assert head.element_size == 1 and head.mode is Mode.SPARSE
+    elif case.startswith("RAW"):
+        assert head.mode is Mode.RAW
     else:
         assert head.mode.name == case
     assert len(frame) == HEADER_SIZE + head.payload_length
-    if case == "RAW":
+    if case.startswith("RAW"):
         assert head.payload_length == current.nbytes
     elif case == "SAME":
         assert len(frame) == HEADER_SIZE

@@ -30,7 +30,9 @@ length, reads it, and decodes the chunk. Each chunk picks its mode:
 ``RAW``
     the chunk's bytes, when encoding would not save at least
     ``1 - RAW_RATIO`` of them (random updates): an incompressible update
-    costs a header per chunk and the time to find out, nothing more.
+    costs a header per chunk and the time to find out, nothing more. A
+    dense chunk whose first :data:`PROBE_BYTES` do not compress is not
+    compressed further.
 
 The compressor is blosc2 (the ``delta`` extra), on its own threads
 (``nthreads``), never torch's intra-op pool, which belongs to the user's
@@ -58,6 +60,7 @@ __all__ = [
     "CHUNK_BYTES",
     "HEADER",
     "HEADER_SIZE",
+    "PROBE_BYTES",
     "RAW_RATIO",
     "SPARSE_DENSITY",
     "DeltaDecoder",
@@ -89,6 +92,10 @@ SPARSE_DENSITY = 0.25
 #: length, XXH3-64 of the decoded chunk. Little-endian, 20 bytes.
 HEADER = struct.Struct("<BBHIIQ")
 HEADER_SIZE = HEADER.size
+
+#: A dense chunk whose first this many bytes do not compress is sent raw
+#: without trying the rest (a multiple of every element size).
+PROBE_BYTES = 64 << 10
 
 _ZSTD_LEVEL = 1
 _MASK_LENGTH = struct.Struct("<I")
@@ -219,6 +226,13 @@ def encode_frame(
         bitmap = _compress(blosc2, np.packbits(nonzero), 1, shuffle=False)
         payload = _MASK_LENGTH.pack(len(bitmap)) + bitmap + _compress(blosc2, values, item, shuffle=True)
         return _frame(Mode.SPARSE, item, size, digest, payload, current)
+    if size >= 4 * PROBE_BYTES:
+        # Random-looking changes: a sample that does not compress sends the
+        # chunk raw without compressing all of it, so an incompressible
+        # update costs a fraction of an encode, not a whole one.
+        sample = _compress(blosc2, delta[:PROBE_BYTES], item, shuffle=True)
+        if len(sample) >= RAW_RATIO * PROBE_BYTES:
+            return HEADER.pack(Mode.RAW, item, 0, size, size, digest) + current.tobytes()
     return _frame(Mode.DENSE, item, size, digest, _compress(blosc2, delta, item, shuffle=True), current)
 
 
