@@ -267,3 +267,17 @@ def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
         DeltaEncoder(10, 2)
     with pytest.raises(WeightSyncStateError, match=r"pip install 'weightsync\[delta\]'"):
         decode_frame(b"", np.zeros(0, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("name", ["bf16-lr1e-5", "fp32-lr3e-4"])
+def test_lz4_frames_round_trip(name: str) -> None:
+    a, b = _trajectory(name, 1)
+    item = TRAJECTORIES[name].element_size
+    zstd = DeltaEncoder(a.nbytes, item, chunk_bytes=CHUNK)
+    lz4 = DeltaEncoder(a.nbytes, item, chunk_bytes=CHUNK, compressor="lz4")
+    host = np.zeros(a.nbytes, dtype=np.uint8)
+    for current in (a, b):
+        assert _send(lz4, host, current)
+        assert np.array_equal(host, current)
+        zstd.commit(current)
+    assert sum(map(len, lz4.frames(a, full=True))) > sum(map(len, zstd.frames(a, full=True)))

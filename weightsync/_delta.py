@@ -47,8 +47,8 @@ import concurrent.futures
 import enum
 import struct
 from collections import deque
-from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Generator, Sequence
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -97,7 +97,10 @@ HEADER_SIZE = HEADER.size
 #: without trying the rest (a multiple of every element size).
 PROBE_BYTES = 64 << 10
 
-_ZSTD_LEVEL = 1
+#: ``'zstd'`` (level 1): the smaller frames, for links up to a few Gbit/s;
+#: ``'lz4'``: about 3x faster to encode, frames up to 2x larger, for links
+#: that outrun zstd (see ``benchmarks/delta_codec.py``).
+Compressor = Literal["zstd", "lz4"]
 _MASK_LENGTH = struct.Struct("<I")
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -171,10 +174,10 @@ def _flat_bytes(buffer: Any) -> np.ndarray:
     )
 
 
-def _compress(blosc2: Any, data: np.ndarray, typesize: int, shuffle: bool) -> bytes:
+def _compress(blosc2: Any, data: np.ndarray, typesize: int, shuffle: bool, compressor: Compressor) -> bytes:
     cparams = {
-        "codec": blosc2.Codec.ZSTD,
-        "clevel": _ZSTD_LEVEL,
+        "codec": blosc2.Codec.ZSTD if compressor == "zstd" else blosc2.Codec.LZ4,
+        "clevel": 1,
         "typesize": typesize,
         "filters": [blosc2.Filter.SHUFFLE if shuffle else blosc2.Filter.NOFILTER],
         "nthreads": 1,
@@ -197,12 +200,18 @@ def _decompress(blosc2: Any, payload: memoryview, out: np.ndarray) -> None:
 
 
 def encode_frame(
-    current: np.ndarray, base: np.ndarray | None, element_size: int, scratch: np.ndarray | None = None
+    current: np.ndarray,
+    base: np.ndarray | None,
+    element_size: int,
+    scratch: np.ndarray | None = None,
+    compressor: Compressor = "zstd",
 ) -> bytes:
     """One frame for ``current`` (a chunk's bytes, ``uint8``): against
     ``base`` (the same chunk of the base version) when given, else the full
     bytes. ``scratch``, at least as long as ``current``, spares an
     allocation. Blocks the calling thread; touches neither input.
+
+    :raises WeightSyncStateError: the delta extra is not installed.
     """
     blosc2, xxh3 = require_codec()
     size = current.nbytes
@@ -210,7 +219,7 @@ def encode_frame(
     # A tail that is not a multiple of the element size is split by bytes.
     item = element_size if size % element_size == 0 and element_size in _UINT else 1
     if base is None:
-        packed = _compress(blosc2, current, item, shuffle=True)
+        packed = _compress(blosc2, current, item, shuffle=True, compressor=compressor)
         return _frame(Mode.PACKED, item, size, digest, packed, current)
     if base.nbytes != size:
         raise ValueError(f"base chunk of {base.nbytes} bytes for a chunk of {size}")
@@ -223,17 +232,28 @@ def encode_frame(
     if changed <= SPARSE_DENSITY * elements.size:
         # Indices then take(): numpy's boolean gather is twice as slow.
         values = elements.take(np.flatnonzero(nonzero))
-        bitmap = _compress(blosc2, np.packbits(nonzero), 1, shuffle=False)
-        payload = _MASK_LENGTH.pack(len(bitmap)) + bitmap + _compress(blosc2, values, item, shuffle=True)
+        bitmap = _compress(blosc2, np.packbits(nonzero), 1, shuffle=False, compressor=compressor)
+        payload = (
+            _MASK_LENGTH.pack(len(bitmap))
+            + bitmap
+            + _compress(blosc2, values, item, shuffle=True, compressor=compressor)
+        )
         return _frame(Mode.SPARSE, item, size, digest, payload, current)
     if size >= 4 * PROBE_BYTES:
         # Random-looking changes: a sample that does not compress sends the
         # chunk raw without compressing all of it, so an incompressible
         # update costs a fraction of an encode, not a whole one.
-        sample = _compress(blosc2, delta[:PROBE_BYTES], item, shuffle=True)
+        sample = _compress(blosc2, delta[:PROBE_BYTES], item, shuffle=True, compressor=compressor)
         if len(sample) >= RAW_RATIO * PROBE_BYTES:
             return HEADER.pack(Mode.RAW, item, 0, size, size, digest) + current.tobytes()
-    return _frame(Mode.DENSE, item, size, digest, _compress(blosc2, delta, item, shuffle=True), current)
+    return _frame(
+        Mode.DENSE,
+        item,
+        size,
+        digest,
+        _compress(blosc2, delta, item, shuffle=True, compressor=compressor),
+        current,
+    )
 
 
 def _frame(mode: Mode, item: int, size: int, digest: int, payload: bytes, current: np.ndarray) -> bytes:
@@ -329,7 +349,13 @@ class DeltaEncoder:
     """
 
     def __init__(
-        self, nbytes: int, element_size: int, *, chunk_bytes: int = CHUNK_BYTES, threads: int = 1
+        self,
+        nbytes: int,
+        element_size: int,
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+        threads: int = 1,
+        compressor: Compressor = "zstd",
     ) -> None:
         """:raises WeightSyncStateError: the delta extra is not installed.
         :raises ValueError: a size that is not positive."""
@@ -338,6 +364,7 @@ class DeltaEncoder:
         self.element_size = element_size
         self.spans = chunk_spans(nbytes, chunk_bytes, element_size)
         self.threads = max(1, threads)
+        self.compressor: Compressor = compressor
         self._base: np.ndarray | None = None
         self.base_version: int | None = None
 
@@ -346,7 +373,7 @@ class DeltaEncoder:
         """Whether a base is held (else every frame carries the full bytes)."""
         return self._base is not None
 
-    def frames(self, current: Any, *, full: bool = False) -> Iterator[bytes]:
+    def frames(self, current: Any, *, full: bool = False) -> Generator[bytes, None, None]:
         """Yield one frame per chunk of ``current`` (a flat buffer or CPU
         tensor of ``nbytes`` bytes, read while iterating: it must not change
         until the iteration ends), in chunk order: against the base, or the
@@ -367,9 +394,8 @@ class DeltaEncoder:
         def encode(index: int, scratch: np.ndarray) -> bytes:
             start, length = self.spans[index]
             chunk = data[start : start + length]
-            return encode_frame(
-                chunk, None if base is None else base[start : start + length], self.element_size, scratch
-            )
+            before = None if base is None else base[start : start + length]
+            return encode_frame(chunk, before, self.element_size, scratch, self.compressor)
 
         if self.threads == 1:
             scratch = np.empty(size, dtype=np.uint8)
