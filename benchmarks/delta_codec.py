@@ -85,7 +85,7 @@ def candidates() -> dict[str, Codec]:
 
         zc, zd = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
         out["zstandard-1 np planes"] = (
-            lambda x, item: zc.compress(memoryview(_planes(x, item))),
+            lambda x, item: zc.compress(_planes(x, item).data),
             lambda f, size, item: _unplanes(np.frombuffer(zd.decompress(f), np.uint8), item),
         )
     except ImportError:
@@ -151,7 +151,7 @@ def measure_codec(
     threads: int,
     repeat: int,
     sparse: bool = True,
-    compressor: str = "zstd",
+    compressor: Compressor = "zstd",
 ) -> dict[str, object]:
     """weightsync's codec over the trajectory: size / S, modes, encode MB/s
     on 1 and ``threads`` threads, decode MB/s; every step checked bit-exact."""
