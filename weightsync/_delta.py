@@ -34,11 +34,35 @@ length, reads it, and decodes the chunk. Each chunk picks its mode:
     dense chunk whose first :data:`PROBE_BYTES` do not compress is not
     compressed further.
 
-The compressor is blosc2 (the ``delta`` extra), on its own threads
-(``nthreads``), never torch's intra-op pool, which belongs to the user's
-collectors; XOR, bitmaps and gathers are numpy, on the calling thread.
-:class:`DeltaEncoder` can encode several chunks at once on a bounded pool of
-its own threads. Digests are XXH3-64 (``xxhash``, also in the extra).
+The compressor is blosc2 (the ``delta`` extra), zstd level 1 by default
+(``compressor='lz4'``: about 3x faster to encode, frames up to 2x larger),
+one thread per call; XOR, bitmaps and gathers are numpy. None of it runs on
+torch's intra-op pool, which belongs to the user's collectors: work runs on
+the calling thread, and :class:`DeltaEncoder` (``threads=N``) encodes up to
+N chunks at once on threads of its own. Digests are XXH3-64 (``xxhash``,
+also in the extra).
+
+How a transport uses it::
+
+    # trainer, once per model: +S for the base, + threads chunks of scratch
+    encoder = DeltaEncoder(nbytes, element_size, chunk_bytes=chunk)
+    # each send, after staging (send_async has returned):
+    digest = version_digest(staged)          # goes with the notice
+    for frame in encoder.frames(staged):     # full bytes while no base
+        send(frame)                          # frame k+1 encodes while k goes
+    # once every receiver of the send applied it (else keep the old base):
+    encoder.commit(staged, version)
+
+    # receiving host, in the buffer that holds its current version:
+    decoder = DeltaDecoder(buffer, element_size, chunk_bytes=chunk)
+    while not decoder.done:
+        header = recv(HEADER_SIZE)
+        decoder.feed(header + recv(read_header(header).payload_length))
+    decoder.check(digest)                    # before any model is touched
+
+A relay forwards frames as they are; :func:`read_header` tells it each
+frame's length. Any :class:`DeltaFrameError` on a host means its buffer no
+longer holds a base: it needs the full bytes (``frames(..., full=True)``).
 """
 
 from __future__ import annotations
