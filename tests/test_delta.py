@@ -105,6 +105,7 @@ def _modes_case() -> dict[str, tuple[np.ndarray, np.ndarray | None, int]]:
     half[:PROBE_BYTES] = (big.view(np.float32) * np.float32(1.001)).view(np.uint8)[:PROBE_BYTES]
     return {
         "RAW-probed": (noise, big, 4),
+        "RAW-probed-full": (noise, None, 4),
         "RAW-after-trying": (half, big, 4),
         "SAME": (base.copy(), base, 4),
         "SPARSE": (sparse.view(np.uint8), base, 2),
@@ -116,7 +117,8 @@ def _modes_case() -> dict[str, tuple[np.ndarray, np.ndarray | None, int]]:
 
 
 @pytest.mark.parametrize(
-    "case", ["SAME", "SPARSE", "DENSE", "RAW", "RAW-probed", "RAW-after-trying", "PACKED", "tail"]
+    "case",
+    ["SAME", "SPARSE", "DENSE", "RAW", "RAW-probed", "RAW-probed-full", "RAW-after-trying", "PACKED", "tail"],
 )
 def test_each_mode_round_trips(case: str) -> None:
     current, base, item = _modes_case()[case]

@@ -177,7 +177,7 @@ def chunk_spans(nbytes: int, chunk_bytes: int = CHUNK_BYTES, element_size: int =
 
     :raises ValueError: a size that is not positive.
     """
-    if chunk_bytes <= 0 or element_size <= 0 or nbytes < 0:
+    if not 0 < chunk_bytes < 1 << 32 or element_size <= 0 or nbytes < 0:
         raise ValueError(
             f"bad sizes: nbytes={nbytes}, chunk_bytes={chunk_bytes}, element_size={element_size}"
         )
@@ -243,6 +243,8 @@ def encode_frame(
     # A tail that is not a multiple of the element size is split by bytes.
     item = element_size if size % element_size == 0 and element_size in _UINT else 1
     if base is None:
+        if not _worth_trying(blosc2, current, item, compressor):
+            return _raw(item, digest, current)
         packed = _compress(blosc2, current, item, shuffle=True, compressor=compressor)
         return _frame(Mode.PACKED, item, size, digest, packed, current)
     if base.nbytes != size:
@@ -263,13 +265,8 @@ def encode_frame(
             + _compress(blosc2, values, item, shuffle=True, compressor=compressor)
         )
         return _frame(Mode.SPARSE, item, size, digest, payload, current)
-    if size >= 4 * PROBE_BYTES:
-        # Random-looking changes: a sample that does not compress sends the
-        # chunk raw without compressing all of it, so an incompressible
-        # update costs a fraction of an encode, not a whole one.
-        sample = _compress(blosc2, delta[:PROBE_BYTES], item, shuffle=True, compressor=compressor)
-        if len(sample) >= RAW_RATIO * PROBE_BYTES:
-            return HEADER.pack(Mode.RAW, item, 0, size, size, digest) + current.tobytes()
+    if not _worth_trying(blosc2, delta, item, compressor):
+        return _raw(item, digest, current)
     return _frame(
         Mode.DENSE,
         item,
@@ -280,9 +277,26 @@ def encode_frame(
     )
 
 
+def _worth_trying(blosc2: Any, data: np.ndarray, item: int, compressor: Compressor) -> bool:
+    """Whether the first :data:`PROBE_BYTES` of a large chunk compress.
+
+    Random-looking bytes are then sent raw without compressing all of them,
+    so an incompressible update costs a fraction of an encode, not a whole
+    one. A chunk that is random only past its sample is still caught by
+    :func:`_frame`."""
+    if data.nbytes < 4 * PROBE_BYTES:
+        return True
+    sample = _compress(blosc2, data[:PROBE_BYTES], item, shuffle=True, compressor=compressor)
+    return len(sample) < RAW_RATIO * PROBE_BYTES
+
+
+def _raw(item: int, digest: int, current: np.ndarray) -> bytes:
+    return HEADER.pack(Mode.RAW, item, 0, current.nbytes, current.nbytes, digest) + current.tobytes()
+
+
 def _frame(mode: Mode, item: int, size: int, digest: int, payload: bytes, current: np.ndarray) -> bytes:
     if len(payload) >= RAW_RATIO * size:
-        return HEADER.pack(Mode.RAW, item, 0, size, size, digest) + current.tobytes()
+        return _raw(item, digest, current)
     return HEADER.pack(mode, item, 0, size, len(payload), digest) + payload
 
 
