@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import subprocess
 import sys
 
 import numpy as np
@@ -259,6 +260,31 @@ def test_to_wire_dtype_is_bit_for_bit_torch() -> None:
         assert got.dtype == torch.bfloat16 and got.shape == t.shape
         assert torch.equal(got.view(torch.int16), t.to(torch.bfloat16).view(torch.int16))
     assert out[2] is ints and out[3] is half
+
+
+def test_no_torch_intra_op_threads() -> None:
+    # torch starts its intra-op pool on first parallel use: a fresh process
+    # shows whether the cast, encoding and decoding ever used it.
+    code = (
+        "import os, numpy as np, torch\n"
+        "from weightsync._delta import DeltaDecoder, DeltaEncoder, require_codec, to_wire_dtype\n"
+        "require_codec()  # blosc2's import starts idle threads of its own\n"
+        "t = torch.from_numpy(np.random.default_rng(0).standard_normal(4 << 20, dtype=np.float32))\n"
+        "count = lambda: len(os.listdir('/proc/self/task'))\n"
+        "before = count()\n"
+        "cast = to_wire_dtype([t])[0].view(torch.uint8)\n"
+        "encoder = DeltaEncoder(cast.numel(), 2)\n"
+        "host = np.zeros(cast.numel(), np.uint8)\n"
+        "decoder = DeltaDecoder(host, 2)\n"
+        "for frame in encoder.frames(cast):\n    decoder.feed(frame)\n"
+        "after = count()\n"
+        "t.to(torch.bfloat16)  # torch's own cast: the check can see the pool\n"
+        "print(before, after, count(), torch.get_num_threads())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, after, with_pool, threads = map(int, run.stdout.split())
+    assert after == before
+    assert with_pool > before or threads == 1
 
 
 def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -536,10 +536,10 @@ def version_digest(buffer: Any, threads: int = 1) -> tuple[int, ...]:
     return digests([torch.from_numpy(data)], threads)
 
 
-# At most this many elements per torch call: torch runs a copy of fewer
-# elements than its grain size (32768) inline, on the calling thread, so
-# the cast never wakes the intra-op pool that the user's collectors own.
-_CAST_ELEMENTS = 32768
+# Elements per torch call: torch runs a copy of fewer elements than its
+# grain size (32768) inline, on the calling thread, so the cast never wakes
+# the intra-op pool that the user's collectors own.
+_CAST_ELEMENTS = 16384
 
 
 def to_wire_dtype(tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
