@@ -20,6 +20,9 @@ Targets: bf16 lr 3e-6 at most 0.06 S (index/value: about 0.08-0.12 S);
 random at most 5% over raw; encode and decode well above 125 MB/s (a
 1 Gbit/s link), ideally above 1 GB/s.
 
+``--crossover`` instead compares sparse and dense frames on denser bf16
+updates (lr 3e-5 to 3e-4): where a chunk should switch from one to the other.
+
 Run: ``python benchmarks/delta_codec.py [--size 32] [--steps 4] [--repeat 3]``.
 Single-thread rates are bytes per second of the calling thread's CPU time
 (``time.thread_time``), so that others' load on a shared machine does not
@@ -40,7 +43,7 @@ import numpy as np
 
 from weightsync import _delta
 from weightsync._delta import Compressor, DeltaDecoder, DeltaEncoder, read_header
-from weightsync.bench._trajectories import TRAJECTORIES, update_trajectory
+from weightsync.bench._trajectories import TRAJECTORIES, Trajectory, update_trajectory
 
 MB = 1e6
 CHUNK = 1 << 20
@@ -205,6 +208,25 @@ def memcpy_rate(nbytes: int, repeat: int) -> float:
     return _rate(nbytes, times)
 
 
+def crossover(size: int) -> None:
+    """Sparse against dense frames on denser bf16 updates (higher learning
+    rates): where ``SPARSE_DENSITY`` should lie."""
+    saved = _delta.SPARSE_DENSITY
+    try:
+        for lr in (3e-5, 1e-4, 3e-4):
+            steps = [t.numpy() for t in update_trajectory(Trajectory("bf16", "bf16", lr), size, 2)]
+            frac = changed_fraction(steps[1:], 2)
+            sizes = []
+            for density in (1.0, -1.0):  # every changed chunk sparse, then dense
+                _delta.SPARSE_DENSITY = density
+                encoder = DeltaEncoder(steps[0].nbytes, 2, chunk_bytes=CHUNK)
+                encoder.commit(steps[1])
+                sizes.append(sum(map(len, encoder.frames(steps[2]))) / steps[0].nbytes)
+            print(f"  bf16 lr {lr:g}: {frac:.1%} changed, sparse {sizes[0]:.4f} S, dense {sizes[1]:.4f} S")
+    finally:
+        _delta.SPARSE_DENSITY = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -215,7 +237,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="encoder threads for the second column")
     parser.add_argument("--cases", default=",".join(TRAJECTORIES), help="comma-separated trajectories")
     parser.add_argument("--no-candidates", action="store_true", help="only weightsync's codec")
+    parser.add_argument(
+        "--crossover", action="store_true", help="only sparse against dense frames at higher bf16 lr"
+    )
     args = parser.parse_args()
+    if args.crossover:
+        crossover(int(args.size * 2**20))
+        return
     print(f"memcpy {memcpy_rate(int(args.size * 2**20), args.repeat):.0f} MB/s on this machine")
     summary = []
     for name in args.cases.split(","):
