@@ -23,7 +23,6 @@ from weightsync._delta import (
     decode_frame,
     encode_frame,
     read_header,
-    to_wire_dtype,
     version_digest,
 )
 from weightsync._exceptions import DeltaFrameError, WeightSyncStateError
@@ -244,35 +243,18 @@ def test_the_decoder_checks_the_whole_version() -> None:
     decoder.check(version_digest(torch.from_numpy(v0)))
 
 
-def test_to_wire_dtype_is_bit_for_bit_torch() -> None:
-    torch.manual_seed(0)
-    big = torch.randn(100_003) * 10
-    big[::97] = float("nan")
-    big[1::89] = float("inf")
-    big[2::83] = -0.0
-    big[3::79] = 1e-40  # subnormal
-    big[4::73] = 3.3895e38  # rounds past bf16's largest
-    small = torch.randn(3, 5)
-    ints = torch.arange(10)
-    half = torch.randn(4, dtype=torch.float16)
-    out = to_wire_dtype([big, small, ints, half])
-    for got, t in zip(out[:2], (big, small), strict=True):
-        assert got.dtype == torch.bfloat16 and got.shape == t.shape
-        assert torch.equal(got.view(torch.int16), t.to(torch.bfloat16).view(torch.int16))
-    assert out[2] is ints and out[3] is half
-
-
 def test_no_torch_intra_op_threads() -> None:
     # torch starts its intra-op pool on first parallel use: a fresh process
     # shows whether the cast, encoding and decoding ever used it.
     code = (
         "import os, numpy as np, torch\n"
-        "from weightsync._delta import DeltaDecoder, DeltaEncoder, require_codec, to_wire_dtype\n"
+        "from weightsync._copy import WireCast\n"
+        "from weightsync._delta import DeltaDecoder, DeltaEncoder, require_codec\n"
         "require_codec()  # blosc2's import starts idle threads of its own\n"
         "t = torch.from_numpy(np.random.default_rng(0).standard_normal(4 << 20, dtype=np.float32))\n"
         "count = lambda: len(os.listdir('/proc/self/task'))\n"
         "before = count()\n"
-        "cast = to_wire_dtype([t])[0].view(torch.uint8)\n"
+        "cast = WireCast(torch.bfloat16).cast([t], threads=2)[0].view(torch.uint8)\n"
         "encoder = DeltaEncoder(cast.numel(), 2)\n"
         "host = np.zeros(cast.numel(), np.uint8)\n"
         "decoder = DeltaDecoder(host, 2)\n"

@@ -96,7 +96,6 @@ __all__ = [
     "encode_frame",
     "read_header",
     "require_codec",
-    "to_wire_dtype",
     "version_digest",
 ]
 
@@ -542,29 +541,3 @@ def version_digest(buffer: Any, threads: int = 1) -> tuple[int, ...]:
     """
     data = _flat_bytes(buffer)
     return digests([torch.from_numpy(data)], threads)
-
-
-# Elements per torch call: torch runs a copy of fewer elements than its
-# grain size (32768) inline, on the calling thread, so the cast never wakes
-# the intra-op pool that the user's collectors own.
-_CAST_ELEMENTS = 16384
-
-
-def to_wire_dtype(tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
-    """Cast each floating-point tensor of ``tensors`` of a wider dtype to
-    ``dtype``, bit for bit what ``t.to(dtype)`` gives (the same torch
-    kernel, run in pieces on the calling thread); other tensors are
-    returned as they are. New tensors, on the CPU. Blocks the calling
-    thread.
-    """
-    out: list[torch.Tensor] = []
-    for t in tensors:
-        if not t.is_floating_point() or t.element_size() <= torch.empty((), dtype=dtype).element_size():
-            out.append(t)
-            continue
-        src = t.detach().reshape(-1)
-        dst = torch.empty(src.numel(), dtype=dtype, device=src.device)
-        for start in range(0, src.numel(), _CAST_ELEMENTS):
-            dst[start : start + _CAST_ELEMENTS].copy_(src[start : start + _CAST_ELEMENTS])
-        out.append(dst.reshape(t.shape))
-    return out
