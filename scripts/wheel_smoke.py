@@ -29,7 +29,8 @@ def worker(scheme: ws.MultiProcessWeightSyncScheme, pipe: Connection, out: Conne
     scheme.init_on_worker("policy", pipe=pipe, model=policy)
     try:
         version = scheme.receive(timeout=60.0)
-        out.send((version, {k: v.clone() for k, v in policy.state_dict().items()}))
+        # numpy arrays, not tensors: torch would pass tensors by shared memory.
+        out.send((version, {k: v.numpy().copy() for k, v in policy.state_dict().items()}))
     finally:
         scheme.shutdown()
 
@@ -37,7 +38,7 @@ def worker(scheme: ws.MultiProcessWeightSyncScheme, pipe: Connection, out: Conne
 def main() -> None:
     here = pathlib.Path(ws.__file__).resolve()
     source_tree = pathlib.Path(__file__).resolve().parents[1]
-    if source_tree in here.parents:
+    if source_tree / "weightsync" in here.parents:
         sys.exit(f"weightsync was imported from the source tree ({here}), not from an installed wheel")
     missing = [name for name in ws.__all__ if not hasattr(ws, name)]
     if missing:
@@ -64,8 +65,10 @@ def main() -> None:
         expected = policy.state_dict()
         for idx, res in enumerate(results):
             version, got = res.recv()
+            if version != report.version:
+                sys.exit(f"worker {idx} applied version {version}, the send was version {report.version}")
             for name, tensor in expected.items():
-                if not torch.equal(got[name], tensor):
+                if not torch.equal(torch.from_numpy(got[name]), tensor):
                     sys.exit(f"worker {idx}: {name} differs from the trainer's after the send")
     finally:
         scheme.shutdown()

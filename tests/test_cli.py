@@ -19,18 +19,27 @@ from weightsync.bench import MIB, main, mlp_shapes, model_nbytes
 pytestmark = pytest.mark.cli
 
 
-def test_bench_prints_table_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "bench.json"
+def test_bench_prints_table_and_writes_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without --json, the results go to bench-<time>.json in the current directory.
+    monkeypatch.chdir(tmp_path)
     shm_before = shm_entries()
-    args = ["--size", "0.25", "--workers", "1", "2", "--repeats", "3", "--warmup", "1", "--json", str(out)]
+    args = ["--size", "0.25", "--workers", "1", "2", "--repeats", "3", "--warmup", "1"]
     code = main(["bench", *args])
     printed = capsys.readouterr()
     assert code == 0, printed.err
     lines = printed.out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("scheme"))
-    columns = ("median ms", "stall ms", "x ref", "p90 ms", "GB/s/wkr", "memcpy ms", "x memcpy", "x floor")
+    columns = ("median ms", "stall ms", "x ref", "p90 ms", "x floor")
     for column in columns:
         assert column in lines[header]
+    # The default table fits a terminal; --wide has the rest.
+    assert len(lines[header]) <= 110 and "memcpy ms" not in lines[header]
+    # A legend under the table says what each column means, x ref's target included.
+    legend = " ".join(" ".join(lines[header + 4 :]).split())
+    assert "x floor" in legend and "1.15x target is for models of 128 MiB" in legend
+    (out,) = tmp_path.glob("bench-*.json")
     rows = [line.split() for line in lines[header + 2 : header + 4]]
     assert [(row[0], row[2], row[3]) for row in rows] == [
         ("multiprocess", "1", "8"),
@@ -166,6 +175,7 @@ def test_bench_all_schemes_with_alternatives_writes_json_and_plot(
         str(out),
         "--plot",
         str(png),
+        "--wide",
     ]
     code = main(["bench", *args])
     printed = capsys.readouterr()

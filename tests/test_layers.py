@@ -17,7 +17,7 @@ LAYERS: list[set[str]] = [
     {"_packet"},
     {"_copy", "_offload", "_strategy", "_stepguard", "_torchrl"},
     {"_digest"},
-    {"_segment"},
+    {"_segment", "_delta"},
     {"_transports._gloo_chain"},
     {"_transports._chain", "_transports._liveness"},
     {"_transports._base", "_transports._channel", "_transports._ray_relay", "_transports._dist_protocol"},

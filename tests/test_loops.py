@@ -68,3 +68,33 @@ def test_a_forked_child_starts_its_own_loop() -> None:
         assert child.exitcode == 0
     finally:
         LOOP.release()
+
+
+def test_trio_is_refused_with_a_clear_error_and_nothing_moves() -> None:
+    """weightsync's coroutines run on asyncio only; awaited under trio they
+    raise before anything is sent or applied, and say what to do instead."""
+    import copy
+
+    import torch
+    import trio
+    from torch import nn
+
+    import weightsync as ws
+
+    trainer, worker_model = nn.Linear(4, 4), nn.Linear(4, 4)
+    before = {k: v.clone() for k, v in worker_model.state_dict().items()}
+    scheme = ws.InProcessWeightSyncScheme()
+    scheme.init_on_sender("policy", model=trainer, num_workers=1)
+    worker = copy.copy(scheme)
+    worker.init_on_worker("policy", model=worker_model, worker_idx=0)
+    try:
+        with pytest.raises(ws.WeightSyncStateError, match="asyncio") as sent:
+            trio.run(scheme.get_async_sender().send)
+        assert "trio" in str(sent.value)
+        with pytest.raises(ws.WeightSyncStateError, match="asyncio"):
+            trio.run(worker.get_async_receiver().receive)
+        for name, tensor in worker_model.state_dict().items():
+            assert torch.equal(tensor, before[name])
+    finally:
+        worker.shutdown()
+        scheme.shutdown()

@@ -28,6 +28,7 @@ from ._exceptions import WeightMismatchError
 __all__ = [
     "PARALLEL_COPY_BYTES",
     "CopyPlan",
+    "WireCast",
     "byte_view",
     "check_same_layout",
     "check_writable_in_place",
@@ -216,6 +217,60 @@ def copy_tensors(
 ) -> None:
     """Copy ``sources`` into ``destinations`` once (see :class:`CopyPlan`)."""
     CopyPlan(destinations, sources).run(threads)
+
+
+# torch runs an element-wise op on the calling thread alone below this many
+# elements (``at::internal::GRAIN_SIZE``), on its intra-op pool above it.
+_TORCH_GRAIN = 32768
+
+
+def _cast_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.inference_mode():
+        for dst, src in pieces:
+            dst.copy_(src)
+
+
+class WireCast:
+    """Casts a send's float32 tensors to ``dtype`` (``torch.bfloat16``, say)
+    into buffers of its own, reused from send to send, exactly as
+    ``tensor.to(dtype)`` would (round to nearest even).
+
+    The cast runs in pieces small enough that torch does each on the calling
+    thread, spread over threads of weightsync's: never on torch's intra-op
+    pool, whose threads belong to the caller's own work.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        if not dtype.is_floating_point or dtype.itemsize >= 4:
+            raise ValueError(f"wire_dtype must be a floating dtype narrower than float32, not {dtype}")
+        self.dtype = dtype
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def wire_dtype_of(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a tensor of ``dtype`` travels as (only float32 is cast)."""
+        return self.dtype if dtype == torch.float32 else dtype
+
+    def cast(self, tensors: Sequence[torch.Tensor], threads: int = 1) -> list[torch.Tensor]:
+        """``tensors`` with every float32 one replaced by its cast (a buffer
+        of this object's, valid until the next call). Blocks; an
+        interruption is raised only once every helper thread ended."""
+        out: list[torch.Tensor] = []
+        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for index, tensor in enumerate(tensors):
+            if tensor.dtype != torch.float32:
+                out.append(tensor)
+                continue
+            buffer = self._buffers.get(index)
+            if buffer is None or buffer.shape != tensor.shape:
+                buffer = self._buffers[index] = torch.empty(tensor.shape, dtype=self.dtype)
+            out.append(buffer)
+            flat_dst, flat_src = buffer.reshape(-1), tensor.detach().reshape(-1)
+            for a in range(0, flat_src.numel(), _TORCH_GRAIN):
+                pieces.append((flat_dst[a : a + _TORCH_GRAIN], flat_src[a : a + _TORCH_GRAIN]))
+        parts = max(1, min(threads, len(pieces) * _TORCH_GRAIN * 4 // PARALLEL_COPY_BYTES))
+        shares = [pieces[i::parts] for i in range(parts)]
+        run_on_threads([functools.partial(_cast_pieces, share) for share in shares], (tensors, out))
+        return out
 
 
 def byte_view(tensor: torch.Tensor) -> Any:

@@ -19,6 +19,8 @@ The tree::
     │   ├── SenderLostError                  (worker side) the sender died or shut down
     │   │   └── SenderClosedError            the sender shut down cleanly (shutdown())
     │   ├── WaitTimeoutError (TimeoutError)  (worker side) an awaited update did not come
+    │   ├── DeltaFrameError (ValueError)     (worker side) a delta frame that is damaged, or
+    │   │                                    rebuilds other bytes than the trainer's
     │   └── WeightSyncStateError (RuntimeError)
     │                                        lifecycle misuse: use before init, after
     │                                        shutdown, a send while one is pending
@@ -38,6 +40,7 @@ from collections.abc import Iterator, Mapping
 
 __all__ = [
     "AckTimeoutError",
+    "DeltaFrameError",
     "InvalidWeightsError",
     "ResourceExhaustedError",
     "SenderClosedError",
@@ -104,6 +107,12 @@ class ResourceExhaustedError(WeightSyncError):
 
 class SenderLostError(WeightSyncError):
     """Raised on a worker when the sender died or shut down its side."""
+
+
+class DeltaFrameError(WeightSyncError, ValueError):
+    """A delta frame is damaged, or what it rebuilds is not the trainer's
+    version (the receiver did not hold the base it was taken against). The
+    receiver's copy is no longer a base; it needs the full bytes."""
 
 
 class WaitTimeoutError(WeightSyncError, TimeoutError):

@@ -7,6 +7,12 @@ thread hop only adds latency: the step runs inline. The runtime marks that
 case with :func:`caller_blocked`; the transports ask :func:`inline_allowed`.
 The fact lives here, below the transports, so that they never import the
 runtime that sets it.
+
+weightsync's coroutines run on asyncio (uvloop included) only: the loops
+that async RL trainers, Ray's async actors and inference servers run are
+asyncio's, and the transports wait on descriptors (pipes, pidfds) with the
+loop's own readers. :func:`require_asyncio` refuses any other anyio backend
+with a clear error instead of half-working there.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from typing import TypeVar
 
 import anyio
 
-__all__ = ["caller_blocked", "inline_allowed", "run_blocking"]
+from ._exceptions import WeightSyncStateError
+
+__all__ = ["caller_blocked", "inline_allowed", "require_asyncio", "run_blocking"]
 
 T = TypeVar("T")
 
@@ -42,6 +50,31 @@ def caller_blocked() -> Iterator[None]:
         _caller_blocked.reset(token)
 
 
+def require_asyncio(model_id: str | None = None) -> None:
+    """Check that the running coroutine is on an asyncio loop.
+
+    :raises WeightSyncStateError: it runs under another async library
+        (trio, say); nothing was started.
+    """
+    try:
+        asyncio.get_running_loop()
+        return
+    except RuntimeError:
+        pass
+    try:  # every other async library (trio) depends on sniffio, which names it
+        import sniffio
+
+        library = sniffio.current_async_library()
+    except Exception:
+        library = "another async library, or outside any event loop"
+    raise WeightSyncStateError(
+        f"weightsync's coroutines run on asyncio (or uvloop) only, not under {library}: "
+        "await them from an asyncio loop, or call the blocking sender and receiver "
+        "(scheme.get_sender(), scheme.receive()) from a worker thread",
+        model_id=model_id,
+    )
+
+
 def inline_allowed() -> bool:
     """True when nothing else can run on this loop while a step blocks it."""
     return _caller_blocked.get()
@@ -58,12 +91,7 @@ async def run_blocking(nbytes: int, func: Callable[..., T], *args: object) -> T:
     """
     if nbytes <= INLINE_BYTES or _caller_blocked.get():
         return func(*args)
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # another anyio backend (trio): its shield is enough
-        with anyio.CancelScope(shield=True):
-            result = await anyio.to_thread.run_sync(func, *args)
-        return result
+    loop = asyncio.get_running_loop()
     # anyio's shield keeps its own scopes' cancellation out; asyncio.shield
     # keeps a plain task.cancel() from abandoning the thread's work.
     with anyio.CancelScope(shield=True):

@@ -17,6 +17,7 @@ from ._exceptions import (
     WeightMismatchError,
     WeightSyncStateError,
 )
+from ._offload import require_asyncio
 from ._packet import DEFAULT_TIMEOUT, Manifest, Signature
 from ._strategy import materialize, model_tensors
 from ._transports._base import Applier, Incoming, WorkerEndpoint
@@ -92,6 +93,7 @@ class AsyncWeightReceiver:
 
     async def announce(self) -> None:
         """Tell the sender this worker exists and what its model looks like."""
+        require_asyncio(self.model_id)
         manifest, _ = self._manifest()
         await self.endpoint.announce(manifest)
         self._announced = True
@@ -240,8 +242,10 @@ class AsyncWeightReceiver:
         :raises SenderLostError: the sender died or shut down.
         :raises ResourceExhaustedError: out of open files or memory to map
             the update (the sender is told; the model is untouched).
-        :raises WeightSyncStateError: the receiver is shut down.
+        :raises WeightSyncStateError: the receiver is shut down, or this
+            coroutine runs under another async library than asyncio.
         """
+        require_asyncio(self.model_id)
         if self._closed:
             raise WeightSyncStateError(
                 f"the receiver of model {self.model_id!r} is shut down", model_id=self.model_id
@@ -315,6 +319,7 @@ class AsyncWeightReceiver:
         :raises WaitTimeoutError: not applied in time.
         :raises SenderLostError: the sender died or shut down first.
         """
+        require_asyncio(self.model_id)
         wait = DEFAULT_TIMEOUT if timeout is None else timeout
         deadline = anyio.current_time() + wait
         while self.version is None or self.version < version:

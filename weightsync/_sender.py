@@ -12,7 +12,7 @@ import anyio
 import torch
 from tensordict import TensorDictBase
 
-from ._copy import usable_cores
+from ._copy import WireCast, usable_cores
 from ._digest import digests
 from ._exceptions import (
     AckTimeoutError,
@@ -22,7 +22,7 @@ from ._exceptions import (
     WorkerError,
     combine_worker_errors,
 )
-from ._offload import run_blocking
+from ._offload import require_asyncio, run_blocking
 from ._packet import DEFAULT_TIMEOUT, Manifest, Packet, describe_mismatch, signature_of
 from ._strategy import WeightStrategy, flat_weights
 from ._transports._base import EVERY_VERSION, SenderTransport, Staging
@@ -122,8 +122,13 @@ class AsyncWeightSender:
         timeout: float = DEFAULT_TIMEOUT,
         verify: bool = False,
         per_worker_weights: bool = False,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         self.model_id = model_id
+        #: float32 weights travel (and workers hold them) cast to this dtype;
+        #: None: as they are.
+        self.wire_dtype = wire_dtype
+        self._wire = None if wire_dtype is None else WireCast(wire_dtype)
         #: Whether a send may give each worker weights of its own
         #: (``send({worker_id: weights, ...})``).
         self.per_worker_weights = per_worker_weights
@@ -173,10 +178,14 @@ class AsyncWeightSender:
         return list(dict.fromkeys(ids))
 
     def _manifest(self, tensors: Mapping[str, torch.Tensor]) -> Manifest:
-        signature = signature_of(tensors)
-        manifest = self._manifests.get(signature)
+        key = signature = signature_of(tensors)
+        manifest = self._manifests.get(key)
         if manifest is None:
-            manifest = self._manifests[signature] = Manifest.from_signature(signature)
+            if self._wire is not None:
+                # What the workers get: float32 weights as the wire dtype.
+                wire = str(self._wire.dtype).removeprefix("torch.")
+                signature = tuple((n, wire if d == "float32" else d, s) for n, d, s in signature)
+            manifest = self._manifests[key] = Manifest.from_signature(signature)
         return manifest
 
     def prepare(
@@ -274,8 +283,9 @@ class AsyncWeightSender:
         :raises WorkerApplyError: a worker failed to apply; carries its message.
         :raises ResourceExhaustedError: out of open files or memory for the
             staging (nothing was sent).
-        :raises WeightSyncStateError: another send is running, or the sender
-            is closed, or a partial update targets a worker that has not
+        :raises WeightSyncStateError: another send is running, or the sender is closed, or this
+            coroutine runs under another async library than asyncio (nothing was sent),
+            or a partial update targets a worker that has not
             applied a whole one (or missed a send since; nothing was sent).
         """
         pending = await self.start_send(
@@ -417,6 +427,10 @@ class AsyncWeightSender:
         if reachable:
             verifying = self.verify if verify is None else verify
             sums: tuple[int, ...] | None = None
+            if self._wire is not None:
+                # Cast once, here: every staging then moves the cast bytes.
+                cast = await run_blocking(packet.nbytes, self._wire.cast, packet.tensors, usable_cores())
+                packet = dataclasses.replace(packet, tensors=cast)
             if self.staging is not None:
                 # A staging digests what it stages, each block as it is copied.
                 sums = await self.staging.stage(packet, verifying)
@@ -560,6 +574,7 @@ class AsyncWeightSender:
             )
 
     def _check_open(self) -> None:
+        require_asyncio(self.model_id)
         if self._closed:
             raise WeightSyncStateError(
                 f"the sender of model {self.model_id!r} is shut down", model_id=self.model_id

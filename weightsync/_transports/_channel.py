@@ -43,12 +43,7 @@ def _readable(fd: int) -> bool:
 async def _wait_readable_any(fds: list[int], timeout: float) -> None:
     """Wait until one of ``fds`` is readable or ``timeout`` seconds pass.
     Cancellable. The caller checks which, if any, happened."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # not an asyncio loop (trio): one descriptor at a time
-        with anyio.move_on_after(timeout):
-            await anyio.wait_readable(fds[0])
-        return
+    loop = asyncio.get_running_loop()  # asyncio only: see _offload.require_asyncio
     ready = loop.create_future()
 
     def wake() -> None:
@@ -69,10 +64,7 @@ async def _wait_readable_any(fds: list[int], timeout: float) -> None:
 
 
 def _now() -> float:
-    try:
-        return asyncio.get_running_loop().time()
-    except RuntimeError:
-        return anyio.current_time()
+    return asyncio.get_running_loop().time()
 
 
 class ProcessWatch:
@@ -284,7 +276,7 @@ class PipeChannel:
             raise self._closed(exc) from exc
         try:
             # Trusted: the pipe the user set up between their own processes
-            # (unpickling runs code; see the README on what the channel trusts).
+            # (unpickling runs code; see docs/usage.md on what the channel trusts).
             message = pickle.loads(data)
         except Exception as exc:
             raise self._garbled(f"it sent bytes that are not a message ({type(exc).__name__})") from exc

@@ -16,7 +16,7 @@ from ._machine import describe_machine, machine_facts
 from ._plot import PlotUnavailableError, require_matplotlib, write_plot
 from ._progress import Progress
 from ._run import run_bench
-from ._table import format_row, table_header
+from ._table import columns_for, format_row, legend, table_header
 from ._types import (
     ALTERNATIVES,
     DTYPES,
@@ -42,16 +42,11 @@ def _parser() -> argparse.ArgumentParser:
         "\n".join(f"  {i.name:<14} " + f"[copy: {i.copy}, torn: {i.torn}] " + i.summary for i in infos)
         for infos in (SCHEMES.values(), ALTERNATIVES.values())
     )
-    columns = (
-        "columns: median/p10/p90/max ms of full sends (send_async() until wait_async() returned); "
-        "stall ms = median time until send_async() returned (the trainer's weights are staged and may "
-        "change), x ref = stall / one memcpy of the model (one ray.put for Ray); "
-        "GB/s/wkr = bytes / median, GB/s all = workers x "
-        "bytes / median; copy = private (each worker holds its own copy) or shared (workers read one "
-        "shared buffer): compare private with private; torn = whether a worker can read two versions "
-        f"mixed; +MiB T/W = peak extra memory of the trainer / of the worker that grew most, in MiB: "
-        f"{MEMORY_METHOD} (RSS counts touched shared pages in every process mapping them; per process "
-        "in --json)."
+    columns = "columns (the default table shows the first ones; --wide all of them):\n" + legend(
+        columns_for(True, True, wide=True)
+    ) + (
+        f"\n\n+MiB T/W: {MEMORY_METHOD} (RSS counts touched shared pages in every process mapping "
+        "them; per process in the results file)."
     )
     bench = commands.add_parser(
         "bench",
@@ -149,7 +144,16 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="torch threads in each worker; 0: torch's default (default: %(default)s)",
     )
-    bench.add_argument("--json", metavar="PATH", help="also write the raw samples and machine facts to PATH")
+    bench.add_argument(
+        "--json",
+        metavar="PATH",
+        help="where to write the raw samples and machine facts (default: bench-YYYYmmdd-HHMMSS.json "
+        "in the current directory)",
+    )
+    bench.add_argument("--no-json", action="store_true", help="write no results file")
+    bench.add_argument(
+        "--wide", action="store_true", help="print every column (p10/max, GB/s, memcpy, memory...)"
+    )
     bench.add_argument(
         "--plot",
         metavar="PATH",
@@ -164,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     across = bench.add_argument_group(
         "across hosts (Ray scheme against the network floor, ray put/get and gloo broadcast, or with "
         "--scheme distributed, the torch.distributed scheme against gloo broadcast and a gloo star; see "
-        "docs/scaling.md)"
+        "docs/distributed.md)"
     )
     across.add_argument(
         "--emulate-hosts",
@@ -285,7 +289,7 @@ def _distributed_across_hosts(
     if args.emulate_hosts is None:
         parser.error(
             "--scheme distributed runs on an emulated cluster (--emulate-hosts N); on a real one, start "
-            "the ranks with torchrun (see the README's 'Workers on other hosts')"
+            "the ranks with torchrun (see docs/distributed.md)"
         )
     checked = _emulation(args, parser)
     if checked is None:
@@ -357,13 +361,14 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "copy: private = own copy per worker, shared = one shared buffer (compare like with like)",
         flush=True,
     )
-    print(table_header(), flush=True)
+    shown = columns_for(any(p < 1.0 for p in config.partials), True in config.verify, wide=args.wide)
+    print(table_header(shown), flush=True)
     progress = Progress(sys.stderr, config.cases(), config) if args.progress or sys.stderr.isatty() else None
 
     def show(result: CaseResult) -> None:
         if progress is not None:
             progress.clear()
-        print(format_row(result), flush=True)
+        print(format_row(result, shown), flush=True)
 
     started = time.perf_counter()
     try:
@@ -390,13 +395,15 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"{len(run.results)} cases in {time.perf_counter() - started:.1f} s", flush=True)
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
-    if args.json:
+    print(legend(shown))
+    results_file = None if args.no_json else args.json or time.strftime("bench-%Y%m%d-%H%M%S.json")
+    if results_file:
         try:
-            run.write_json(args.json)
+            run.write_json(results_file)
         except OSError as exc:
-            print(f"weightsync bench: cannot write {args.json}: {exc}", file=sys.stderr)
+            print(f"weightsync bench: cannot write {results_file}: {exc}", file=sys.stderr)
             return 1
-        print(f"raw samples and machine facts: {args.json}")
+        print(f"raw samples and machine facts: {results_file}")
     if args.plot:
         try:
             write_plot(run.results, args.plot, describe_machine(run.machine))

@@ -1,14 +1,28 @@
 """The table ``weightsync bench`` prints: one row per case, the medians of
-its samples and their ratios to the memcpy references.
+its samples and their ratios to the memcpy references, and the legend
+printed under it.
+
+The default table keeps to the columns a reader compares (about 100
+characters wide); ``--wide`` prints every column. The ``--json`` file
+always holds everything.
 """
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 
 from ._types import MIB, CaseResult, PeakMemory, labels
 
-__all__ = ["format_row", "format_table", "table_header"]
+__all__ = [
+    "ALL_COLUMNS",
+    "DEFAULT_COLUMNS",
+    "columns_for",
+    "format_row",
+    "format_table",
+    "legend",
+    "table_header",
+]
 
 _COLUMNS = (
     ("scheme", 14, "s"),
@@ -35,19 +49,80 @@ _COLUMNS = (
 )
 
 
+#: Every column, in order (``--wide``).
+ALL_COLUMNS: tuple[str, ...] = tuple(name for name, _, _ in _COLUMNS)
+#: The columns of the default table; ``sent`` and ``verify`` join them when
+#: a run has partial or verified cases (see :func:`columns_for`).
+DEFAULT_COLUMNS: tuple[str, ...] = (
+    "scheme", "MiB", "workers", "tensors", "copy", "median ms", "p90 ms", "stall ms", "x ref", "x floor",
+)  # fmt: skip
+
+_MEANING = {
+    "scheme": "weightsync's scheme, or an alternative run with the same model (--compare)",
+    "MiB": "bytes of weights per send",
+    "workers": "worker processes (Ray actors for the Ray cases)",
+    "tensors": "tensors the bytes are split into",
+    "sent": "share of the model's bytes each send moved (all, or a partial update's share)",
+    "verify": "yes: send(verify=True), every tensor digested and checked by each worker",
+    "copy": "private: each worker holds its own copy; shared: workers read one shared buffer",
+    "torn": "whether a worker can read a mix of two versions",
+    "median ms": "median time of a whole send: from send_async() until wait_async() returned "
+    "(every worker applied and acked)",
+    "stall ms": "median time until send_async() returned: how long the trainer's weights are held",
+    "x ref": "stall / one memcpy of the model (one ray.put for Ray); at a few MiB the fixed cost of a "
+    "send dominates and this ratio is large: its 1.15x target is for models of 128 MiB and more",
+    "p10 ms": "10th percentile of whole sends",
+    "p90 ms": "90th percentile of whole sends",
+    "max ms": "slowest whole send",
+    "GB/s/wkr": "bytes / median",
+    "GB/s all": "workers x bytes / median",
+    "memcpy ms": "one single-threaded memcpy of the same bytes, measured in the same run",
+    "x memcpy": "median / memcpy ms",
+    "floor ms": "the floor: (workers + 1) memcpys of the same bytes on all cores, measured in the same "
+    "run (the trainer's copy out and each worker's copy in)",
+    "x floor": "median / floor ms",
+    "+MiB T/W": "peak extra memory of the trainer / of the worker that grew most, in MiB",
+}
+
+
+def columns_for(results_have_partial: bool, results_have_verify: bool, wide: bool = False) -> tuple[str, ...]:
+    """The columns to print: every one if ``wide``, else the default ones,
+    with ``sent`` / ``verify`` when the run has such cases."""
+    if wide:
+        return ALL_COLUMNS
+    chosen = set(DEFAULT_COLUMNS)
+    if results_have_partial:
+        chosen.add("sent")
+    if results_have_verify:
+        chosen.add("verify")
+    return tuple(name for name in ALL_COLUMNS if name in chosen)
+
+
+def legend(columns: Sequence[str] = DEFAULT_COLUMNS) -> str:
+    """What each of ``columns`` means, one line each."""
+    width = max(len(name) for name in columns)
+    indent = " " * (width + 4)
+    return "\n".join(
+        textwrap.fill(_MEANING[name], 100, initial_indent=f"  {name:<{width}}  ", subsequent_indent=indent)
+        for name in columns
+    )
+
+
 # Number columns given as text (they may read "-"): right-aligned.
 _RIGHT = {"stall ms", "x ref"}
 
 
-def table_header() -> str:
+def table_header(columns: Sequence[str] = DEFAULT_COLUMNS) -> str:
     """The table's header line and rule."""
     head = "  ".join(
-        f"{name:<{w}}" if fmt == "s" and name not in _RIGHT else f"{name:>{w}}" for name, w, fmt in _COLUMNS
+        f"{name:<{w}}" if fmt == "s" and name not in _RIGHT else f"{name:>{w}}"
+        for name, w, fmt in _COLUMNS
+        if name in columns
     )
     return head + "\n" + "-" * len(head)
 
 
-def format_row(result: CaseResult) -> str:
+def format_row(result: CaseResult, columns: Sequence[str] = DEFAULT_COLUMNS) -> str:
     """One case as a table row: medians of its samples and their ratios."""
     r = result
     copy, torn = labels(r.case.scheme)
@@ -78,6 +153,7 @@ def format_row(result: CaseResult) -> str:
     return "  ".join(
         f"{v:>{w}}" if name in _RIGHT else f"{v:<{w}{fmt}}" if fmt == "s" else f"{v:>{w}{fmt}}"
         for (name, w, fmt), v in cells
+        if name in columns
     )
 
 
@@ -98,6 +174,6 @@ def _memory_cell(memory: PeakMemory | None) -> str:
     return f"{memory.trainer_bytes / MIB:.0f}/{most}"
 
 
-def format_table(results: Sequence[CaseResult]) -> str:
+def format_table(results: Sequence[CaseResult], columns: Sequence[str] = DEFAULT_COLUMNS) -> str:
     """The whole table."""
-    return "\n".join([table_header(), *(format_row(r) for r in results)])
+    return "\n".join([table_header(columns), *(format_row(r, columns) for r in results)])

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from .._copy import WireCast
 from .._exceptions import WeightSyncStateError
 from .._facade import WeightReceiver, WeightSender
 from .._receiver import AsyncWeightReceiver
@@ -105,6 +106,15 @@ class WeightSyncScheme:
     worker, each with its own version (``send(weights, worker_ids=i)``
     updates worker ``i`` alone, under any scheme). Without it, weights keyed
     by worker id are refused (``ValueError``), before anything moves.
+
+    ``wire_dtype`` (``torch.bfloat16`` or ``torch.float16``; lossy, opt-in):
+    the trainer's float32 weights are cast once, as they are staged, and
+    travel and land as that dtype: each worker's model holds those tensors
+    in ``wire_dtype`` and gets, bit for bit, ``trainer_tensor.to(wire_dtype)``
+    (round to nearest even, as torch casts). Other dtypes travel as they
+    are. The trainer keeps one cast copy of the float32 weights (half their
+    size for bfloat16). A worker whose model holds float32 there is refused
+    before anything moves (:class:`WeightMismatchError`).
     """
 
     default_strategy: ClassVar[StrategyName] = "tensordict"
@@ -117,11 +127,16 @@ class WeightSyncScheme:
         timeout: float = DEFAULT_TIMEOUT,
         verify: bool = False,
         per_worker_weights: bool = False,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
+        """:raises ValueError: ``wire_dtype`` is not a floating dtype narrower than float32."""
         self.strategy = WeightStrategy(strategy or self.default_strategy)
         self.timeout = timeout
         self.verify = verify
         self.per_worker_weights = per_worker_weights
+        if wire_dtype is not None:
+            WireCast(wire_dtype)  # checks it
+        self.wire_dtype = wire_dtype
         self._reset()
 
     def _reset(self) -> None:
@@ -146,6 +161,7 @@ class WeightSyncScheme:
             "timeout": self.timeout,
             "verify": self.verify,
             "per_worker_weights": self.per_worker_weights,
+            "wire_dtype": self.wire_dtype,
             "model_id": self._model_id,
         }
 
@@ -154,6 +170,7 @@ class WeightSyncScheme:
         self.timeout = state["timeout"]
         self.verify = state.get("verify", False)
         self.per_worker_weights = state.get("per_worker_weights", False)
+        self.wire_dtype = state.get("wire_dtype")
         self._reset()
         self._model_id = state["model_id"]
 
@@ -310,6 +327,7 @@ class WeightSyncScheme:
             timeout=self.timeout,
             verify=self.verify,
             per_worker_weights=self.per_worker_weights,
+            wire_dtype=self.wire_dtype,
         )
 
     def _source(self) -> Any:

@@ -8,6 +8,8 @@ import pickle
 import socket
 from typing import Any
 
+import torch
+
 from .._sender import DEFAULT_TIMEOUT, SendReport
 from .._transports._base import SenderTransport, Staging
 from .._transports._distributed import (
@@ -135,6 +137,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         verify: bool = False,
         per_worker_weights: bool = False,
         share_on_host: bool = True,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         """:raises ValueError: a ``backend`` other than ``"gloo"`` (``"nccl"``
         needs CUDA staging, which weightsync does not have and cannot test)."""
@@ -145,7 +148,13 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             )
         if backend != "gloo":
             raise ValueError(f"DistributedWeightSyncScheme supports backend='gloo' only, not {backend!r}")
-        super().__init__(strategy, timeout=timeout, verify=verify, per_worker_weights=per_worker_weights)
+        super().__init__(
+            strategy,
+            timeout=timeout,
+            verify=verify,
+            per_worker_weights=per_worker_weights,
+            wire_dtype=wire_dtype,
+        )
         self.backend = backend
         self.sync = sync
         self.share_on_host = share_on_host

@@ -9,6 +9,8 @@ from collections.abc import Iterable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, ClassVar
 
+import torch
+
 from .._sender import DEFAULT_TIMEOUT, Keys, SendReport
 from .._transports._base import SenderTransport, Staging
 from .._transports._copy_staging import CopyReader, SegmentStaging
@@ -44,10 +46,17 @@ class _PipeScheme(WeightSyncScheme):
         verify: bool = False,
         per_worker_weights: bool = False,
         sync: bool = True,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         """``sync=False`` (as torchrl's schemes take it): :meth:`send` returns
         once the weights are staged, without waiting for the acks."""
-        super().__init__(strategy, timeout=timeout, verify=verify, per_worker_weights=per_worker_weights)
+        super().__init__(
+            strategy,
+            timeout=timeout,
+            verify=verify,
+            per_worker_weights=per_worker_weights,
+            wire_dtype=wire_dtype,
+        )
         self.sync = sync
 
     def send(
@@ -303,8 +312,15 @@ class InProcessWeightSyncScheme(_PipeScheme):
         timeout: float = DEFAULT_TIMEOUT,
         verify: bool = False,
         per_worker_weights: bool = False,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(strategy, timeout=timeout, verify=verify, per_worker_weights=per_worker_weights)
+        super().__init__(
+            strategy,
+            timeout=timeout,
+            verify=verify,
+            per_worker_weights=per_worker_weights,
+            wire_dtype=wire_dtype,
+        )
         self._rendezvous = _Rendezvous()
 
     def __copy__(self) -> InProcessWeightSyncScheme:
@@ -313,6 +329,7 @@ class InProcessWeightSyncScheme(_PipeScheme):
             timeout=self.timeout,
             verify=self.verify,
             per_worker_weights=self.per_worker_weights,
+            wire_dtype=self.wire_dtype,
         )
         clone._rendezvous = self._rendezvous
         clone._model_id = self._model_id

@@ -1,0 +1,293 @@
+"""Delta frames (weightsync._delta) on real update trajectories: bit-exact
+over many steps, every mode, damaged frames caught, the missing extra named."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from weightsync._delta import (
+    CHUNK_BYTES,
+    HEADER_SIZE,
+    PROBE_BYTES,
+    DeltaDecoder,
+    DeltaEncoder,
+    Mode,
+    chunk_spans,
+    decode_frame,
+    encode_frame,
+    read_header,
+    version_digest,
+)
+from weightsync._exceptions import DeltaFrameError, WeightSyncStateError
+from weightsync.bench._trajectories import TRAJECTORIES, update_trajectory
+
+pytest.importorskip("blosc2")
+
+CHUNK = 64 << 10
+
+
+@functools.cache
+def _steps(name: str) -> tuple[np.ndarray, ...]:
+    kind = TRAJECTORIES[name]
+    return tuple(t.numpy() for t in update_trajectory(kind, 1 << 20, 5, d_model=128, warmup=1))
+
+
+def _trajectory(name: str, steps: int) -> list[np.ndarray]:
+    """The first ``steps + 1`` sends of a trajectory (copies: tests write them)."""
+    return [a.copy() for a in _steps(name)[: steps + 1]]
+
+
+def _send(encoder: DeltaEncoder, host: np.ndarray, current: np.ndarray) -> collections.Counter[str]:
+    """One send: encode, decode on the host in place, check, commit."""
+    frames = list(encoder.frames(current))
+    decoder = DeltaDecoder(host, encoder.element_size, chunk_bytes=CHUNK)
+    modes = collections.Counter(decoder.feed(frame).mode.name for frame in frames)
+    decoder.check(version_digest(current))
+    encoder.commit(current)
+    return modes
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [("bf16-lr1e-5", "SPARSE"), ("bf16-lr1e-6", "SPARSE"), ("fp32-lr3e-4", "DENSE"), ("random", "RAW")],
+)
+def test_bit_exact_over_a_trajectory(name: str, expected: str) -> None:
+    steps = _trajectory(name, 5)
+    encoder = DeltaEncoder(steps[0].nbytes, TRAJECTORIES[name].element_size, chunk_bytes=CHUNK)
+    host = np.zeros(steps[0].nbytes, dtype=np.uint8)
+    seen: collections.Counter[str] = collections.Counter()
+    for k, current in enumerate(steps):
+        modes = _send(encoder, host, current)
+        assert np.array_equal(host, current)
+        if k == 0:  # no base yet: the full bytes
+            assert set(modes) <= {"PACKED", "RAW"}
+        else:
+            seen += modes
+    assert expected in seen
+    if name.startswith("bf16"):
+        sent = sum(len(f) for f in encoder.frames(steps[-1]))
+        assert sent == HEADER_SIZE * len(encoder.spans)  # the base is the last step: all SAME
+
+
+def test_threads_give_the_same_frames() -> None:
+    a, b = _trajectory("bf16-lr1e-5", 1)
+    one = DeltaEncoder(a.nbytes, 2, chunk_bytes=CHUNK)
+    two = DeltaEncoder(a.nbytes, 2, chunk_bytes=CHUNK, threads=2)
+    for encoder in (one, two):
+        encoder.commit(a)
+    assert list(one.frames(b)) == list(two.frames(b))
+    # Closing the iterator early is clean.
+    frames = two.frames(b)
+    next(frames)
+    frames.close()
+
+
+def _modes_case() -> dict[str, tuple[np.ndarray, np.ndarray | None, int]]:
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal(CHUNK // 4, dtype=np.float32).view(np.uint8)
+    sparse = base.view(np.uint16).copy()
+    sparse[rng.choice(sparse.size, sparse.size // 50, replace=False)] ^= 1
+    dense = (base.view(np.float32) * np.float32(1.001)).view(np.uint8)
+    odd = rng.integers(0, 4, 999, dtype=np.uint8)  # a tail of 999 bytes of 2-byte elements
+    odd_new = odd.copy()
+    odd_new[::7] ^= 1
+    big = rng.standard_normal(CHUNK_BYTES // 4, dtype=np.float32).view(np.uint8)
+    noise = rng.integers(0, 256, CHUNK_BYTES, dtype=np.uint8)
+    # Compressible where the sample is taken, random after it: tried, then raw.
+    half = noise.copy()
+    half[:PROBE_BYTES] = (big.view(np.float32) * np.float32(1.001)).view(np.uint8)[:PROBE_BYTES]
+    return {
+        "RAW-probed": (noise, big, 4),
+        "RAW-probed-full": (noise, None, 4),
+        "RAW-after-trying": (half, big, 4),
+        "SAME": (base.copy(), base, 4),
+        "SPARSE": (sparse.view(np.uint8), base, 2),
+        "DENSE": (dense, base, 4),
+        "RAW": (rng.integers(0, 256, CHUNK, dtype=np.uint8), base, 4),
+        "PACKED": (dense, None, 4),
+        "tail": (odd_new, odd, 2),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["SAME", "SPARSE", "DENSE", "RAW", "RAW-probed", "RAW-probed-full", "RAW-after-trying", "PACKED", "tail"],
+)
+def test_each_mode_round_trips(case: str) -> None:
+    current, base, item = _modes_case()[case]
+    frame = encode_frame(current, base, item)
+    head = read_header(frame)
+    if case == "tail":
+        assert head.element_size == 1 and head.mode is Mode.SPARSE
+    elif case.startswith("RAW"):
+        assert head.mode is Mode.RAW
+    else:
+        assert head.mode.name == case
+    assert len(frame) == HEADER_SIZE + head.payload_length
+    if case.startswith("RAW"):
+        assert head.payload_length == current.nbytes
+    elif case == "SAME":
+        assert len(frame) == HEADER_SIZE
+    elif case == "PACKED":  # fp32 normals: the exponent bytes compress
+        assert len(frame) < 0.95 * current.nbytes
+    else:  # a multiplicative change of every element still gains a third
+        assert len(frame) < 0.7 * current.nbytes
+    out = np.zeros_like(current) if base is None else base.copy()
+    decode_frame(frame, out)
+    assert np.array_equal(out, current)
+
+
+def test_tail_chunk_not_a_multiple_of_the_element_size() -> None:
+    assert chunk_spans(10, 4, 2) == [(0, 4), (4, 4), (8, 2)]
+    assert chunk_spans(11, 5, 2) == [(0, 4), (4, 4), (8, 3)]
+    assert chunk_spans(0) == []
+    steps = [np.random.default_rng(s).integers(0, 256, 2 * CHUNK + 3, dtype=np.uint8) for s in range(2)]
+    steps[1][: 2 * CHUNK] = steps[0][: 2 * CHUNK]
+    steps[1][-3:] = steps[0][-3:] ^ 1
+    encoder = DeltaEncoder(steps[0].nbytes, 2, chunk_bytes=CHUNK)
+    host = np.zeros(steps[0].nbytes, dtype=np.uint8)
+    for current in steps:
+        _send(encoder, host, current)
+        assert np.array_equal(host, current)
+
+
+@pytest.mark.parametrize("case", ["SAME", "SPARSE", "DENSE", "RAW", "PACKED", "tail"])
+def test_a_flipped_byte_is_never_silent(case: str) -> None:
+    current, base, item = _modes_case()[case]
+    frame = encode_frame(current, base, item)
+    rng = np.random.default_rng(1)
+    positions = set(range(min(len(frame), 64))) | set(rng.integers(0, len(frame), 200).tolist())
+    caught = 0
+    for position in sorted(positions):
+        damaged = bytearray(frame)
+        damaged[position] ^= 0x10
+        out = np.zeros_like(current) if base is None else base.copy()
+        try:
+            decode_frame(damaged, out)
+        except DeltaFrameError:
+            caught += 1
+            continue
+        # A flip that changes nothing decoded (a spare bit) must still give
+        # exactly the trainer's bytes.
+        assert np.array_equal(out, current), position
+    # Flips in the compressor's spare header bits decode exactly; the rest raise.
+    assert caught >= len(positions) // 2
+
+
+def test_a_truncated_frame_or_wrong_base_is_caught() -> None:
+    current, base, item = _modes_case()["SPARSE"]
+    assert base is not None
+    frame = encode_frame(current, base, item)
+    with pytest.raises(DeltaFrameError):
+        decode_frame(frame[:-1], base.copy())
+    with pytest.raises(DeltaFrameError):
+        decode_frame(frame[:10], base.copy())
+    other = base.copy()
+    other[5] ^= 1
+    with pytest.raises(DeltaFrameError, match="digest"):
+        decode_frame(frame, other)
+    with pytest.raises(DeltaFrameError):
+        decode_frame(frame, np.zeros(base.nbytes // 2, dtype=np.uint8))
+
+
+def test_an_uncommitted_send_leaves_the_base() -> None:
+    v0, v1, v2 = _trajectory("bf16-lr1e-5", 2)
+    encoder = DeltaEncoder(v0.nbytes, 2, chunk_bytes=CHUNK)
+    encoder.commit(v0, version=0)
+    list(encoder.frames(v1))  # sent, but not applied by everyone: no commit
+    assert encoder.base_version == 0
+    frames = list(encoder.frames(v2))
+    on_v0 = v0.copy()  # a host that missed v1 rebuilds v2 from v0
+    decoder = DeltaDecoder(on_v0, 2, chunk_bytes=CHUNK)
+    for frame in frames:
+        decoder.feed(frame)
+    decoder.check(version_digest(v2))
+    assert np.array_equal(on_v0, v2)
+    on_v1 = DeltaDecoder(v1.copy(), 2, chunk_bytes=CHUNK)  # a host on v1 must not apply it
+    with pytest.raises(DeltaFrameError):
+        for frame in frames:
+            on_v1.feed(frame)
+    # In doubt: the full bytes rebuild v2 over anything.
+    anything = np.full(v0.nbytes, 7, dtype=np.uint8)
+    full = DeltaDecoder(anything, 2, chunk_bytes=CHUNK)
+    for frame in encoder.frames(v2, full=True):
+        assert not read_header(frame).mode.needs_base
+        full.feed(frame)
+    full.check(version_digest(v2))
+    encoder.forget()
+    assert not encoder.has_base
+
+
+def test_the_decoder_checks_the_whole_version() -> None:
+    v0, v1 = _trajectory("bf16-lr1e-5", 1)
+    encoder = DeltaEncoder(v0.nbytes, 2, chunk_bytes=CHUNK)
+    host = np.zeros(v0.nbytes, dtype=np.uint8)
+    decoder = DeltaDecoder(host, 2, chunk_bytes=CHUNK)
+    frames = list(encoder.frames(v0))
+    decoder.feed(frames[0])
+    with pytest.raises(DeltaFrameError, match="never came"):
+        decoder.check(version_digest(v0))
+    for frame in frames[1:]:
+        decoder.feed(frame)
+    with pytest.raises(DeltaFrameError, match="past the last"):
+        decoder.feed(frames[0])
+    with pytest.raises(DeltaFrameError, match="digest"):
+        decoder.check(version_digest(v1))
+    decoder.check(version_digest(torch.from_numpy(v0)))
+
+
+def test_no_torch_intra_op_threads() -> None:
+    # torch starts its intra-op pool on first parallel use: a fresh process
+    # shows whether the cast, encoding and decoding ever used it.
+    code = (
+        "import os, numpy as np, torch\n"
+        "from weightsync._copy import WireCast\n"
+        "from weightsync._delta import DeltaDecoder, DeltaEncoder, require_codec\n"
+        "require_codec()  # blosc2's import starts idle threads of its own\n"
+        "t = torch.from_numpy(np.random.default_rng(0).standard_normal(4 << 20, dtype=np.float32))\n"
+        "count = lambda: len(os.listdir('/proc/self/task'))\n"
+        "before = count()\n"
+        "cast = WireCast(torch.bfloat16).cast([t], threads=2)[0].view(torch.uint8)\n"
+        "encoder = DeltaEncoder(cast.numel(), 2)\n"
+        "host = np.zeros(cast.numel(), np.uint8)\n"
+        "decoder = DeltaDecoder(host, 2)\n"
+        "for frame in encoder.frames(cast):\n    decoder.feed(frame)\n"
+        "after = count()\n"
+        "t.to(torch.bfloat16)  # torch's own cast: the check can see the pool\n"
+        "print(before, after, count(), torch.get_num_threads())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, after, with_pool, threads = map(int, run.stdout.split())
+    assert after == before
+    assert with_pool > before or threads == 1
+
+
+def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An entry of None in sys.modules makes ``import blosc2`` fail as if it
+    # were not installed.
+    monkeypatch.setitem(sys.modules, "blosc2", None)
+    with pytest.raises(WeightSyncStateError, match=r"blosc2.*pip install 'weightsync\[delta\]'"):
+        DeltaEncoder(10, 2)
+    with pytest.raises(WeightSyncStateError, match=r"pip install 'weightsync\[delta\]'"):
+        decode_frame(b"", np.zeros(0, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("name", ["bf16-lr1e-5", "fp32-lr3e-4"])
+def test_lz4_frames_round_trip(name: str) -> None:
+    a, b = _trajectory(name, 1)
+    item = TRAJECTORIES[name].element_size
+    zstd = DeltaEncoder(a.nbytes, item, chunk_bytes=CHUNK)
+    lz4 = DeltaEncoder(a.nbytes, item, chunk_bytes=CHUNK, compressor="lz4")
+    host = np.zeros(a.nbytes, dtype=np.uint8)
+    for current in (a, b):
+        assert _send(lz4, host, current)
+        assert np.array_equal(host, current)
+        zstd.commit(current)
+    assert sum(map(len, lz4.frames(a, full=True))) > sum(map(len, zstd.frames(a, full=True)))

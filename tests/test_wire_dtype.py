@@ -1,0 +1,125 @@
+"""``wire_dtype=torch.bfloat16``: float32 weights travel and land cast, and each
+worker holds, bit for bit, ``trainer_tensor.to(torch.bfloat16)``."""
+
+from __future__ import annotations
+
+import copy
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+from conftest import PROCS, reap
+from torch import nn
+
+import weightsync as ws
+from weightsync._copy import WireCast
+
+
+def _trainer_model() -> nn.Module:
+    torch.manual_seed(3)
+    # A BatchNorm brings an int64 buffer (num_batches_tracked): it travels as it is.
+    return nn.Sequential(nn.Linear(300, 200), nn.BatchNorm1d(200), nn.Linear(200, 7))
+
+
+def _worker_model() -> nn.Module:
+    torch.manual_seed(4)
+    return _trainer_model().to(torch.bfloat16)
+
+
+def _bits(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor's raw bits (numpy has no bfloat16)."""
+    out = {}
+    for name, t in state.items():
+        t = t.detach().contiguous()
+        out[name] = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return out
+
+
+def test_the_cast_is_torchs_bit_for_bit() -> None:
+    special = torch.tensor(
+        [0.0, -0.0, 1.0, float("inf"), -float("inf"), float("nan"), 1e-45, 3.4e38, 1.00390625, 1.01171875]
+    )
+    values = torch.cat([special, torch.randn(100_003) * 1e3, torch.randn(70_000) * 1e-30])
+    strided = torch.randn(64, 512).t()  # not contiguous
+    out = WireCast(torch.bfloat16).cast([values, torch.arange(5), strided], threads=2)
+    assert out[0].dtype == torch.bfloat16
+    assert torch.equal(out[0].view(torch.int16), values.to(torch.bfloat16).view(torch.int16))
+    assert out[1].dtype == torch.int64 and torch.equal(out[1], torch.arange(5))
+    assert torch.equal(out[2].view(torch.int16), strided.to(torch.bfloat16).view(torch.int16))
+
+
+def test_a_wire_dtype_must_be_a_narrower_float() -> None:
+    for bad in (torch.float32, torch.float64, torch.int16):
+        with pytest.raises(ValueError, match="wire_dtype"):
+            ws.MultiProcessWeightSyncScheme(wire_dtype=bad)
+
+
+def _worker(scheme: ws.WeightSyncScheme, pipe: Connection, out: Connection) -> None:
+    model = _worker_model()
+    scheme.init_on_worker("policy", pipe=pipe, model=model)
+    try:
+        while True:
+            version = scheme.receive(timeout=30.0)
+            if version is None:
+                return
+            out.send((version, {k: v.numpy().copy() for k, v in _bits(model.state_dict()).items()}))
+    except ws.SenderClosedError:
+        pass
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.parametrize("scheme_class", [ws.MultiProcessWeightSyncScheme, ws.SharedMemWeightSyncScheme])
+def test_workers_hold_the_trainers_weights_cast(scheme_class: type[ws.WeightSyncScheme]) -> None:
+    scheme = scheme_class(wire_dtype=torch.bfloat16, timeout=60)
+    pipes, outs, procs = [], [], []
+    for _ in range(2):
+        ours, theirs = PROCS.Pipe()
+        out_r, out_w = PROCS.Pipe(duplex=False)
+        proc = PROCS.Process(target=_worker, args=(scheme, theirs, out_w), daemon=True)
+        proc.start()
+        theirs.close()
+        out_w.close()
+        pipes.append(ours)
+        outs.append(out_r)
+        procs.append(proc)
+    trainer = _trainer_model()
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1)
+    scheme.init_on_sender("policy", pipes=pipes, model=trainer)
+    try:
+        for step in range(3):
+            report = scheme.get_sender().send()
+            expected = {
+                name: (t.to(torch.bfloat16) if t.dtype == torch.float32 else t)
+                for name, t in trainer.state_dict().items()
+            }
+            for out in outs:
+                version, got = out.recv()
+                assert version == report.version
+                for name, bits in _bits(expected).items():
+                    assert torch.equal(torch.from_numpy(got[name]), bits), (step, name)
+            # Each send moves the cast bytes only.
+            assert report.nbytes < sum(t.numel() * t.element_size() for t in trainer.state_dict().values())
+            trainer(torch.randn(16, 300)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        scheme.shutdown()
+        reap(procs)
+
+
+def test_a_float32_worker_is_refused_before_anything_moves() -> None:
+    trainer, worker_model = nn.Linear(8, 8), nn.Linear(8, 8)
+    before = copy.deepcopy(worker_model.state_dict())
+    scheme = ws.InProcessWeightSyncScheme(wire_dtype=torch.bfloat16)
+    scheme.init_on_sender("policy", model=trainer, num_workers=1)
+    worker = copy.copy(scheme)
+    worker.init_on_worker("policy", model=worker_model, worker_idx=0)
+    try:
+        with pytest.raises(ws.WeightMismatchError, match="bfloat16"):
+            scheme.get_sender().send(timeout=10)
+        for name, tensor in worker_model.state_dict().items():
+            assert torch.equal(tensor, before[name])
+    finally:
+        worker.shutdown()
+        scheme.shutdown()
