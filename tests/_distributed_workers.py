@@ -38,8 +38,9 @@ def own_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("weightsync")]
 
 
-def build_model(shapes: dict[str, int]) -> TensorDict:
-    return TensorDict({name: torch.zeros(numel) for name, numel in shapes.items()}, batch_size=[])
+def build_model(shapes: dict[str, int], dtype: torch.dtype = torch.float32) -> TensorDict:
+    tensors = {name: torch.zeros(numel, dtype=dtype) for name, numel in shapes.items()}
+    return TensorDict(tensors, batch_size=[])
 
 
 def serve(
@@ -48,12 +49,13 @@ def serve(
     shapes: dict[str, int],
     send: Any,
     poll: Any,
+    dtype: torch.dtype = torch.float32,
     **init: Any,
 ) -> None:
     """Run one worker: ``send(message)`` answers, ``poll()`` is the next
     command or None; ``init``: more arguments of ``init_on_worker``."""
     torch.set_num_threads(1)
-    model = build_model(shapes)
+    model = build_model(shapes, dtype)
     scheme.init_on_worker("policy", model=model, worker_idx=rank, **init)
     send(("ready", os.getpid()))
     version = None
@@ -84,6 +86,7 @@ def pipe_worker(
     conn: Any,
     shapes: dict[str, int],
     uid: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """Worker process over a multiprocessing pipe; ``uid``: run as that user
     (a process of another user cannot map the trainer's or its host
@@ -94,7 +97,7 @@ def pipe_worker(
 
         os.setgid(uid)
         os.setuid(uid)
-    serve(scheme, rank, shapes, conn.send, lambda: conn.recv() if conn.poll() else None)
+    serve(scheme, rank, shapes, conn.send, lambda: conn.recv() if conn.poll() else None, dtype)
 
 
 def trainer_main(conn: Any, shapes: dict[str, int]) -> None:

@@ -44,6 +44,7 @@ class Workers:
         self, n: int, shapes: dict[str, int] = SHAPES, uids: dict[int, int] | None = None, **options: Any
     ) -> None:
         self.shapes = shapes
+        dtype = options.pop("worker_dtype", torch.float32)
         self.trainer = dw.build_model(shapes)
         self.scheme = ws.DistributedWeightSyncScheme(timeout=options.pop("timeout", 30.0), **options)
         self.scheme.init_on_sender("policy", num_workers=n, model=self.trainer, host="127.0.0.1")
@@ -53,7 +54,7 @@ class Workers:
             ours, theirs = PROCS.Pipe()
             uid = (uids or {}).get(rank)
             proc = PROCS.Process(
-                target=dw.pipe_worker, args=(self.scheme, rank, theirs, shapes, uid), daemon=True
+                target=dw.pipe_worker, args=(self.scheme, rank, theirs, shapes, uid, dtype), daemon=True
             )
             proc.start()
             theirs.close()

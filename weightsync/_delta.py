@@ -478,6 +478,21 @@ class DeltaEncoder:
         self._base[:] = data
         self.base_version = version
 
+    def adopt(self, current: Any, version: int | None = None) -> np.ndarray | None:
+        """Make ``current`` the base without copying it, as :meth:`commit`
+        does with a copy: the encoder keeps ``current``'s memory (the
+        caller must not write it again) and hands back the previous base's
+        array (None: there was none), which the caller may reuse, e.g. as
+        the buffer it stages the next version in.
+
+        :raises ValueError: ``current`` is not ``nbytes`` long.
+        """
+        data = _flat_bytes(current)
+        if data.nbytes != self.nbytes:
+            raise ValueError(f"{data.nbytes} bytes staged for an encoder of {self.nbytes}")
+        previous, self._base, self.base_version = self._base, data, version
+        return previous
+
     def forget(self) -> None:
         """Drop the base (and its memory): the next send carries full bytes."""
         self._base = None
@@ -491,10 +506,21 @@ class DeltaDecoder:
     chunk order. Costs no memory beyond ``buffer`` and one chunk.
     """
 
-    def __init__(self, buffer: Any, element_size: int, *, chunk_bytes: int = CHUNK_BYTES) -> None:
-        """:raises WeightSyncStateError: the delta extra is not installed."""
+    def __init__(
+        self, buffer: Any, element_size: int, *, chunk_bytes: int = CHUNK_BYTES, base: Any = None
+    ) -> None:
+        """``base``: another buffer of the same size that holds the base
+        (read only; each chunk a frame needs it for is copied into
+        ``buffer`` first), when ``buffer`` does not hold it itself.
+
+        :raises WeightSyncStateError: the delta extra is not installed.
+        :raises ValueError: ``base`` is not as long as ``buffer``.
+        """
         require_codec()
         self._data = _flat_bytes(buffer)
+        self._base = None if base is None else _flat_bytes(base)
+        if self._base is not None and self._base.nbytes != self._data.nbytes:
+            raise ValueError(f"a base of {self._base.nbytes} bytes for a buffer of {self._data.nbytes}")
         self.spans = chunk_spans(self._data.nbytes, chunk_bytes, element_size)
         self._next = 0
 
@@ -514,9 +540,17 @@ class DeltaDecoder:
         if self.done:
             raise DeltaFrameError(f"a frame past the last of {len(self.spans)} chunks")
         start, length = self.spans[self._next]
-        head = decode_frame(frame, self._data[start : start + length])
+        out = self._data[start : start + length]
+        if self._base is not None and read_header(frame).mode.needs_base:
+            out[:] = self._base[start : start + length]
+        head = decode_frame(frame, out)
         self._next += 1
         return head
+
+    @property
+    def decoded(self) -> int:
+        """The leading bytes of the buffer rebuilt so far."""
+        return self.spans[self._next - 1][0] + self.spans[self._next - 1][1] if self._next else 0
 
     def check(self, expected: Sequence[int], threads: int = 1) -> None:
         """Check that the whole rebuilt version is the trainer's: its

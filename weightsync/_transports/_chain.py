@@ -28,19 +28,32 @@ owns the attempts, the stall limits, the generations and the repair.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 
-from ._gloo_chain import CHUNK_BYTES, gloo_group, relay_chain, send_chain, short_message
+from .._delta import HEADER_SIZE, DeltaDecoder, read_header
+from .._exceptions import DeltaFrameError
+from ._gloo_chain import (
+    CHUNK_BYTES,
+    ChainBroken,
+    gloo_group,
+    relay_chain,
+    relay_frames,
+    send_chain,
+    send_frames,
+    short_message,
+)
 
 __all__ = [
     "ATTEMPTS",
     "ChainControl",
     "ChainDriver",
     "ChainMember",
+    "Encoded",
+    "EncodedSend",
     "Link",
     "Report",
     "Route",
@@ -72,6 +85,29 @@ def joining_key(namespace: str, generation: str, rank: int) -> str:
 
 
 @dataclass(frozen=True)
+class Encoded:
+    """What a chain of encoded frames carries: a delta against version
+    ``base_version`` (``_delta``), ``count`` frames, the chunks cut on
+    ``element_size`` bytes. A member rebuilds the send from the base it
+    holds; one that does not hold it reports so, and gets the full bytes
+    in a later chain."""
+
+    base_version: int
+    element_size: int
+    count: int
+
+
+class EncodedSend(NamedTuple):
+    """A send's first chain as encoded frames, for the members that hold its base."""
+
+    encoded: Encoded
+    #: The frames, produced as they are sent (the trainer encodes on the chain's thread).
+    frames: Callable[[], Iterable[bytes]]
+    #: The members believed to hold the base; the others start with the full bytes.
+    eligible: Collection[Any]
+
+
+@dataclass(frozen=True)
 class Link:
     """A member's place in one chain: what it needs to take part (its
     transport carries it in the member's notice)."""
@@ -87,8 +123,11 @@ class Link:
     #: How long a hop may stall, and how long to wait for the first frame.
     stall: float
     first: float
-    #: The frame size: every frame but the last is this many bytes.
+    #: The frame size: every frame but the last is this many bytes (of an
+    #: encoded chain: every chunk but the last, before encoding).
     chunk: int
+    #: Encoded frames instead of the bytes themselves (None: the bytes).
+    encoded: Encoded | None = None
 
     @property
     def src(self) -> int:
@@ -123,12 +162,14 @@ class Route(Generic[M]):
     chunk: int
     #: Where it broke and why (None: it did not), once its reports are in.
     broke: str | None = field(default=None)
+    #: It carries encoded frames (None: the bytes).
+    encoded: Encoded | None = None
 
     def link(self, member: M) -> Link:
         """``member``'s place in this chain (a member of :attr:`chain`)."""
         return Link(
             self.namespace, self.generation, self.chain.index(member) + 1, len(self.chain) + 1,
-            self.stall, 2 * self.stall, self.chunk,
+            self.stall, 2 * self.stall, self.chunk, self.encoded,
         )  # fmt: skip
 
     @property
@@ -188,6 +229,8 @@ class ChainDriver(Generic[M]):
         self.routes: list[Route[M]] = []
         #: Per send: member -> True (it got every byte) or why not.
         self.outcome: dict[M, bool | str] = {}
+        #: Per send: the bytes the trainer put on the chains (frames with their headers).
+        self.sent_bytes = 0
         # Per send: member -> where the chain it missed broke.
         self._broke_for: dict[M, str] = {}
         # The members whose report on the running chain has not come, and since when.
@@ -210,25 +253,42 @@ class ChainDriver(Generic[M]):
         """Forget the last send's outcome (a new send begins); its routes stay until it runs."""
         self.outcome, self._broke_for, self._silent = {}, {}, (set(), 0.0)
 
-    def run(self, sources: Sequence[torch.Tensor], members: Sequence[M], deadline: float) -> None:
+    def run(
+        self,
+        sources: Sequence[torch.Tensor],
+        members: Sequence[M],
+        deadline: float,
+        encoded: EncodedSend | None = None,
+    ) -> None:
         """Send the concatenation of ``sources`` (flat uint8 tensors) to
         ``members``, along chains, until each has it, each left has failed
         (:attr:`outcome` says why), or ``deadline`` (``time.monotonic()``).
-        Blocks; never raises (a failure is an outcome)."""
+        With ``encoded``, the first chain carries its frames to the members
+        that hold its base; every later chain (the others, and repairs)
+        carries the bytes themselves. Blocks; never raises (a failure is an
+        outcome)."""
         self.routes, self.outcome, self._broke_for, self._silent = [], {}, {}, (set(), 0.0)
+        self.sent_bytes = 0
         try:
-            self._chains(sources, list(members), deadline)
+            self._chains(sources, list(members), deadline, encoded)
         except Exception as exc:  # the store or gloo failed outright
             for member in members:
                 self.outcome.setdefault(member, f"the chain failed: {short_message(exc)}")
             self.drop()
 
-    def _chains(self, sources: Sequence[torch.Tensor], pending: list[M], deadline: float) -> None:
+    def _chains(
+        self, sources: Sequence[torch.Tensor], pending: list[M], deadline: float, encoded: EncodedSend | None
+    ) -> None:
         control = self.control
         nbytes = sum(s.numel() for s in sources)
         excluded: set[M] = set()
-        for _ in range(ATTEMPTS):
-            chain, fed = control.plan([m for m in pending if m not in excluded])
+        for attempt in range(ATTEMPTS):
+            candidates = [m for m in pending if m not in excluded]
+            use = encoded if attempt == 0 and nbytes else None
+            if use is not None:
+                holders = [m for m in candidates if m in use.eligible]
+                candidates, use = (holders, use) if holders else (candidates, None)
+            chain, fed = control.plan(candidates)
             left = deadline - time.monotonic()
             if len(chain) < self.min_chain or left <= 0 or self._closed:
                 return
@@ -236,7 +296,10 @@ class ChainDriver(Generic[M]):
             if self._group is None or self._group_members != tuple(chain):
                 self.drop()
                 self._generations += 1
-            route = Route(control.namespace, f"g{self._generations}", tuple(chain), fed, stall, self.chunk)
+            route = Route(
+                control.namespace, f"g{self._generations}", tuple(chain), fed, stall, self.chunk,
+                encoded=None if use is None else use.encoded,
+            )  # fmt: skip
             control.launch(route)
             if self._group is None:
                 absent = self._form(route)
@@ -247,7 +310,12 @@ class ChainDriver(Generic[M]):
             sent_error: str | None = None
             if nbytes:
                 try:
-                    send_chain(self._group, sources, self.chunk, 1, stall)
+                    if use is not None:
+                        count = use.encoded.count
+                        send_frames(self._group, self._counted(use.frames()), HEADER_SIZE, 1, stall, count)
+                    else:
+                        self.sent_bytes += nbytes
+                        send_chain(self._group, sources, self.chunk, 1, stall)
                 except RuntimeError as exc:
                     sent_error = str(exc)
             began = time.monotonic()
@@ -271,6 +339,11 @@ class ChainDriver(Generic[M]):
                 self.drop()
             if not pending:
                 return
+
+    def _counted(self, frames: Iterable[bytes]) -> Iterator[bytes]:
+        for frame in frames:
+            self.sent_bytes += len(frame)
+            yield frame
 
     def _form(self, route: Route[M]) -> set[M]:
         """Form the trainer's end of ``route``'s group (after its members
@@ -395,13 +468,22 @@ class ChainMember:
         link: Link,
         buffer: torch.Tensor,
         progress: Callable[[int], None] | None = None,
+        base: torch.Tensor | None = None,
     ) -> Report:
         """Take part in the chain of ``link``: join its group if it is a new
         generation (``store(timeout)`` gives a client of the store it meets
         in), receive ``buffer`` frame by frame and pass each frame on. Blocks
         until the send ended here, or a hop failed (within ``link``'s stall
         limits). ``progress``: called with the leading bytes in, after each
-        frame. Never raises for a failed hop or group: it is in the report."""
+        frame. Never raises for a failed hop or group: it is in the report.
+
+        Of an encoded chain (``link.encoded``), the frames are passed on as
+        they came and rebuilt here into ``buffer`` against ``base`` (the
+        base version's bytes, ``buffer`` itself or another buffer; None:
+        this member does not hold it), each chunk checked against the
+        trainer's digest; one that cannot be rebuilt makes the report
+        incomplete (the buffer no longer holds a base), and the member gets
+        the full bytes in a later chain."""
         generation = (link.namespace, link.generation)
         group = self._group if self._generation == generation else None
         if group is None:
@@ -420,13 +502,77 @@ class ChainMember:
             except RuntimeError as exc:
                 return Report(False, f"no group: {short_message(exc)}")
             self._group, self._generation = group, generation
-        complete, error = relay_chain(
-            group, buffer, link.chunk, link.src, link.dst, link.stall, link.first, progress
-        )
+        rebuilt: str | None = None
+        if link.encoded is None:
+            complete, error = relay_chain(
+                group, buffer, link.chunk, link.src, link.dst, link.stall, link.first, progress
+            )
+        else:
+            rebuild = _Rebuild(buffer, base, link, progress)
+            complete, error = relay_frames(
+                group, link.encoded.count, HEADER_SIZE, rebuild.payload_length, link.src, link.dst,
+                link.stall, link.first, rebuild.feed,
+            )  # fmt: skip
+            rebuilt = rebuild.error
         if error is not None and self._generation == generation:
             self.leave()
+        if rebuilt is not None:
+            # The chain itself is whole: the frames went on to the next member.
+            return Report(False, f"it could not rebuild the delta: {rebuilt}")
         return Report(complete, error)
 
     def leave(self) -> None:
         """Let go of the group (the next generation forms a new one)."""
         self._group, self._generation = None, None
+
+
+class _Rebuild:
+    """A member's rebuilding of an encoded chain's frames into its buffer,
+    frame by frame as they arrive; the first failure stops it (later frames
+    are still passed on) and is kept in :attr:`error`."""
+
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        base: torch.Tensor | None,
+        link: Link,
+        progress: Callable[[int], None] | None,
+    ) -> None:
+        assert link.encoded is not None
+        self.progress = progress
+        self.error: str | None = None
+        self.base_version = link.encoded.base_version
+        self._holds_base = base is not None
+        self._decoder = DeltaDecoder(
+            buffer,
+            link.encoded.element_size,
+            chunk_bytes=link.chunk,
+            base=None if base is None or base.data_ptr() == buffer.data_ptr() else base,
+        )
+        if len(self._decoder.spans) != link.encoded.count:
+            self.error = f"{link.encoded.count} frames for {len(self._decoder.spans)} chunks"
+
+    @staticmethod
+    def payload_length(header: torch.Tensor) -> int:
+        """A frame's payload length from its header.
+
+        :raises ChainBroken: not a frame header (the chain is out of step).
+        """
+        try:
+            return read_header(header.numpy()).payload_length
+        except DeltaFrameError as exc:
+            raise ChainBroken(f"a damaged frame header: {exc}") from exc
+
+    def feed(self, index: int, frame: torch.Tensor) -> None:
+        if self.error is not None:
+            return
+        try:
+            data = frame.numpy()
+            if not self._holds_base and read_header(data).mode.needs_base:
+                raise DeltaFrameError(f"it does not hold version {self.base_version}, the delta's base")
+            self._decoder.feed(data)
+        except DeltaFrameError as exc:
+            self.error = str(exc)
+            return
+        if self.progress is not None:
+            self.progress(self._decoder.decoded)

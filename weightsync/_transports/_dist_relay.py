@@ -41,6 +41,10 @@ from ._liveness import TrainerLink
 
 __all__ = ["ChainUpdate", "WorkerRelay"]
 
+#: How an update comes into a receive buffer: (the buffer's view, its
+#: segment if shared, the buffer holding a delta's base) -> the report.
+Fill = Callable[[torch.Tensor, Segment | None, torch.Tensor | None], Report]
+
 # Polls of the store for the next notice (seconds): the first, and the longest (they double).
 _IDLE_POLL = (0.001, 0.01)
 
@@ -206,7 +210,9 @@ class WorkerRelay:
                 if get_now(store, self.keys.notice(self.rank, n + 1)) is not None:
                     continue
                 if isinstance(notice, UpdateNotice):
-                    self._take_in(store, notice.send, notice.feeds, self._chained(store, notice))
+                    encoded = notice.link.encoded
+                    base = None if encoded is None else encoded.base_version
+                    self._take_in(store, notice.send, notice.feeds, self._chained(store, notice), base)
                 else:
                     self._take_in(store, notice.send, False, self._follower(store, notice))
         except Exception as exc:  # the store is gone with the trainer
@@ -219,45 +225,61 @@ class WorkerRelay:
         finally:
             self._member.leave()
 
-    def _chained(self, store: Any, notice: UpdateNotice) -> Callable[[torch.Tensor, Segment | None], Report]:
+    def _chained(self, store: Any, notice: UpdateNotice) -> Fill:
         """How a chain member fills its buffer: from the chain, passing it on
-        (and, as its host leader, saying first where its followers copy from)."""
+        (and, as its host leader, saying first where its followers copy from);
+        of a delta, rebuilt against ``base``, the buffer holding its base."""
         send = notice.send
 
-        def fill(view: torch.Tensor, segment: Segment | None) -> Report:
+        def fill(view: torch.Tensor, segment: Segment | None, base: torch.Tensor | None) -> Report:
             if notice.feeds:
                 assert segment is not None
                 lead = Lead(send.generation, send.version, segment.ref())
                 store.set(self.keys.lead(self.rank), encode(lead))
             progress = None if segment is None else segment.filled_to
-            return self._member.relay(lambda _: store, notice.link, view, progress)
+            return self._member.relay(lambda _: store, notice.link, view, progress, base)
 
         return fill
 
-    def _follower(self, store: Any, notice: FollowNotice) -> Callable[[torch.Tensor, Segment | None], Report]:
+    def _follower(self, store: Any, notice: FollowNotice) -> Fill:
         """How a follower fills its buffer: copied from its host leader's shared memory."""
-        return lambda view, _: follow(store, self.keys, self._mapped, view, notice, self._stop)
+        return lambda view, _, __: follow(store, self.keys, self._mapped, view, notice, self._stop)
 
-    def _take_in(
-        self, store: Any, send: SendInfo, shared: bool, fill: Callable[[torch.Tensor, Segment | None], Report]
-    ) -> None:
+    def _take_in(self, store: Any, send: SendInfo, shared: bool, fill: Fill, base: int | None = None) -> None:
         """Receive one update into a free receive buffer (by ``fill``), keep
-        it for the receiver if it is whole, and report to the trainer."""
+        it for the receiver if it is whole, and report to the trainer.
+        ``base``: the version a delta is taken against, whose buffer is
+        kept (and read) while the other is filled."""
         with self._lock:
-            # A buffer the receiver does not hold; an update pending in it is
-            # dropped (the one about to arrive supersedes it).
-            if self._taken is not None:
-                slot = 1 - self._taken
+            # A buffer the receiver does not hold, nor the delta's base; an
+            # update pending in it is dropped (the one about to arrive
+            # supersedes it).
+            base_slot = None if base is None else self._buffers.holding(base)
+            free = [s for s in (0, 1) if s != self._taken and s != base_slot]
+            if not free:
+                # The receiver holds the other buffer: the base cannot be
+                # kept, and the member asks for the full bytes.
+                assert self._taken is not None
+                base_slot, free = None, [1 - self._taken]
+            if len(free) == 1:
+                slot = free[0]
             elif self._pending is not None:
                 slot = 1 - self._pending.slot
             else:
                 slot = 0
             if self._pending is not None and self._pending.slot == slot:
                 self._pending = None
+        base_view = None
+        if base_slot is not None:
+            held = self._buffers.buffers[base_slot]
+            base_view = None if held is None or held.numel() < send.nbytes else held[: send.nbytes]
+        self._buffers.versions[slot] = None
         buffer, segment = self._buffers.get(slot, send.nbytes, shared)
         view = buffer[: send.nbytes]
-        report = fill_segment(segment, send.version, lambda: fill(view, segment))
+        report = fill_segment(segment, send.version, lambda: fill(view, segment, base_view))
         if report.complete:
+            # A partial update is no base for a later delta.
+            self._buffers.versions[slot] = send.version if send.subset is None else None
             update = ChainUpdate(
                 send.version, send.layout_id, send.subset, send.digests, send.threads, view, slot
             )

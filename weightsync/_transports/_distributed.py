@@ -32,12 +32,13 @@ import anyio
 import torch
 
 from .._copy import usable_cores
+from .._delta import DeltaEncoder
 from .._digest import copy_out
 from .._exceptions import SenderLostError, WorkerLostError
 from .._offload import run_blocking
 from .._packet import Manifest, Packet
 from ._base import worker_failed, worker_lost
-from ._chain import ChainDriver
+from ._chain import ChainDriver, Encoded, EncodedSend
 from ._channel import _wait_readable_any, describe_exit, exit_status, started_here
 from ._dist_chain import WorkerChain
 from ._dist_protocol import (
@@ -80,6 +81,64 @@ class _Send:
     started: bool = False
 
 
+class _DeltaBase:
+    """``delta=True``: the trainer's base (the last whole version that every
+    worker of its send acked) and the encoder of each send against it.
+
+    The base is the staged buffer of that send itself, kept instead of
+    copied (the staging takes the old base's memory for its next send), so
+    it costs one buffer of the model's size and no copy. Who holds it: the
+    workers of that send; a worker believed to hold it that does not (it
+    restarted, its buffer was overwritten) says so, and gets the full bytes.
+    """
+
+    def __init__(self) -> None:
+        self.encoder: DeltaEncoder | None = None
+        #: The workers that acked the base's version.
+        self.holders: frozenset[int] = frozenset()
+        #: The last send: (version, its workers, whether it was whole).
+        self.last: tuple[int, frozenset[int], bool] | None = None
+        #: The last version each worker acked.
+        self.acked: dict[int, int] = {}
+
+    def keep(self, staged: torch.Tensor, nbytes: int) -> tuple[bool, torch.Tensor | None]:
+        """Before the next send is staged: if the last one was whole and
+        every one of its workers acked it, its staged bytes become the base.
+        Returns whether they did (the next send must then be staged
+        elsewhere), and the old base's memory to stage it in, if any."""
+        last, self.last = self.last, None
+        encoder = self.encoder
+        if last is None or encoder is None or encoder.nbytes != nbytes:
+            return False, None
+        version, ranks, whole = last
+        if not whole or any(self.acked.get(rank) != version for rank in ranks):
+            return False, None
+        previous = encoder.adopt(staged[:nbytes], version)
+        self.holders = ranks
+        return True, None if previous is None else torch.from_numpy(previous)
+
+    def encoded(self, buffer: torch.Tensor, manifest: Manifest, ranks: list[int]) -> EncodedSend | None:
+        """The delta chain of a whole send of ``manifest`` staged in
+        ``buffer``, or None when there is no base for it (a new layout: the
+        encoder starts again)."""
+        nbytes = manifest.nbytes
+        # Byte planes are split by the dtype that holds most of the bytes.
+        share: dict[int, int] = {}
+        for spec in manifest.specs:
+            share[spec.dtype.itemsize] = share.get(spec.dtype.itemsize, 0) + spec.nbytes
+        element_size = max(share, key=lambda size: share[size]) if share else 1
+        encoder = self.encoder
+        if encoder is None or encoder.nbytes != nbytes or encoder.element_size != element_size:
+            self.encoder = DeltaEncoder(nbytes, element_size)
+            self.holders = frozenset()
+            return None
+        if encoder.base_version is None or not self.holders.intersection(ranks):
+            return None
+        view = buffer[:nbytes]
+        link = Encoded(encoder.base_version, element_size, len(encoder.spans))
+        return EncodedSend(link, lambda: encoder.frames(view), self.holders)
+
+
 class ChainStaging:
     """The trainer's staged copy of each send (one flat buffer), the chain
     that carries it to the workers of the send (a :class:`ChainDriver` over
@@ -100,8 +159,10 @@ class ChainStaging:
         *,
         share_on_host: bool = True,
         chunk: int = CHUNK_BYTES,
+        delta: bool = False,
     ) -> None:
         self.model_id = model_id
+        self._delta = _DeltaBase() if delta else None
         self.store = store
         self.prefix = prefix
         self.keys = SessionKeys(prefix)
@@ -112,6 +173,7 @@ class ChainStaging:
         self.driver: ChainDriver[int] = ChainDriver(self.workers, chunk=chunk)
         self._buffer: torch.Tensor | None = None
         self._views: tuple[str, list[torch.Tensor]] | None = None
+        self._manifest: Manifest | None = None
         self._send: _Send | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -120,6 +182,16 @@ class ChainStaging:
     def last_routes(self) -> list[tuple[tuple[int, ...], dict[int, tuple[int, ...]]]]:
         """Per send: for each chain, its ranks in order and whom each host leader fed."""
         return [(route.chain, route.fed) for route in self.driver.routes]
+
+    @property
+    def last_wire_bytes(self) -> int:
+        """The bytes the trainer put on the chains of the last send."""
+        return self.driver.sent_bytes
+
+    @property
+    def last_encoded(self) -> list[bool]:
+        """Per chain of the last send: whether it carried a delta."""
+        return [route.encoded is not None for route in self.driver.routes]
 
     def why(self, rank: int) -> str | None:
         """Why worker ``rank`` did not get the current send's bytes, if a chain said so."""
@@ -133,6 +205,11 @@ class ChainStaging:
             await anyio.sleep(0.005)
         self._thread = None
         manifest = packet.manifest
+        if self._delta is not None and self._buffer is not None:
+            # The last send's bytes may become the base: stage elsewhere then.
+            kept, spare = self._delta.keep(self._buffer, manifest.nbytes)
+            if kept:
+                self._buffer, self._views = spare, None
         if self._buffer is None or self._buffer.numel() < manifest.nbytes:
             self._views = None
             self._buffer = None
@@ -143,6 +220,7 @@ class ChainStaging:
         sums = await run_blocking(packet.nbytes, copy_out, views, packet.tensors, digest, usable_cores())
         threads = max(1, usable_cores() // packet.fanout)
         info = SendInfo(packet.version, manifest.layout_id, packet.subset, None, threads, manifest.nbytes, "")
+        self._manifest = manifest
         self._send = _Send(info, [])
         self.driver.forget()
         return sums
@@ -176,11 +254,23 @@ class ChainStaging:
         assert self._buffer is not None
         self.workers.info = send.info
         source = self._buffer[: send.info.nbytes]
+        ranks = sorted(send.enlisted)
+        encoded = None
+        if self._delta is not None:
+            whole = send.info.subset is None
+            self._delta.last = (send.info.version, frozenset(ranks), whole)
+            if whole and self._manifest is not None:
+                encoded = self._delta.encoded(self._buffer, self._manifest, ranks)
         self._thread = threading.Thread(
-            target=self.driver.run, args=([source], sorted(send.enlisted), deadline), daemon=True,
+            target=self.driver.run, args=([source], ranks, deadline, encoded), daemon=True,
             name=f"weightsync-chain-{self.model_id}",
         )  # fmt: skip
         self._thread.start()
+
+    def acked(self, rank: int, version: int) -> None:
+        """Worker ``rank`` applied ``version`` (its ack came)."""
+        if self._delta is not None:
+            self._delta.acked[rank] = version
 
     def notify(self, rank: int, notice: CloseNotice) -> str:
         """Leave ``notice`` for worker ``rank``; its key."""
@@ -293,6 +383,7 @@ class DistributedSenderTransport:
                 self._staging.store.delete_key(key)
                 error = pickle.loads(value)
                 if error is None:
+                    self._staging.acked(self.rank, packet.version)
                     return
                 raise worker_failed(self.worker_id, self.model_id, packet.version, str(error))
             self._check_alive()

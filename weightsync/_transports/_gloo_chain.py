@@ -3,22 +3,33 @@ to several ranks, each passing every chunk on to the next as soon as it has
 it, so every rank's link carries the bytes about once each way and the last
 rank finishes about (ranks - 1) chunks after the first.
 
-The unit that moves is a *frame*: a span of the buffer, sent as one gloo
-message. Today every frame but the last is ``chunk`` bytes (see
-:func:`frame_spans`), so a receiver knows each frame's size from the total
-and the chunk its notice carries. The chain driver above (``_chain``) and
-both transports know nothing of how a frame is cut; this module knows
-nothing of either transport.
+The unit that moves is a *frame*. Two kinds of chain carry them:
+
+- a chain of the buffer's bytes (:func:`send_chain`, :func:`relay_chain`):
+  a frame is a span of the buffer, sent as one gloo message; every frame
+  but the last is ``chunk`` bytes (see :func:`frame_spans`), so a receiver
+  knows each frame's size from the total and the chunk its notice carries;
+- a chain of encoded frames (:func:`send_frames`, :func:`relay_frames`),
+  each of its own size (a delta frame, see ``_delta``): each goes as two
+  messages, its fixed-size header (tag 1), which says how long the rest
+  is, then the rest (tag 2). The next header's receive is posted before
+  the rest arrives, so a relay never waits for a round trip between two
+  frames.
+
+The chain driver above (``_chain``) and both transports know nothing of how
+a frame is cut; this module knows nothing of either transport.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+
+from .._copy import copy_tensors
 
 __all__ = [
     "CHUNK_BYTES",
@@ -28,7 +39,9 @@ __all__ = [
     "connect_store",
     "gloo_group",
     "relay_chain",
+    "relay_frames",
     "send_chain",
+    "send_frames",
     "seconds",
     "short_message",
 ]
@@ -143,7 +156,16 @@ def send_chain(group: Any, sources: Sequence[torch.Tensor], chunk: int, dst: int
             i, start, stop = pieces[0]
             data = sources[i][start:stop]
         else:
-            data = torch.cat([sources[i][a:b] for i, a, b in pieces])
+            # Gathered by memmove on this thread (torch.cat would wake the
+            # intra-op pool, whose cores belong to the caller's own work).
+            data = torch.empty(sum(b - a for _, a, b in pieces), dtype=torch.uint8)
+            cuts = [0]
+            for _, a, b in pieces:
+                cuts.append(cuts[-1] + b - a)
+            copy_tensors(
+                [data[cuts[k] : cuts[k + 1]] for k in range(len(pieces))],
+                [sources[i][a:b] for i, a, b in pieces],
+            )
         try:
             in_flight.append((group.send([data], dst, 0), data, index))
         except RuntimeError as exc:
@@ -230,6 +252,127 @@ def relay_chain(
         what = f"receiving frame {received + 1} of {last}"
         error = str(exc) if isinstance(exc, ChainBroken) else _failure(exc, time.monotonic(), stall, what)
     return received == last, error
+
+
+# Tags of an encoded frame's two messages (a chain of bytes uses tag 0).
+_HEAD_TAG, _BODY_TAG = 1, 2
+
+
+def send_frames(
+    group: Any, frames: Iterable[bytes], header_size: int, dst: int, stall: float, count: int
+) -> None:
+    """Send ``count`` encoded ``frames`` (each ``header_size`` bytes of header,
+    then its payload) to rank ``dst``, each as it comes from the iterable
+    (the next one is produced while this one is on the wire). Two frames
+    are in flight at most.
+
+    :raises ChainBroken: a frame did not leave within ``stall`` seconds, or
+        the peer is gone (gloo's error).
+    """
+    in_flight: list[tuple[list[Any], torch.Tensor, int]] = []
+
+    def wait(works: list[Any], index: int) -> None:
+        started = time.monotonic()
+        try:
+            for work in works:
+                work.wait(seconds(stall))
+        except RuntimeError as exc:
+            raise ChainBroken(_failure(exc, started, stall, f"sending frame {index + 1} of {count}")) from exc
+
+    for index, frame in enumerate(frames):
+        data = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+        try:
+            works = [group.send([data[:header_size]], dst, _HEAD_TAG)]
+            if data.numel() > header_size:
+                works.append(group.send([data[header_size:]], dst, _BODY_TAG))
+        except RuntimeError as exc:
+            what = f"sending frame {index + 1} of {count}"
+            raise ChainBroken(_failure(exc, time.monotonic(), stall, what)) from exc
+        in_flight.append((works, data, index))
+        if len(in_flight) > 2:
+            works, _, k = in_flight.pop(0)
+            wait(works, k)
+    for works, _, k in in_flight:
+        wait(works, k)
+
+
+def relay_frames(
+    group: Any,
+    count: int,
+    header_size: int,
+    payload_length: Callable[[torch.Tensor], int],
+    src: int,
+    dst: int | None,
+    stall: float,
+    first: float,
+    on_frame: Callable[[int, torch.Tensor], None],
+) -> tuple[bool, str | None]:
+    """Receive ``count`` encoded frames from rank ``src``, pass each on to
+    rank ``dst`` (if any) as soon as it is in, and hand it (header and
+    payload, one tensor) to ``on_frame(index, frame)``, in order.
+    ``payload_length(header)`` reads a header's payload length. Waits
+    ``first`` seconds for the first frame, ``stall`` for each after.
+
+    Returns (whether every frame arrived, why a hop failed or None), as
+    :func:`relay_chain`; an error raised by ``on_frame`` is the caller's
+    (it should catch its own). Never raises for a failed hop.
+    """
+    if count == 0:
+        return True, None
+    sends: list[tuple[list[Any], torch.Tensor, int]] = []
+    received = 0
+    forwarding = dst is not None
+    error: str | None = None
+
+    def wait(work: Any, limit: float, what: str) -> None:
+        started = time.monotonic()
+        try:
+            work.wait(seconds(limit))
+        except RuntimeError as exc:
+            raise ChainBroken(_failure(exc, started, limit, what)) from exc
+
+    try:
+        head = torch.empty(header_size, dtype=torch.uint8)
+        pending = group.recv([head], src, _HEAD_TAG)
+        for k in range(count):
+            wait(pending, first if k == 0 else stall, f"receiving frame {k + 1} of {count}")
+            length = payload_length(head)
+            frame = torch.empty(header_size + length, dtype=torch.uint8)
+            frame[:header_size] = head
+            body = group.recv([frame[header_size:]], src, _BODY_TAG) if length else None
+            if k + 1 < count:
+                head = torch.empty(header_size, dtype=torch.uint8)
+                pending = group.recv([head], src, _HEAD_TAG)
+            if body is not None:
+                wait(body, stall, f"receiving frame {k + 1} of {count}")
+            received = k + 1
+            if forwarding:
+                try:
+                    works = [group.send([frame[:header_size]], dst, _HEAD_TAG)]
+                    if length:
+                        works.append(group.send([frame[header_size:]], dst, _BODY_TAG))
+                    sends.append((works, frame, k))
+                    if len(sends) > 2:
+                        old, _, j = sends.pop(0)
+                        for work in old:
+                            wait(work, stall, f"passing frame {j + 1} of {count} on")
+                except RuntimeError as exc:
+                    # The next host is gone: keep receiving, for this host.
+                    what = f"passing frame {k + 1} of {count} on"
+                    why = (
+                        str(exc)
+                        if isinstance(exc, ChainBroken)
+                        else _failure(exc, time.monotonic(), stall, what)
+                    )
+                    forwarding, sends, error = False, [], why
+            on_frame(k, frame)
+        for works, _, j in sends:
+            for work in works:
+                wait(work, stall, f"passing frame {j + 1} of {count} on")
+    except RuntimeError as exc:
+        what = f"receiving frame {received + 1} of {count}"
+        error = str(exc) if isinstance(exc, ChainBroken) else _failure(exc, time.monotonic(), stall, what)
+    return received == count, error
 
 
 def short_message(exc: BaseException) -> str:

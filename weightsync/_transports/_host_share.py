@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .._copy import copy_tensors
 from .._segment import BROKEN, AttachedSegments, Segment
 from ._chain import Report
 from ._channel import ProcessWatch
@@ -69,6 +70,13 @@ class ReceiveBuffers:
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor | None] = [None, None]
         self.segments: list[Segment | None] = [None, None]
+        #: The whole version each buffer holds, complete (None: none, or
+        #: being written): a delta's base is looked up here.
+        self.versions: list[int | None] = [None, None]
+
+    def holding(self, version: int) -> int | None:
+        """The buffer that holds whole version ``version``, if one does."""
+        return self.versions.index(version) if version in self.versions else None
 
     def get(self, slot: int, nbytes: int, shared: bool) -> tuple[torch.Tensor, Segment | None]:
         """Buffer ``slot``, at least ``nbytes`` long, in shared memory if
@@ -89,6 +97,7 @@ class ReceiveBuffers:
         return buffer, segment
 
     def close(self) -> None:
+        self.versions = [None, None]
         self.buffers = [None, None]
         for segment in self.segments:
             if segment is not None:
@@ -163,7 +172,9 @@ def follow(
             elif filled == BROKEN:
                 return Report(False, f"{who} did not get every byte")
             if filled > done:
-                view[done:filled].copy_(source.data[done:filled])
+                # A memmove on this thread: torch's copy_ would wake its
+                # intra-op pool, whose cores belong to the worker's own work.
+                copy_tensors([view[done:filled]], [source.data[done:filled]])
                 done, last, limit, delay = filled, time.monotonic(), notice.stall, _FOLLOW_POLL[0]
                 continue
             if time.monotonic() - last > limit or stop.is_set():

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .._delta import require_codec
 from .._sender import DEFAULT_TIMEOUT, SendReport
 from .._transports._base import SenderTransport, Staging
 from .._transports._distributed import (
@@ -123,6 +124,23 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     message. A worker that dies in the middle of a chain breaks it: the
     workers before it keep the update, and the trainer forms a new chain
     over the others (up to three chains per send, within its deadline).
+
+    ``delta=True`` (the ``delta`` extra) sends what changed: each whole
+    send goes as a lossless delta against the base, the last whole version
+    that every worker of its send acked, encoded once by the trainer's
+    chain thread after staging (``send_async()`` still returns once the
+    weights are staged), in 1 MiB chunks that each pick their encoding
+    (unchanged, a bitmap and the changed values, XOR byte planes through
+    zstd, or raw when nothing is gained), pipelined with the chain. Each
+    host leader passes the frames on as they came, rebuilds the version
+    once, checks each chunk against the trainer's digest before anything
+    is published, and its followers copy the result. A worker without the
+    base (new, restarted, one that missed a send, after a partial update,
+    any doubt) or whose rebuild fails its check gets the full bytes in the
+    same send, in a chain of its own: no worker ever holds weights other
+    than the trainer's. Memory: the trainer keeps one more buffer of the
+    model's size (the base); a worker keeps no more than its two receive
+    buffers. A partial update is sent whole, and leaves the base as it was.
     """
 
     default_strategy = "tensordict"
@@ -138,9 +156,14 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         per_worker_weights: bool = False,
         share_on_host: bool = True,
         wire_dtype: torch.dtype | None = None,
+        delta: bool = False,
     ) -> None:
         """:raises ValueError: a ``backend`` other than ``"gloo"`` (``"nccl"``
-        needs CUDA staging, which weightsync does not have and cannot test)."""
+        needs CUDA staging, which weightsync does not have and cannot test).
+        :raises WeightSyncStateError: ``delta=True`` without the ``delta``
+            extra installed (the message names it)."""
+        if delta:
+            require_codec()
         if backend == "nccl":
             raise ValueError(
                 "DistributedWeightSyncScheme(backend='nccl') needs CUDA staging, which weightsync does not "
@@ -158,6 +181,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         self.backend = backend
         self.sync = sync
         self.share_on_host = share_on_host
+        self.delta = delta
         self._store_info: dict[str, Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -166,6 +190,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             backend=self.backend,
             sync=self.sync,
             share_on_host=self.share_on_host,
+            delta=self.delta,
             store_info=self._store_info,
         )
         return state
@@ -175,6 +200,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         self.backend = state.get("backend", "gloo")
         self.sync = state.get("sync", True)
         self.share_on_host = state.get("share_on_host", True)
+        self.delta = state.get("delta", False)
         self._store_info = state.get("store_info")
 
     @property
@@ -187,6 +213,20 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         if not isinstance(staging, ChainStaging):
             return []
         return list(staging.last_routes)
+
+    @property
+    def last_delta(self) -> list[bool]:
+        """Per chain of the trainer's last send (as :attr:`last_routes`):
+        whether it carried a delta (``delta=True``) or the full bytes."""
+        staging = self.staging
+        return staging.last_encoded if isinstance(staging, ChainStaging) else []
+
+    @property
+    def last_wire_bytes(self) -> int:
+        """The bytes the trainer put on its chains in its last send (the
+        encoded frames with ``delta=True``); 0 on a worker."""
+        staging = self.staging
+        return staging.last_wire_bytes if isinstance(staging, ChainStaging) else 0
 
     def get_store_info(self) -> dict[str, Any] | None:
         """Where the trainer's store is: ``{"host": ..., "port": ...}``
@@ -246,7 +286,13 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         store.set(session_key(self._model_id), session.encode())
         self._store_info = {"host": store_host, "port": port}
         staging = ChainStaging(
-            self._model_id, store, (store_host, port), prefix, liveness, share_on_host=self.share_on_host
+            self._model_id,
+            store,
+            (store_host, port),
+            prefix,
+            liveness,
+            share_on_host=self.share_on_host,
+            delta=self.delta,
         )
         transports: dict[int, SenderTransport] = {
             i: DistributedSenderTransport(i + 1, i, staging, self._model_id) for i in range(num_workers)
