@@ -7,13 +7,19 @@ one per line, answering on stdout:
     connect             -> OK <json>       once every worker announced itself
     send [ids]          -> SENDING, then SENT <json>: version, digests (sha256 per
                            tensor of what was sent), seconds, error, chains, fed
-                           (per chain: whom each host leader fed)
+                           (per chain: whom each host leader fed), delta (per
+                           chain: whether it carried a delta), wire (bytes the
+                           trainer sent)
+    nudge [ids]         -> as send, with 1% of the elements changed instead of all
+
+With WS_DELTA=1 in the environment the scheme sends deltas (delta=True).
     quit                -> BYE             after shutdown()
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -38,7 +44,7 @@ def main() -> None:
     shapes = {f"w{i}": int(n) for i, n in enumerate(sys.argv[3:])}
     torch.manual_seed(0)
     model = build_model(shapes)
-    scheme = ws.DistributedWeightSyncScheme(timeout=30.0)
+    scheme = ws.DistributedWeightSyncScheme(timeout=30.0, delta=os.environ.get("WS_DELTA") == "1")
     scheme.init_on_sender("policy", num_workers=workers, model=model, host=host)
     info = scheme.get_store_info()
     assert info is not None
@@ -48,10 +54,14 @@ def main() -> None:
         if command == "connect":
             scheme.connect()
             print("OK " + json.dumps({"version": scheme.get_sender().async_sender.version}), flush=True)
-        elif command == "send":
+        elif command in ("send", "nudge"):
             ids = json.loads(args[0]) if args else None
             for tensor in model.values():
-                tensor.normal_()
+                if command == "send":
+                    tensor.normal_()
+                else:
+                    flat = tensor.view(-1)
+                    flat[torch.randperm(flat.numel())[: flat.numel() // 100]] += 1.0
             digests = state_of(model)
             print("SENDING", flush=True)
             started = time.perf_counter()
@@ -64,7 +74,8 @@ def main() -> None:
             chains = [list(chain) for chain, _ in scheme.last_routes]
             fed = [{str(k): list(v) for k, v in f.items()} for _, f in scheme.last_routes]
             result = {"version": version, "digests": digests, "seconds": seconds, "error": error}
-            print("SENT " + json.dumps({**result, "chains": chains, "fed": fed}), flush=True)
+            more = {"chains": chains, "fed": fed, "delta": scheme.last_delta, "wire": scheme.last_wire_bytes}
+            print("SENT " + json.dumps({**result, **more}), flush=True)
         elif command == "quit":
             scheme.shutdown()
             print("BYE", flush=True)

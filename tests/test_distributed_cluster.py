@@ -63,8 +63,9 @@ def host_of(rank: int, hosts: int) -> int:
 class Run:
     """The driver on host 0 and ``per_host`` workers on each other host."""
 
-    def __init__(self, cluster: _netns.EmulatedCluster, per_host: int = 1) -> None:
+    def __init__(self, cluster: _netns.EmulatedCluster, per_host: int = 1, delta: bool = False) -> None:
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+        env["WS_DELTA"] = "1" if delta else "0"
         self.cluster = cluster
         host = cluster.addresses[0]
         workers = (cluster.hosts - 1) * per_host
@@ -129,8 +130,11 @@ def run(request: pytest.FixtureRequest) -> Iterator[Run]:
     removed after the test, whatever happened in it."""
     cluster = _netns.EmulatedCluster(4, "1gbit").start()
     made = None
+    # The test's parameter: workers per host, or (workers per host, delta).
+    param = getattr(request, "param", 1)
+    per_host, delta = param if isinstance(param, tuple) else (param, False)
     try:
-        made = Run(cluster, getattr(request, "param", 1))
+        made = Run(cluster, per_host, delta)
         yield made
     finally:
         if made is not None:
@@ -256,3 +260,64 @@ def test_bench_times_the_scheme_and_the_gloo_peers_across_hosts(tmp_path: Path) 
     assert (row["hosts"], row["workers"], row["chain"]) == (2, 2, [1, 2])
     for way in ("weightsync", "gloo_bcast", "gloo_star"):
         assert len(row[way]) == 2 and all(s > 0 for s in row[way])
+
+
+@pytest.mark.parametrize("run", [(1, True)], indirect=True)
+def test_deltas_across_hosts_are_bit_exact_and_small(run: Run) -> None:
+    """delta=True: after the first send, 1% of the elements change per
+    send; every host rebuilds the send from its base, bit for bit, and the
+    trainer's NIC carries a small part of the bytes."""
+    run.command("connect")
+    assert run.command("send") is None
+    first = run.sent()
+    assert first["error"] is None and first["delta"] == [True], first
+    nbytes = sum(NUMELS) * 4
+    for _ in range(3):
+        assert run.command("nudge") is None
+        result = run.sent()
+        assert result["error"] is None, result["error"]
+        assert result["chains"] == [[1, 2, 3]] and result["delta"] == [True], result
+        assert result["wire"] < 0.1 * nbytes, result["wire"]
+        for rank in (1, 2, 3):
+            assert run.state(rank) == (result["version"], result["digests"])
+    # Host 2 misses a send: the next one gives it the full bytes, the others a delta.
+    assert run.command("nudge [0,2]") is None
+    assert run.sent()["error"] is None
+    assert run.command("nudge") is None
+    result = run.sent()
+    assert result["error"] is None, result["error"]
+    assert result["delta"] == [True, False] and result["chains"] == [[1, 3], [2]], result
+    for rank in (1, 2, 3):
+        assert run.state(rank) == (result["version"], result["digests"])
+    print(f"deltas of 1% of 64 MiB to 3 hosts: {result['seconds']:.2f} s, wire {result['wire']} B")
+
+
+@pytest.mark.parametrize("run", [(2, True)], indirect=True)
+def test_a_host_leader_killed_mid_delta_send(run: Run) -> None:
+    """Rank 1 leads host 1 and is first in the chain of a delta send (every
+    element changed: full frames, 0.5 s on the wire); it is SIGKILLed on the
+    way: the send names it, rank 4 leads host 1 in a repair chain of the
+    full bytes, everyone else is updated bit for bit, and the next send is a
+    delta again for those that hold its base."""
+    run.command("connect")
+    assert run.command("send") is None
+    assert run.sent()["error"] is None
+    assert run.command("send") is None
+    time.sleep(0.25)
+    run.workers[1].kill()
+    result = run.sent()
+    error = result["error"]
+    assert error is not None and error["worker_ids"] == [0], error
+    assert result["chains"][0] == [1, 2, 3] and result["delta"][0] is True, result
+    assert result["chains"][-1][0] == 4 and result["delta"][-1] is False, result
+    for rank in (2, 3, 4, 5, 6):
+        assert run.state(rank) == (result["version"], result["digests"])
+    assert run.command("nudge [1,2,3,4,5]") is None
+    after = run.sent()
+    assert after["error"] is None, after["error"]
+    # The survivors acked the send the leader died in: it is their base, one delta chain.
+    assert after["chains"] == [[4, 2, 3]] and after["delta"] == [True], after
+    for rank in (2, 3, 4, 5, 6):
+        assert run.state(rank) == (after["version"], after["digests"])
+    print(f"host 1's leader killed mid-delta-send: {result['seconds']:.2f} s, chains {result['chains']}; "
+          f"the next send {after['chains']} {after['delta']}")  # fmt: skip

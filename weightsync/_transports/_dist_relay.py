@@ -261,12 +261,14 @@ class WorkerRelay:
                 # kept, and the member asks for the full bytes.
                 assert self._taken is not None
                 base_slot, free = None, [1 - self._taken]
+            versions = self._buffers.versions
             if len(free) == 1:
                 slot = free[0]
             elif self._pending is not None:
                 slot = 1 - self._pending.slot
             else:
-                slot = 0
+                # Keep the newer whole version: a later delta's base.
+                slot = min(free, key=lambda s: versions[s] or -1)
             if self._pending is not None and self._pending.slot == slot:
                 self._pending = None
         base_view = None

@@ -82,8 +82,9 @@ class _Send:
 
 
 class _DeltaBase:
-    """``delta=True``: the trainer's base (the last whole version that every
-    worker of its send acked) and the encoder of each send against it.
+    """``delta=True``: the trainer's base (the last whole version sent and
+    acked, held by the workers that acked it) and the encoder of each send
+    against it.
 
     The base is the staged buffer of that send itself, kept instead of
     copied (the staging takes the old base's memory for its next send), so
@@ -103,18 +104,20 @@ class _DeltaBase:
 
     def keep(self, staged: torch.Tensor, nbytes: int) -> tuple[bool, torch.Tensor | None]:
         """Before the next send is staged: if the last one was whole and
-        every one of its workers acked it, its staged bytes become the base.
-        Returns whether they did (the next send must then be staged
+        acked, its staged bytes become the base, held by the workers that
+        acked it (those that did not, dead or late, get the full bytes
+        next). Returns whether they did (the next send must then be staged
         elsewhere), and the old base's memory to stage it in, if any."""
         last, self.last = self.last, None
         encoder = self.encoder
         if last is None or encoder is None or encoder.nbytes != nbytes:
             return False, None
         version, ranks, whole = last
-        if not whole or any(self.acked.get(rank) != version for rank in ranks):
+        holders = frozenset(rank for rank in ranks if self.acked.get(rank) == version)
+        if not whole or not holders:
             return False, None
         previous = encoder.adopt(staged[:nbytes], version)
-        self.holders = ranks
+        self.holders = holders
         return True, None if previous is None else torch.from_numpy(previous)
 
     def encoded(self, buffer: torch.Tensor, manifest: Manifest, ranks: list[int]) -> EncodedSend | None:

@@ -127,7 +127,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
 
     ``delta=True`` (the ``delta`` extra) sends what changed: each whole
     send goes as a lossless delta against the base, the last whole version
-    that every worker of its send acked, encoded once by the trainer's
+    sent and acked (held by the workers that acked it), encoded once by the trainer's
     chain thread after staging (``send_async()`` still returns once the
     weights are staged), in 1 MiB chunks that each pick their encoding
     (unchanged, a bitmap and the changed values, XOR byte planes through
