@@ -161,6 +161,8 @@ def test_stopped_host_is_named_and_the_others_are_updated(cluster: _netns.Emulat
     if what == "workers":
         assert stopped, "no Ray worker process found on host 2"
         assert error["type"] == "AckTimeoutError", error
+        # It says where the relay's chain broke.
+        assert "the chain broke at host" in error["message"], error
         # At the deadline, not long after it.
         assert 14 <= result["seconds"] < 25
     else:
