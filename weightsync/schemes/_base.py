@@ -67,17 +67,27 @@ def _num_workers(context: Any, kwargs: dict[str, Any]) -> Any:
     return num_workers
 
 
-def _model_of(model_id: str | None, context: Any, kwargs: dict[str, Any]) -> Any:
-    """What ``send(None)`` reads: ``model``, else ``weights`` (as torchrl's
+def _given_model(kwargs: dict[str, Any]) -> Any:
+    """The model passed explicitly: ``model``, else ``weights`` (as torchrl's
     schemes take them), else worker 0's entry of ``params_map`` (each
-    worker's copy is made by its own receiver, so one source serves all),
-    else the context's model."""
+    worker's copy is made by its own receiver, so one source serves all);
+    None if none was."""
     for name in ("model", "weights"):
         if kwargs.get(name) is not None:
             return kwargs[name]
     params_map = _params_map(kwargs)
     if params_map is not None:
         return params_map[0]
+    return None
+
+
+def _model_of(model_id: str | None, context: Any, kwargs: dict[str, Any]) -> Any:
+    """The model of this process, in torchrl's order: the one passed
+    explicitly (:func:`_given_model`), else the context's (its
+    ``get_model(model_id)``, ``.model``, or attribute ``model_id``)."""
+    given = _given_model(kwargs)
+    if given is not None:
+        return given
     try:
         return model_of(context, model_id)
     except (LookupError, ValueError, AttributeError):
@@ -128,6 +138,10 @@ class WeightSyncScheme:
         self._model_id: str | None = None
         self._context: Any = None
         self._model: Any = None
+        # Whether the sender's model was passed explicitly (it then wins over
+        # the context's, as in torchrl) rather than found in the context
+        # (then each send(None) looks it up in the context again).
+        self._model_given = False
         self._worker_idx: int | None = None
         self._async_sender: AsyncWeightSender | None = None
         self._async_receiver: AsyncWeightReceiver | None = None
@@ -136,6 +150,9 @@ class WeightSyncScheme:
         self._on_update: Callable[[int], Any] | None = None
         self._synchronized_on_sender = False
         self._synchronized_on_receiver = False
+        # Whether the next update a worker applies is its initial weights
+        # (the sender's connect), which torchrl's policy versions do not count.
+        self._initial_pending = False
         _register(WeightSyncScheme)
 
     # A scheme crosses process boundaries as configuration only: pipes,
@@ -173,7 +190,7 @@ class WeightSyncScheme:
     @context.setter
     def context(self, context: Any) -> None:
         self._context = context
-        if self._async_sender is not None and self._model is None:
+        if self._async_sender is not None:
             self._async_sender.context = self._source()
 
     @property
@@ -183,12 +200,14 @@ class WeightSyncScheme:
 
         Settable: on a worker, the next updates go to the new model (same
         layout), whose forward calls become the steps the background applier
-        waits for; on the sender, ``send(None)`` reads it."""
+        waits for; on the sender, ``send(None)`` reads it (rather than the
+        context's)."""
         return self._model
 
     @model.setter
     def model(self, model: Any) -> None:
         self._model = model
+        self._model_given = model is not None
         if self._async_receiver is not None and model is not None:
             self.get_receiver().set_model(model)
         elif self._async_sender is not None:
@@ -289,8 +308,11 @@ class WeightSyncScheme:
         """Initialise the sender side (the trainer). Does not block.
 
         ``context`` (e.g. a collector) or ``kwargs`` give what the scheme
-        needs (see each scheme); ``kwargs`` win. A ``model`` (kwarg) or the
-        context's ``get_model(model_id)`` is what ``send(None)`` reads.
+        needs (see each scheme); ``kwargs`` win. ``send(None)`` reads, as
+        torchrl's schemes do, the ``model`` (or ``weights``) kwarg if given,
+        else the context's model at each send: its ``get_model(model_id)``,
+        else its ``.model``, else its attribute named ``model_id`` (e.g. a
+        collector's ``.policy``).
 
         :raises RuntimeError: this scheme is already initialised here.
         """
@@ -300,6 +322,7 @@ class WeightSyncScheme:
         self._model_id = model_id if model_id is not None else kwargs.get("model_id", self._model_id)
         self._context = context
         self._model = _model_of(self._model_id, context, kwargs)
+        self._model_given = _given_model(kwargs) is not None
         transports, staging = self._sender_side(context, kwargs)
         self._async_sender = AsyncWeightSender(
             model_id=self._model_id,
@@ -313,10 +336,11 @@ class WeightSyncScheme:
         )
 
     def _source(self) -> Any:
-        """Where ``send(None)`` reads the weights: the context, or the model."""
-        if self._context is not None:
-            return self._context
-        return types.SimpleNamespace(model=self._model) if self._model is not None else None
+        """Where ``send(None)`` reads the weights: the model given explicitly,
+        else the context (looked up at each send), else the model found at init."""
+        if self._model is not None and (self._model_given or self._context is None):
+            return types.SimpleNamespace(model=self._model)
+        return self._context
 
     def init_on_receiver(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
         """Initialise a worker (receiver side) and announce it to the sender.
@@ -344,9 +368,10 @@ class WeightSyncScheme:
         self._on_update = _from(context, kwargs, "on_update")
         if self._model is None and self._needs_model:
             raise ValueError(
-                f"init_on_receiver needs the model to update: pass model=... or a context with get_model() "
-                f"(model {self._model_id!r})"
+                f"init_on_receiver needs the model to update: pass model=..., or a context with get_model(), "
+                f".model or an attribute {self._model_id!r}"
             )
+        self._initial_pending = self._waits_for_initial_weights()
         endpoint = self._receiver_side(context, kwargs)
         device = kwargs.get("device", getattr(context, "policy_device", None))
         self._async_receiver = AsyncWeightReceiver(
@@ -361,10 +386,15 @@ class WeightSyncScheme:
 
     def _updated(self, version: int) -> None:
         """After each update on a worker: the user's ``on_update``, then the
-        context's version (torchrl's collectors count policy versions)."""
+        context's version (torchrl's collectors count policy versions), as
+        torchrl's own schemes count it: the initial weights (the sender's
+        ``connect()``) are version 0, each later update adds one."""
         if self._on_update is not None:
             self._on_update(version)
-        if self._synchronized_on_receiver:
+        initial, self._initial_pending = self._initial_pending, False
+        # A push worker (Ray) is "connected" before its initial weights land;
+        # those are still not an update of the policy.
+        if self._synchronized_on_receiver and not initial:
             bump = getattr(self._context, "increment_version", None)
             if callable(bump):
                 bump()
