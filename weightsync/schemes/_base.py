@@ -21,6 +21,7 @@ from .._facade import WeightReceiver, WeightSender
 from .._receiver import AsyncWeightReceiver
 from .._sender import DEFAULT_TIMEOUT, AsyncWeightSender, Keys, SendReport
 from .._strategy import WeightStrategy, model_of, model_tensors
+from .._torchrl import is_torchrl_collector
 from .._torchrl import register_with_torchrl as _register
 from .._transports._base import Applier, SenderTransport, Staging, WorkerEndpoint
 
@@ -461,6 +462,12 @@ class WeightSyncScheme:
             if background:
                 receiver.start_applier()
         return None
+
+    def _loop_is_a_collectors(self) -> bool:
+        """Whether this worker runs inside a loop that is not the user's: its
+        context is a torchrl collector, which never calls ``receive()``
+        (torchrl's own schemes apply from a thread of their own there)."""
+        return is_torchrl_collector(self._context)
 
     def _waits_for_initial_weights(self) -> bool:
         """Whether a worker's ``connect()`` waits for the sender's initial
