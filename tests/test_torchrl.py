@@ -312,7 +312,8 @@ def _same_bits(got: torch.Tensor, expected: torch.Tensor) -> bool:
 def _assert_remote_policies_are(ray: Any, collector: Any, policy: Any) -> None:
     """Every remote collector's policy holds the trainer's weights, bit for bit."""
     expected = policy.state_dict()
-    remote = ray.get([c.cascade_execute.remote("policy.state_dict") for c in collector.remote_collectors], timeout=60)
+    calls = [c.cascade_execute.remote("policy.state_dict") for c in collector.remote_collectors]
+    remote = ray.get(calls, timeout=60)
     for worker, got in enumerate(remote):
         assert list(got) == list(expected), worker
         for name, value in expected.items():
