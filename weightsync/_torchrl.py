@@ -4,6 +4,10 @@ That class is an ABC, so registering weightsync's scheme base with it is
 enough. weightsync never imports torchrl on its own: the registration happens
 when torchrl is already loaded (each scheme's init and unpickling look), or
 when the user asks for it (:func:`register_with_torchrl`).
+
+:func:`is_torchrl_collector` tells a worker whether its context is one of
+torchrl's collectors (whose loop never calls ``receive()``), also without
+importing torchrl.
 """
 
 from __future__ import annotations
