@@ -336,6 +336,19 @@ class WeightSyncScheme:
             per_worker_weights=self.per_worker_weights,
         )
 
+    def _holds_a_model(self) -> bool:
+        """Whether ``send(None)`` has a model to read now: a context whose
+        workers build their policy from a factory (a torchrl collector given
+        ``policy_factory``) holds none, and its workers then wait for the
+        first ``send()`` with weights."""
+        source = self._source()
+        if source is None:
+            return False
+        try:
+            return model_of(source, self._model_id) is not None
+        except (LookupError, ValueError, AttributeError):
+            return False
+
     def _source(self) -> Any:
         """Where ``send(None)`` reads the weights: the model given explicitly,
         else the context (looked up at each send), else the model found at init."""
@@ -421,8 +434,9 @@ class WeightSyncScheme:
         Sender: block until every worker (or ``worker_idx``) announced itself,
         then send it the initial weights (``weights``, else the model or
         context given at init) and wait for its ack. Returns that send's
-        report (None when there was nothing to send: the workers then wait
-        for the first ``send()``).
+        report (None when there was nothing to send, e.g. a context that
+        holds no model because its workers build their policy from a
+        factory: the workers then wait for the first ``send()``).
 
         Worker: block until the initial weights are applied (a model built on
         the meta device gets its storage then). Then, with ``background=True``
@@ -447,7 +461,7 @@ class WeightSyncScheme:
             report = None
             # Under per_worker_weights each worker starts from weights of its
             # own (its factory's policy) unless some are given here.
-            initial = self._source() is not None and not self.per_worker_weights
+            initial = not self.per_worker_weights and self._holds_a_model()
             if weights is not None or initial:
                 report = sender.send(weights, worker_idx, timeout=wait)
             self._synchronized_on_sender = True
@@ -516,7 +530,7 @@ class WeightSyncScheme:
         known = self.sender_transports
         wid = worker_id if worker_id is not None else max(known, default=-1) + 1
         sender.add_worker(wid, self._new_transport(wid, channel, replaces=wid in known))
-        if weights is not None or (sender.async_sender.version > 0 and self._source() is not None):
+        if weights is not None or (sender.async_sender.version > 0 and self._holds_a_model()):
             sender.send(weights, [wid], timeout=timeout)
         return wid
 
