@@ -97,6 +97,21 @@ def _model_of(model_id: str | None, context: Any, kwargs: dict[str, Any]) -> Any
         return None
 
 
+def _factory_model(context: Any, model_id: str | None) -> Any:
+    """Where a torchrl collector's workers build their policy from one
+    factory (the same for every worker) and the collector holds none, the
+    trainer builds one too, as torchrl's schemes do: its weights are the
+    initial ones. None otherwise (distinct factories keep their own)."""
+    if context is None or model_id != "policy":
+        return None
+    factories = getattr(context, "policy_factory", None)
+    if isinstance(factories, list | tuple):
+        if not factories or not all(f is factories[0] for f in factories):
+            return None
+        factories = factories[0]
+    return factories() if callable(factories) else None
+
+
 StrategyName = Literal["state_dict", "tensordict"]
 EndpointFactory = Callable[[Applier], WorkerEndpoint]
 
@@ -324,6 +339,9 @@ class WeightSyncScheme:
         self._context = context
         self._model = _model_of(self._model_id, context, kwargs)
         self._model_given = _given_model(kwargs) is not None
+        if self._model is None and not self.per_worker_weights:
+            self._model = _factory_model(context, self._model_id)
+            self._model_given = self._model is not None
         transports, staging = self._sender_side(context, kwargs)
         self._async_sender = AsyncWeightSender(
             model_id=self._model_id,
