@@ -328,7 +328,9 @@ class WeightSyncScheme:
         torchrl's schemes do, the ``model`` (or ``weights``) kwarg if given,
         else the context's model at each send: its ``get_model(model_id)``,
         else its ``.model``, else its attribute named ``model_id`` (e.g. a
-        collector's ``.policy``).
+        collector's ``.policy``). A torchrl collector that holds no policy,
+        its workers building theirs from one factory, gets one built here by
+        that factory, as in torchrl: its weights are the initial ones.
 
         :raises RuntimeError: this scheme is already initialised here.
         """
