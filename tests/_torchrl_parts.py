@@ -68,3 +68,34 @@ def fill(policy: nn.Module, version: float) -> None:
     with torch.no_grad():
         for param in policy.parameters():
             param.fill_(version)
+
+
+class WeightEcho(nn.Module):
+    """A policy network that writes beside its action every one of its
+    weights as it read them in that step (``echo``): each step of a batch
+    shows, bit for bit, the weights it ran with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(SIZE, SIZE)
+
+    def forward(self, observation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = flat_weights(self)
+        return self.linear(observation), flat.expand(*observation.shape[:-1], flat.numel()).clone()
+
+
+def make_echo_policy() -> TensorDictModule:
+    torch.manual_seed(0)
+    return TensorDictModule(WeightEcho(), in_keys=["observation"], out_keys=["action", "echo"])
+
+
+def flat_weights(policy: nn.Module) -> torch.Tensor:
+    """Every parameter and buffer of ``policy``, in one flat tensor (a copy)."""
+    return torch.cat([t.detach().reshape(-1) for t in policy.state_dict().values()])
+
+
+def perturb(policy: nn.Module, generator: torch.Generator) -> None:
+    """New weights: random in every bit, so that equal means copied."""
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(torch.randn(param.shape, generator=generator))

@@ -127,6 +127,66 @@ def test_context_provides_pipes_and_model() -> None:
         scheme.shutdown()
 
 
+def _sent(scheme: ws.WeightSyncScheme) -> dict[str, torch.Tensor]:
+    """What ``send(None)`` would send now."""
+    weights = scheme.prepare_weights(None, scheme.model_id, ws.WeightStrategy("state_dict"))
+    assert isinstance(weights, dict)
+    return weights
+
+
+def _is(weights: dict[str, torch.Tensor], model: nn.Module) -> bool:
+    return all(torch.equal(weights[name], value) for name, value in model.state_dict().items())
+
+
+def test_send_reads_the_model_in_torchrls_order() -> None:
+    """An explicit ``model=`` (or ``weights=``) first, then the context's
+    ``get_model(model_id)``, ``.model``, attribute ``model_id``."""
+    explicit, by_get, by_attr, by_path = (build_model("net", seed=s) for s in (1, 2, 3, 4))
+
+    class RayCollectorLike:  # holds only .policy, as torchrl's RayCollector
+        def __init__(self) -> None:
+            self.policy = by_attr
+            self.env = type("Env", (), {"value_net": by_path})()
+
+    class WithGetModel(RayCollectorLike):
+        def get_model(self, model_id: str) -> nn.Module | None:
+            return by_get if model_id == "policy" else None
+
+    cases = [
+        (RayCollectorLike(), {"model": explicit}, "policy", explicit),
+        (RayCollectorLike(), {"weights": explicit}, "policy", explicit),
+        (WithGetModel(), {"model": explicit}, "policy", explicit),
+        (WithGetModel(), {}, "policy", by_get),
+        (RayCollectorLike(), {}, "policy", by_attr),
+        (WithGetModel(), {}, "env.value_net", by_path),  # get_model has none: the attribute path
+    ]
+    for context, kwargs, model_id, expected in cases:
+        scheme = ws.InProcessWeightSyncScheme()
+        scheme.init_on_sender(model_id, context=context, num_workers=1, **kwargs)
+        try:
+            assert _is(_sent(scheme), expected), (type(context).__name__, kwargs, model_id)
+        finally:
+            scheme.shutdown()
+
+
+def test_a_context_is_read_at_each_send_and_one_without_the_model_is_refused_by_name() -> None:
+    class Holder:
+        pass
+
+    context = Holder()
+    context.policy = build_model("net", seed=1)  # type: ignore[attr-defined]
+    scheme = ws.InProcessWeightSyncScheme()
+    scheme.init_on_sender("policy", context=context, num_workers=1)
+    try:
+        context.policy = replaced = build_model("net", seed=2)  # type: ignore[attr-defined]
+        assert _is(_sent(scheme), replaced)
+        del context.policy  # type: ignore[attr-defined]
+        with pytest.raises(ws.InvalidWeightsError, match="Holder holds no model 'policy'"):
+            _sent(scheme)
+    finally:
+        scheme.shutdown()
+
+
 def test_no_weight_sync_scheme_does_nothing() -> None:
     scheme = ws.NoWeightSyncScheme()
     scheme.init_on_sender("policy")

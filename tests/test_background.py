@@ -269,3 +269,37 @@ def test_a_foreign_message_at_the_rendezvous_names_the_worker() -> None:
     finally:
         scheme.shutdown()
         theirs.close()
+
+
+def test_a_context_counts_the_updates_after_the_initial_weights() -> None:
+    # torchrl's collectors count policy versions: the initial weights (the
+    # sender's connect) are version 0, each later update adds one.
+    import copy
+    import threading
+
+    class Context:
+        def __init__(self, model: Net) -> None:
+            self.model = model
+            self.versions = 0
+
+        def increment_version(self) -> None:
+            self.versions += 1
+
+    trainer_model = Net()
+    trainer = ws.InProcessWeightSyncScheme(timeout=30)
+    trainer.init_on_sender("policy", model=trainer_model, num_workers=1)
+    worker = copy.copy(trainer)
+    context = Context(Net())
+    worker.init_on_worker("policy", context=context, worker_idx=0)
+    try:
+        joined = threading.Thread(target=worker.connect)
+        joined.start()
+        assert trainer.connect() is not None  # the initial weights went out
+        joined.join(30)
+        assert worker.synchronized_on_receiver and context.versions == 0
+        for sent in (1, 2):
+            trainer.send()  # returns once applied, on_update and the count included
+            assert context.versions == sent
+    finally:
+        worker.shutdown()
+        trainer.shutdown()

@@ -10,12 +10,16 @@ tensordict < 0.15); skipped elsewhere.
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 torchrl = pytest.importorskip("torchrl")
 
@@ -274,3 +278,129 @@ def test_the_torchrun_bench_times_torchrls_distributed_scheme_beside_weightsyncs
     (row,) = json.loads(out.read_text())["rows"]
     for way in ("weightsync", "gloo_bcast", "gloo_star", "torchrl"):
         assert len(row[way]) == 2 and all(s > 0 for s in row[way]), way
+
+
+# -- the collectors whose loop is not the user's: Ray and torch.distributed --
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[Any]:
+    """A Ray instance of this module's own (never one found on the machine),
+    whose workers import the tests' parts and this weightsync."""
+    ray = pytest.importorskip("ray")
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _same_bits(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    if got.dtype != expected.dtype or got.shape != expected.shape:
+        return False
+    return torch.equal(got.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8))
+
+
+def _assert_remote_policies_are(ray: Any, collector: Any, policy: Any) -> None:
+    """Every remote collector's policy holds the trainer's weights, bit for bit."""
+    expected = policy.state_dict()
+    calls = [c.cascade_execute.remote("policy.state_dict") for c in collector.remote_collectors]
+    remote = ray.get(calls, timeout=60)
+    for worker, got in enumerate(remote):
+        assert list(got) == list(expected), worker
+        for name, value in expected.items():
+            assert _same_bits(got[name], value), (worker, name)
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_ray_collector_keeps_every_remote_policy_equal_to_the_trainers(local_ray: Any, sync: bool) -> None:
+    """torchrl's ``RayCollector`` with weightsync's ``RayWeightSyncScheme``
+    passed as torchrl documents it (the collector gives ``model=`` and
+    itself, which has no ``get_model()``, as the context): after each
+    ``update_policy_weights_()`` every remote policy equals the trainer's,
+    the remote policy versions count the updates as torchrl's own scheme
+    does (1 after the first), and torchrl warns of no experimental
+    strategy."""
+    from torchrl.collectors.distributed import RayCollector
+
+    scheme = ws.RayWeightSyncScheme(timeout=60)
+    policy = parts.make_echo_policy()
+    generator = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        collector = RayCollector(
+            [parts.make_env] * 2,
+            policy,
+            frames_per_batch=20,
+            total_frames=10**9,
+            sync=sync,
+            collector_kwargs={"track_policy_version": True},
+            weight_sync_schemes={"policy": scheme},
+        )
+        try:
+            collector.update_policy_weights_()  # before the first batch, as torchrl asks
+            _assert_remote_policies_are(local_ray, collector, policy)
+            for updates, batch in enumerate(collector, start=1):
+                if sync:  # each batch began after the update before it
+                    echo = batch["echo"].reshape(-1, parts.flat_weights(policy).numel())
+                    assert all(_same_bits(row, parts.flat_weights(policy)) for row in echo)
+                versions = local_ray.get([c.get_policy_version.remote() for c in collector.remote_collectors])
+                assert versions == [updates, updates]
+                if updates == 4:
+                    break
+                parts.perturb(policy, generator)
+                collector.update_policy_weights_()
+                _assert_remote_policies_are(local_ray, collector, policy)
+        finally:
+            collector.shutdown()
+            scheme.shutdown()
+    assert not [w for w in caught if "experimental" in str(w.message)]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_distributed_collector_applies_every_update_without_receive() -> None:
+    """torchrl's ``DistributedCollector`` (``launcher="mp"``: real worker
+    processes) with weightsync's ``DistributedWeightSyncScheme`` at its
+    default ``sync=True``: the collector gives no ``model=`` (its
+    ``.policy`` is read) and its workers' loop never calls ``receive()``,
+    so each worker applies updates in the background. Every step of each
+    batch after an update ran with the trainer's new weights, bit for bit."""
+    from torchrl.collectors.distributed import DistributedCollector
+
+    scheme = ws.DistributedWeightSyncScheme(timeout=60)
+    policy = parts.make_echo_policy()
+    generator = torch.Generator().manual_seed(2)
+    collector = DistributedCollector(
+        [parts.make_env] * 2,
+        policy,
+        frames_per_batch=20,
+        total_frames=10**9,
+        sync=True,
+        launcher="mp",
+        tcp_port=_free_port(),
+        weight_sync_schemes={"policy": scheme},
+    )
+    try:
+        for i, batch in enumerate(_collect(collector, 4)):
+            expected = parts.flat_weights(policy)
+            echo = batch["echo"].reshape(-1, expected.numel())
+            assert len(echo) == 20
+            assert all(_same_bits(row, expected) for row in echo), i
+            parts.perturb(policy, generator)
+            collector.update_policy_weights_()
+    finally:
+        collector.shutdown()
+        scheme.shutdown()

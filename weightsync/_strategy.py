@@ -24,15 +24,33 @@ __all__ = ["WeightStrategy", "flat_weights", "materialize", "model_of", "model_t
 StrategyName = Literal["state_dict", "tensordict"]
 
 
+def _attribute_path(context: Any, path: str) -> Any | None:
+    """``context.a.b`` for ``path='a.b'``, or None where a link is missing."""
+    obj = context
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
 def model_of(context: Any, model_id: str | None) -> Any | None:
-    """The model a context (e.g. a collector) holds for ``model_id``: its
-    ``get_model(model_id)``, else its ``model`` attribute, else None."""
+    """The model a context (e.g. a collector) holds for ``model_id``, looked
+    up as torchrl's schemes look it up: its ``get_model(model_id)``, else its
+    ``model`` attribute, else the attribute named by ``model_id`` (a dotted
+    path such as ``"policy"`` or ``"env.value_net"``); None if none holds
+    one. An error raised by ``get_model`` propagates."""
     if context is None:
         return None
     get_model = getattr(context, "get_model", None)
-    if get_model is not None:
-        return get_model(model_id)
-    return getattr(context, "model", None)
+    if callable(get_model):
+        model = get_model(model_id)
+        if model is not None:
+            return model
+    model = getattr(context, "model", None)
+    if model is None and model_id:
+        model = _attribute_path(context, model_id)
+    return model
 
 
 def _resolve_source(source: Any, context: Any, model_id: str | None) -> Any:
@@ -46,7 +64,8 @@ def _resolve_source(source: Any, context: Any, model_id: str | None) -> Any:
     model = model_of(context, model_id)
     if model is None:
         raise InvalidWeightsError(
-            f"the context {type(context).__name__} has neither get_model() nor .model",
+            f"the context {type(context).__name__} holds no model {model_id!r}: it has no "
+            f"get_model() that returns one, no .model and no attribute {model_id!r}",
             model_id=model_id,
         )
     return model

@@ -22,6 +22,7 @@ from .._facade import WeightReceiver, WeightSender
 from .._receiver import AsyncWeightReceiver
 from .._sender import DEFAULT_TIMEOUT, AsyncWeightSender, Keys, SendReport
 from .._strategy import WeightStrategy, model_of, model_tensors
+from .._torchrl import is_torchrl_collector
 from .._torchrl import register_with_torchrl as _register
 from .._transports._base import Applier, SenderTransport, Staging, WorkerEndpoint
 
@@ -68,23 +69,48 @@ def _num_workers(context: Any, kwargs: dict[str, Any]) -> Any:
     return num_workers
 
 
-def _model_of(model_id: str | None, context: Any, kwargs: dict[str, Any]) -> Any:
-    """What ``send(None)`` reads: ``model``, else ``weights`` (as torchrl's
+def _given_model(kwargs: dict[str, Any]) -> Any:
+    """The model passed explicitly: ``model``, else ``weights`` (as torchrl's
     schemes take them), else worker 0's entry of ``params_map`` (each
-    worker's copy is made by its own receiver, so one source serves all),
-    else the context's model."""
+    worker's copy is made by its own receiver, so one source serves all);
+    None if none was."""
     for name in ("model", "weights"):
         if kwargs.get(name) is not None:
             return kwargs[name]
     params_map = _params_map(kwargs)
     if params_map is not None:
         return params_map[0]
+    return None
+
+
+def _model_of(model_id: str | None, context: Any, kwargs: dict[str, Any]) -> Any:
+    """The model of this process, in torchrl's order: the one passed
+    explicitly (:func:`_given_model`), else the context's (its
+    ``get_model(model_id)``, ``.model``, or attribute ``model_id``)."""
+    given = _given_model(kwargs)
+    if given is not None:
+        return given
     try:
         return model_of(context, model_id)
     except (LookupError, ValueError, AttributeError):
         # A context that holds no such model (yet): e.g. a torchrl collector
         # whose workers build their policy from a factory.
         return None
+
+
+def _factory_model(context: Any, model_id: str | None) -> Any:
+    """Where a torchrl collector's workers build their policy from one
+    factory (the same for every worker) and the collector holds none, the
+    trainer builds one too, as torchrl's schemes do: its weights are the
+    initial ones. None otherwise (distinct factories keep their own)."""
+    if context is None or model_id != "policy":
+        return None
+    factories = getattr(context, "policy_factory", None)
+    if isinstance(factories, list | tuple):
+        if not factories or not all(f is factories[0] for f in factories):
+            return None
+        factories = factories[0]
+    return factories() if callable(factories) else None
 
 
 StrategyName = Literal["state_dict", "tensordict"]
@@ -143,6 +169,10 @@ class WeightSyncScheme:
         self._model_id: str | None = None
         self._context: Any = None
         self._model: Any = None
+        # Whether the sender's model was passed explicitly (it then wins over
+        # the context's, as in torchrl) rather than found in the context
+        # (then each send(None) looks it up in the context again).
+        self._model_given = False
         self._worker_idx: int | None = None
         self._async_sender: AsyncWeightSender | None = None
         self._async_receiver: AsyncWeightReceiver | None = None
@@ -151,6 +181,9 @@ class WeightSyncScheme:
         self._on_update: Callable[[int], Any] | None = None
         self._synchronized_on_sender = False
         self._synchronized_on_receiver = False
+        # Whether the next update a worker applies is its initial weights
+        # (the sender's connect), which torchrl's policy versions do not count.
+        self._initial_pending = False
         _register(WeightSyncScheme)
 
     # A scheme crosses process boundaries as configuration only: pipes,
@@ -190,7 +223,7 @@ class WeightSyncScheme:
     @context.setter
     def context(self, context: Any) -> None:
         self._context = context
-        if self._async_sender is not None and self._model is None:
+        if self._async_sender is not None:
             self._async_sender.context = self._source()
 
     @property
@@ -200,12 +233,14 @@ class WeightSyncScheme:
 
         Settable: on a worker, the next updates go to the new model (same
         layout), whose forward calls become the steps the background applier
-        waits for; on the sender, ``send(None)`` reads it."""
+        waits for; on the sender, ``send(None)`` reads it (rather than the
+        context's)."""
         return self._model
 
     @model.setter
     def model(self, model: Any) -> None:
         self._model = model
+        self._model_given = model is not None
         if self._async_receiver is not None and model is not None:
             self.get_receiver().set_model(model)
         elif self._async_sender is not None:
@@ -306,8 +341,13 @@ class WeightSyncScheme:
         """Initialise the sender side (the trainer). Does not block.
 
         ``context`` (e.g. a collector) or ``kwargs`` give what the scheme
-        needs (see each scheme); ``kwargs`` win. A ``model`` (kwarg) or the
-        context's ``get_model(model_id)`` is what ``send(None)`` reads.
+        needs (see each scheme); ``kwargs`` win. ``send(None)`` reads, as
+        torchrl's schemes do, the ``model`` (or ``weights``) kwarg if given,
+        else the context's model at each send: its ``get_model(model_id)``,
+        else its ``.model``, else its attribute named ``model_id`` (e.g. a
+        collector's ``.policy``). A torchrl collector that holds no policy,
+        its workers building theirs from one factory, gets one built here by
+        that factory, as in torchrl: its weights are the initial ones.
 
         :raises RuntimeError: this scheme is already initialised here.
         """
@@ -317,6 +357,10 @@ class WeightSyncScheme:
         self._model_id = model_id if model_id is not None else kwargs.get("model_id", self._model_id)
         self._context = context
         self._model = _model_of(self._model_id, context, kwargs)
+        self._model_given = _given_model(kwargs) is not None
+        if self._model is None and not self.per_worker_weights:
+            self._model = _factory_model(context, self._model_id)
+            self._model_given = self._model is not None
         transports, staging = self._sender_side(context, kwargs)
         self._async_sender = AsyncWeightSender(
             model_id=self._model_id,
@@ -330,11 +374,25 @@ class WeightSyncScheme:
             wire_dtype=self.wire_dtype,
         )
 
+    def _holds_a_model(self) -> bool:
+        """Whether ``send(None)`` has a model to read now: a context whose
+        workers build their policy from a factory (a torchrl collector given
+        ``policy_factory``) holds none, and its workers then wait for the
+        first ``send()`` with weights."""
+        source = self._source()
+        if source is None:
+            return False
+        try:
+            return model_of(source, self._model_id) is not None
+        except (LookupError, ValueError, AttributeError):
+            return False
+
     def _source(self) -> Any:
-        """Where ``send(None)`` reads the weights: the context, or the model."""
-        if self._context is not None:
-            return self._context
-        return types.SimpleNamespace(model=self._model) if self._model is not None else None
+        """Where ``send(None)`` reads the weights: the model given explicitly,
+        else the context (looked up at each send), else the model found at init."""
+        if self._model is not None and (self._model_given or self._context is None):
+            return types.SimpleNamespace(model=self._model)
+        return self._context
 
     def init_on_receiver(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
         """Initialise a worker (receiver side) and announce it to the sender.
@@ -362,9 +420,10 @@ class WeightSyncScheme:
         self._on_update = _from(context, kwargs, "on_update")
         if self._model is None and self._needs_model:
             raise ValueError(
-                f"init_on_receiver needs the model to update: pass model=... or a context with get_model() "
-                f"(model {self._model_id!r})"
+                f"init_on_receiver needs the model to update: pass model=..., or a context with get_model(), "
+                f".model or an attribute {self._model_id!r}"
             )
+        self._initial_pending = self._waits_for_initial_weights()
         endpoint = self._receiver_side(context, kwargs)
         device = kwargs.get("device", getattr(context, "policy_device", None))
         self._async_receiver = AsyncWeightReceiver(
@@ -379,10 +438,15 @@ class WeightSyncScheme:
 
     def _updated(self, version: int) -> None:
         """After each update on a worker: the user's ``on_update``, then the
-        context's version (torchrl's collectors count policy versions)."""
+        context's version (torchrl's collectors count policy versions), as
+        torchrl's own schemes count it: the initial weights (the sender's
+        ``connect()``) are version 0, each later update adds one."""
         if self._on_update is not None:
             self._on_update(version)
-        if self._synchronized_on_receiver:
+        initial, self._initial_pending = self._initial_pending, False
+        # A push worker (Ray) is "connected" before its initial weights land;
+        # those are still not an update of the policy.
+        if self._synchronized_on_receiver and not initial:
             bump = getattr(self._context, "increment_version", None)
             if callable(bump):
                 bump()
@@ -408,8 +472,9 @@ class WeightSyncScheme:
         Sender: block until every worker (or ``worker_idx``) announced itself,
         then send it the initial weights (``weights``, else the model or
         context given at init) and wait for its ack. Returns that send's
-        report (None when there was nothing to send: the workers then wait
-        for the first ``send()``).
+        report (None when there was nothing to send, e.g. a context that
+        holds no model because its workers build their policy from a
+        factory: the workers then wait for the first ``send()``).
 
         Worker: block until the initial weights are applied (a model built on
         the meta device gets its storage then). Then, with ``background=True``
@@ -434,7 +499,7 @@ class WeightSyncScheme:
             report = None
             # Under per_worker_weights each worker starts from weights of its
             # own (its factory's policy) unless some are given here.
-            initial = self._source() is not None and not self.per_worker_weights
+            initial = not self.per_worker_weights and self._holds_a_model()
             if weights is not None or initial:
                 report = sender.send(weights, worker_idx, timeout=wait)
             self._synchronized_on_sender = True
@@ -449,6 +514,12 @@ class WeightSyncScheme:
             if background:
                 receiver.start_applier()
         return None
+
+    def _loop_is_a_collectors(self) -> bool:
+        """Whether this worker runs inside a loop that is not the user's: its
+        context is a torchrl collector, which never calls ``receive()``
+        (torchrl's own schemes apply from a thread of their own there)."""
+        return is_torchrl_collector(self._context)
 
     def _waits_for_initial_weights(self) -> bool:
         """Whether a worker's ``connect()`` waits for the sender's initial
@@ -497,7 +568,7 @@ class WeightSyncScheme:
         known = self.sender_transports
         wid = worker_id if worker_id is not None else max(known, default=-1) + 1
         sender.add_worker(wid, self._new_transport(wid, channel, replaces=wid in known))
-        if weights is not None or (sender.async_sender.version > 0 and self._source() is not None):
+        if weights is not None or (sender.async_sender.version > 0 and self._holds_a_model()):
             sender.send(weights, [wid], timeout=timeout)
         return wid
 

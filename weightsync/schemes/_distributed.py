@@ -67,7 +67,10 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     update only inside its ``receive()`` (a safe point); False, its
     ``connect()`` starts the background applier, which applies each update
     as it arrives, between two forward calls of the model (see
-    :meth:`WeightReceiver.start_applier`). ``timeout``: the default deadline
+    :meth:`WeightReceiver.start_applier`). A worker inside a torchrl
+    collector (``DistributedCollector``: the context given to
+    ``init_on_worker`` is a collector, whose loop never calls
+    ``receive()``) applies in the background whatever ``sync`` says. ``timeout``: the default deadline
     of a send and of each phase of ``connect()``, in seconds (torchrl's
     default is an hour; weightsync's, a minute).
 
@@ -349,15 +352,21 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         background: bool | None = None,
     ) -> SendReport | None:
         """As :meth:`WeightSyncScheme.connect`. On a worker, ``background``
-        defaults to ``not sync``: with ``sync=False`` every later update is
-        applied as it arrives. ``worker_idx`` on the sender is a worker id
-        (rank - 1), as in ``send(worker_ids=...)``; on a worker it is
-        ignored (the rank was given at init)."""
+        (None: chosen as below) says whether every later update is applied
+        as it arrives, by the background applier, rather than by
+        ``receive()``:
+
+        - inside a torchrl collector (the context given at init is one, as
+          in ``DistributedCollector``'s workers), always: the collector's
+          loop never calls ``receive()``, whatever ``sync`` says;
+        - else, with ``sync=False``; with ``sync=True`` the worker's own
+          loop applies each update by calling ``receive()``.
+
+        ``worker_idx`` on the sender is a worker id (rank - 1), as in
+        ``send(worker_ids=...)``; on a worker it is ignored (the rank was
+        given at init)."""
         if self._async_receiver is not None:
             worker_idx = None
-        return super().connect(
-            worker_idx=worker_idx,
-            weights=weights,
-            timeout=timeout,
-            background=(not self.sync) if background is None else background,
-        )
+        if background is None:
+            background = not self.sync or self._loop_is_a_collectors()
+        return super().connect(worker_idx=worker_idx, weights=weights, timeout=timeout, background=background)

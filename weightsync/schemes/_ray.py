@@ -48,10 +48,11 @@ class RayWeightSyncScheme(WeightSyncScheme):
     Errors are weightsync's: a dead or unreachable actor is a
     :class:`WorkerLostError` naming the worker; no Ray exception reaches the
     caller. Ray must be initialised (``ray.init``) before ``init_on_sender``.
-    Default strategy: ``'state_dict'``.
+    Default strategy: ``'tensordict'``, as torchrl's (whose ``RayCollector``
+    extracts the weights itself with the scheme's ``strategy_str``).
     """
 
-    default_strategy = "state_dict"
+    default_strategy = "tensordict"
     # The sender finds a registered actor through Ray: nothing to announce,
     # and no event loop to enter, so this works inside an async actor's loop.
     _announces = False
