@@ -78,7 +78,7 @@ def _wait_keys(store: Any, keys: Sequence[str], timeout: float = _TIMEOUT) -> li
 
 def worker_main(host: str, port: int, ctrl_port: int, rank: int, mib: float) -> None:
     """Worker ``rank``: takes the trainer's sends whichever way they come."""
-    torch.set_num_threads(1)
+    # torch's default thread count, as users' processes run.
     tensors = {name: torch.zeros(shape) for name, shape in mlp_shapes(int(mib * MIB), 8).items()}
     # Applied in the background as each update arrives, so that this thread
     # waits for commands in the control store's server: on one machine
@@ -130,7 +130,7 @@ def trainer_main(
 ) -> None:
     """The trainer: prints ``PORTS <scheme store> <control store>``, waits for
     the workers, times every way, prints one JSON row."""
-    torch.set_num_threads(1)
+    # torch's default thread count, as users' processes run.
     shapes = mlp_shapes(int(mib * MIB), 8)
     source = {name: torch.randn(shape) for name, shape in shapes.items()}
     nbytes = sum(t.numel() * 4 for t in source.values())

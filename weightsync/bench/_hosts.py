@@ -84,7 +84,7 @@ class HostActor:
     one case's model at a time and takes it from whichever peer is timed."""
 
     def __init__(self) -> None:
-        torch.set_num_threads(1)
+        # torch's default thread count, as users' processes run.
         self.tensors: dict[str, torch.Tensor] = {}
         self.scheme: ws.RayWeightSyncScheme | None = None
         self.group: Any = None

@@ -235,7 +235,7 @@ def torchrun_bench(
     ``json_path``). Every rank of the job must call it with the same arguments."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    # torch's default thread count, as users' processes run.
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torchrl = importlib.util.find_spec("torchrl") is not None
     if world < 2:
