@@ -16,8 +16,8 @@ from ._machine import describe_machine, machine_facts
 from ._plot import PlotUnavailableError, require_matplotlib, write_plot
 from ._progress import Progress
 from ._run import run_bench
-from ._trajectories import TRAJECTORIES
 from ._table import columns_for, format_row, legend, table_header
+from ._trajectories import TRAJECTORIES
 from ._types import (
     ALTERNATIVES,
     DTYPES,
@@ -227,7 +227,10 @@ def _parser() -> argparse.ArgumentParser:
         help=f"trajectories to send with --delta (default: all: {', '.join(TRAJECTORIES)})",
     )
     delta.add_argument(
-        "--steps", type=int, default=5, help="timed steps of each trajectory with --delta (default: %(default)s)"
+        "--steps",
+        type=int,
+        default=5,
+        help="timed steps of each trajectory with --delta (default: %(default)s)",
     )
     # Testing hook: this worker corrupts its model after applying, so verification must fail.
     bench.add_argument("--corrupt-worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -346,7 +349,7 @@ def _delta(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ._netns import unavailable_reason
 
     if args.cluster or args.scheme not in (["distributed"], list(_DEFAULTS.schemes)):
-        parser.error("--delta runs the distributed scheme (--scheme distributed), on one host or --emulate-hosts")
+        parser.error("--delta runs the distributed scheme (--scheme distributed), on one or emulated hosts")
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     sizes = list(args.size) if args.size != list(_DEFAULTS.sizes_mib) else [64.0]
@@ -357,8 +360,7 @@ def _delta(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         checked = _emulation(args, parser)
         if checked is None:
             return 2
-        rate, hosts = checked
-        total = args.emulate_hosts
+        hosts, total = checked[1], args.emulate_hosts
     else:
         # One host: every process in one network namespace of its own, so
         # that its lo counts only their bytes.

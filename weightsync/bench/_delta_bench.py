@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import shutil
@@ -96,7 +97,7 @@ def _codec_ms(steps: list[torch.Tensor], item: int) -> tuple[list[float], list[f
 
     nbytes = steps[0].numel()
     encode, decode, sizes = [], [], []
-    for before, after in zip(steps, steps[1:], strict=False):
+    for before, after in itertools.pairwise(steps):
         encoder = DeltaEncoder(nbytes, item)
         encoder.commit(before)
         t0 = time.thread_time()
@@ -137,7 +138,7 @@ def prepare_steps(
         trained = time.perf_counter() - started
         nbytes = flat[0].numel()
         uint = torch.int16 if item == 2 else torch.int32
-        changed = [int((a.view(uint) != b.view(uint)).sum()) for a, b in zip(flat, flat[1:], strict=False)]
+        changed = [int((a.view(uint) != b.view(uint)).sum()) for a, b in itertools.pairwise(flat)]
         encode, decode, sizes = _codec_ms(flat, item)
         path = os.path.join(directory, f"{name}.pt")
         torch.save(flat, path)
@@ -188,7 +189,8 @@ def worker_main(host: str, ports: list[int], ctrl_port: int, rank: int, nbytes: 
     schemes = []
     for model_id, port in zip(("delta", "full"), ports, strict=True):
         scheme = ws.DistributedWeightSyncScheme(sync=False, timeout=_TIMEOUT, delta=model_id == "delta")
-        scheme.init_on_worker(model_id, model=tensors, worker_idx=rank, store_info={"host": host, "port": port})
+        info = {"host": host, "port": port}
+        scheme.init_on_worker(model_id, model=tensors, worker_idx=rank, store_info=info)
         schemes.append(scheme)
     ctrl = _store(host, ctrl_port, master=False)
     ctrl.set(f"up/{rank}", b"1")
@@ -424,7 +426,7 @@ def format_delta_table(rows: Sequence[dict[str, Any]], bytes_per_second: float, 
         d, f = row["delta"], row["full"]
         sends = len(d["time"]) + len(f["time"])
         cells = [
-            row["name"], str(row["hosts"]), row["rate"] if row["hosts"] else "-", f"{size / MIB:.0f}",
+            row["name"], str(row["hosts"]), row["rate"] if row["hosts"] else "-", f"{size / MIB:.3g}",
             f"{med(row['changed']):.1%}", f"{med(row['index_value']) / size:.3f}",
             f"{med(d['nic']) / MIB:.2f}", f"{med(d['nic']) / size:.3f}", f"{med(f['nic']) / MIB:.2f}",
             f"{floor * 1e3:.0f}" if row["hosts"] else "-",
