@@ -227,6 +227,12 @@ def _parser() -> argparse.ArgumentParser:
         help=f"trajectories to send with --delta (default: all: {', '.join(TRAJECTORIES)})",
     )
     delta.add_argument(
+        "--keep-steps",
+        metavar="DIR",
+        help="keep the computed trajectory steps in DIR and use them again in later --delta runs of "
+        "the same --size and --steps (default: computed anew, in a temporary directory)",
+    )
+    delta.add_argument(
         "--steps",
         type=int,
         default=5,
@@ -379,7 +385,7 @@ def _delta(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         done = emulate_delta(
             total, args.link_rate, hosts, args.trajectory, sizes[0], args.steps, args.per_host,
-            progress=lambda text: print(text, flush=True),
+            progress=lambda text: print(text, flush=True), keep_steps=args.keep_steps,
         )  # fmt: skip
     except RuntimeError as exc:
         print(f"weightsync bench: error: {exc}", file=sys.stderr)

@@ -122,26 +122,32 @@ def prepare_steps(
 ) -> dict[str, dict[str, Any]]:
     """Compute ``steps + 1`` steps of each trajectory, ``mib`` MiB sent each
     (a bf16 trajectory trains an fp32 master of twice that), save them in
-    ``directory`` and measure the codec and the index/value format on them.
-    Returns, per trajectory: its file, dtype, size, changed fraction and the
-    codec's figures per step."""
+    ``directory`` (steps already there, from an earlier run with the same
+    trajectory, size and step count, are used again: the trajectories are
+    deterministic) and measure the codec and the index/value format on
+    them. Returns, per trajectory: its file, dtype, size, changed fraction
+    and the codec's figures per step."""
     out: dict[str, dict[str, Any]] = {}
     for name in names:
         kind = TRAJECTORIES[name]
         item = kind.element_size
         master = int(mib * MIB) * (2 if kind.wire == "bf16" else 1)
+        path = os.path.join(directory, f"{name}-{mib:g}MiB-{steps}steps.pt")
         started = time.perf_counter()
-        # A model as wide as the default where it holds one layer at least
-        # (smaller sizes: a narrower one, so that S is about what was asked).
-        width = next((d for d in (512, 256, 128) if 4 * (12 * d * d + 13 * d) <= master), 64)
-        flat = [t.contiguous() for t in update_trajectory(kind, master, steps, d_model=width)]
+        if os.path.exists(path):
+            flat = torch.load(path)
+        else:
+            # A model as wide as the default where it holds one layer at
+            # least (smaller sizes: a narrower one, so S is about as asked).
+            width = next((d for d in (512, 256, 128) if 4 * (12 * d * d + 13 * d) <= master), 64)
+            flat = [t.contiguous() for t in update_trajectory(kind, master, steps, d_model=width)]
+            torch.save(flat, path + ".part")
+            os.replace(path + ".part", path)
         trained = time.perf_counter() - started
         nbytes = flat[0].numel()
         uint = torch.int16 if item == 2 else torch.int32
         changed = [int((a.view(uint) != b.view(uint)).sum()) for a, b in itertools.pairwise(flat)]
         encode, decode, sizes = _codec_ms(flat, item)
-        path = os.path.join(directory, f"{name}.pt")
-        torch.save(flat, path)
         out[name] = {
             "path": path,
             "wire": kind.wire,
@@ -153,7 +159,7 @@ def prepare_steps(
             "codec_bytes": sizes,
         }
         log(
-            f"{name}: {steps + 1} steps of {nbytes / MIB:.1f} MiB in {trained:.0f} s, "
+            f"{name}: {steps + 1} steps of {nbytes / MIB:.1f} MiB (computed or read in {trained:.0f} s), "
             f"{statistics.median(out[name]['changed']):.1%} of elements changed per step"
         )
     return out
@@ -355,13 +361,17 @@ def emulate_delta(
     steps: int,
     per_host: int = 1,
     progress: Callable[[str], None] | None = None,
+    keep_steps: str | None = None,
 ) -> dict[str, Any]:
-    """Compute the steps of each trajectory, then make an emulated cluster
-    of ``total_hosts`` hosts and run every case there (receiving host
-    count 0: all on one host). Returns the rows and the link rate in
-    bytes/s. Needs root."""
+    """Compute the steps of each trajectory (in ``keep_steps``, kept for
+    later runs, when given), then make an emulated cluster of
+    ``total_hosts`` hosts and run every case there (receiving host count
+    0: all on one host). Returns the rows and the link rate in bytes/s.
+    Needs root."""
     log = progress or (lambda text: None)
-    directory = tempfile.mkdtemp(prefix="weightsync-delta-")
+    if keep_steps is not None:
+        os.makedirs(keep_steps, exist_ok=True)
+    directory = keep_steps or tempfile.mkdtemp(prefix="weightsync-delta-")
     try:
         prepared = prepare_steps(names, mib, steps, directory, log)
         rows = []
@@ -379,7 +389,8 @@ def emulate_delta(
                     log(format_delta_table(rows[-1:], cluster.bytes_per_second, header=False))
             return {"rows": rows, "bytes_per_second": cluster.bytes_per_second, "rate": rate}
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        if keep_steps is None:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 _COLUMNS = [
