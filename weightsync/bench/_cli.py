@@ -351,7 +351,7 @@ def _distributed_across_hosts(
 def _delta(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``--delta``: the cases of :mod:`._delta_bench`, on one host or
     (``--emulate-hosts N``) across emulated hosts."""
-    from ._delta_bench import delta_legend, emulate_delta, format_delta_table
+    from ._delta_bench import delta_legend, emulate_delta, format_delta_table, target_lines
     from ._netns import unavailable_reason
 
     if args.cluster or args.scheme not in (["distributed"], list(_DEFAULTS.schemes)):
@@ -395,6 +395,9 @@ def _delta(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             json.dump(done, handle, indent=1)
     print("\nall cases:\n" + format_delta_table(done["rows"], done["bytes_per_second"]))
     print("columns:\n" + delta_legend())
+    targets = target_lines(done["rows"], done["bytes_per_second"])
+    if targets:
+        print("targets (1 Gbit/s NICs):\n" + "\n".join(targets))
     return 0
 
 

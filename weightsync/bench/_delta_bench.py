@@ -454,6 +454,35 @@ def format_delta_table(rows: Sequence[dict[str, Any]], bytes_per_second: float, 
     return "\n".join(lines)
 
 
+def target_lines(rows: Sequence[dict[str, Any]], bytes_per_second: float) -> list[str]:
+    """Met or missed, per row across hosts at 1 Gbit/s: the trainer's NIC at
+    most 0.06 S per send (bf16 lr 3e-6), at most 0.2x S/B at 3 receiving
+    hosts and 0.3x at 7 (bf16 lr 3e-6) and 0.8x at 3 (fp32 lr 3e-4), random
+    at most 1.05x the time of delta=False, and every stall with delta=True
+    within 1.15x of delta=False's."""
+    med = statistics.median
+    lines = []
+    for row in rows:
+        if not row["hosts"] or row["rate"] != "1gbit":
+            continue
+        d, f = row["delta"], row["full"]
+        floor = row["bytes"] / bytes_per_second
+        where = f"{row['name']}, {row['hosts']} hosts:"
+        checks = [("stall d/f", med(d["stall"]) / med(f["stall"]), 1.15)]
+        if row["name"] == "bf16-lr3e-6":
+            checks.append(("NIC per send, x S", med(d["nic"]) / row["bytes"], 0.06))
+            if row["hosts"] in (3, 7):
+                checks.append(("time, x S/B", med(d["time"]) / floor, 0.2 if row["hosts"] == 3 else 0.3))
+        if row["name"] == "fp32-lr3e-4" and row["hosts"] == 3:
+            checks.append(("time, x S/B", med(d["time"]) / floor, 0.8))
+        if row["name"] == "random":
+            checks.append(("time d/f", med(d["time"]) / med(f["time"]), 1.05))
+        for label, value, limit in checks:
+            verdict = "met" if value <= limit else "MISSED"
+            lines.append(f"  {where:<24} {label:<18} {value:6.3f} (target <= {limit}): {verdict}")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m weightsync.bench._delta_bench")
     roles = parser.add_subparsers(dest="role", required=True)
