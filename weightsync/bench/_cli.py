@@ -35,6 +35,9 @@ _DEFAULTS = BenchConfig()
 
 
 def _parser() -> argparse.ArgumentParser:
+    # Imported here: ``python -m weightsync.bench._delta_bench`` imports this package first.
+    from ._delta_bench import delta_legend
+
     parser = argparse.ArgumentParser(
         prog="weightsync", description="Move model weights from a trainer to its workers."
     )
@@ -58,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
             "worker holds exactly the trainer's weights; compare with a single-threaded memcpy and "
             "with (workers+1) memcpys on 2 threads, measured in the same run."
         ),
-        epilog=f"known schemes:\n{known}\nalternatives (--compare):\n{alternatives}\n\n{columns}",
+        epilog=f"known schemes:\n{known}\nalternatives (--compare):\n{alternatives}\n\n{columns}"
+        f"\n\ncolumns of --delta (medians over the steps):\n{delta_legend()}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument(
@@ -351,7 +355,7 @@ def _distributed_across_hosts(
 def _delta(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``--delta``: the cases of :mod:`._delta_bench`, on one host or
     (``--emulate-hosts N``) across emulated hosts."""
-    from ._delta_bench import delta_legend, emulate_delta, format_delta_table, target_lines
+    from ._delta_bench import emulate_delta, format_delta_table, target_lines
     from ._netns import unavailable_reason
 
     if args.cluster or args.scheme not in (["distributed"], list(_DEFAULTS.schemes)):
