@@ -355,7 +355,7 @@ def _distributed_across_hosts(
 def _delta(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``--delta``: the cases of :mod:`._delta_bench`, on one host or
     (``--emulate-hosts N``) across emulated hosts."""
-    from ._delta_bench import emulate_delta, format_delta_table, target_lines
+    from ._delta_bench import delta_legend, emulate_delta, format_delta_table, target_lines
     from ._netns import unavailable_reason
 
     if args.cluster or args.scheme not in (["distributed"], list(_DEFAULTS.schemes)):
