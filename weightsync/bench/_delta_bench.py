@@ -376,7 +376,10 @@ def emulate_delta(
         prepared = prepare_steps(names, mib, steps, directory, log)
         rows = []
         with EmulatedCluster(total_hosts, rate) as cluster:
-            log(f"emulated cluster: {total_hosts} hosts, {rate} NICs")
+            if list(hosts) == [0]:
+                log("one host: the trainer and its workers in one network namespace (its lo)")
+            else:
+                log(f"emulated cluster: {total_hosts} hosts, {rate} NICs")
             log(format_delta_table([], cluster.bytes_per_second))
             for count in hosts:
                 for name in names:
