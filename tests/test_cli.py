@@ -371,3 +371,41 @@ def test_bench_compares_torchrls_schemes(tmp_path: Path) -> None:
         "shared",
         "private",
     ]
+
+
+def test_bench_delta_on_one_host(tmp_path: Path) -> None:
+    from weightsync.bench._netns import unavailable_reason
+
+    pytest.importorskip("blosc2")
+    why = unavailable_reason()
+    if why is not None:
+        pytest.skip(f"--delta runs in a network namespace: {why}")
+    out = tmp_path / "delta.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync", "bench", "--delta", "--size", "0.25", "--steps", "2",
+         "--trajectory", "bf16-lr3e-6", "random", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    # Exit 0: every send of both schemes was checked on the worker.
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    header = lines.index("all cases:") + 1
+    assert lines[header].split()[:6] == ["trajectory", "hosts", "rate", "MiB", "chg", "idx/val"]
+    rows = {line.split()[0]: line.split() for line in lines[header + 1 : header + 3]}
+    assert set(rows) == {"bf16-lr3e-6", "random"}
+    for row in rows.values():
+        assert row[1] == "0" and row[-1] == "4/4"  # one host; 2 steps x 2 schemes, all exact
+    report = json.loads(out.read_text())
+    for row in report["rows"]:
+        assert row["checked"] == 4 and row["workers"] == 1
+        delta, full = row["delta"], row["full"]
+        assert len(delta["time"]) == len(full["time"]) == 2
+        assert all(delta["delta"]) and not any(full["delta"])
+        # What the NIC counted: the delta is far smaller than the full bytes
+        # on a bf16 update, and costs next to nothing more on random bytes.
+        if row["name"] == "bf16-lr3e-6":
+            assert max(delta["nic"]) < 0.5 * min(full["nic"])
+        else:
+            assert min(delta["nic"]) > 0.9 * row["bytes"]
+        assert all(n >= row["bytes"] for n in full["nic"])
+        assert len(row["encode_ms"]) == len(row["decode_ms"]) == 2

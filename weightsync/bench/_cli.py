@@ -17,6 +17,7 @@ from ._plot import PlotUnavailableError, require_matplotlib, write_plot
 from ._progress import Progress
 from ._run import run_bench
 from ._table import columns_for, format_row, legend, table_header
+from ._trajectories import TRAJECTORIES
 from ._types import (
     ALTERNATIVES,
     DTYPES,
@@ -34,6 +35,9 @@ _DEFAULTS = BenchConfig()
 
 
 def _parser() -> argparse.ArgumentParser:
+    # Imported here: ``python -m weightsync.bench._delta_bench`` imports this package first.
+    from ._delta_bench import delta_legend
+
     parser = argparse.ArgumentParser(
         prog="weightsync", description="Move model weights from a trainer to its workers."
     )
@@ -57,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
             "worker holds exactly the trainer's weights; compare with a single-threaded memcpy and "
             "with (workers+1) memcpys on 2 threads, measured in the same run."
         ),
-        epilog=f"known schemes:\n{known}\nalternatives (--compare):\n{alternatives}\n\n{columns}",
+        epilog=f"known schemes:\n{known}\nalternatives (--compare):\n{alternatives}\n\n{columns}"
+        f"\n\ncolumns of --delta (medians over the steps):\n{delta_legend()}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument(
@@ -204,6 +209,39 @@ def _parser() -> argparse.ArgumentParser:
         help="actors (workers, for --scheme distributed) per receiving host (default: 1)",
     )
     across.add_argument("--no-peers", action="store_true", help="time weightsync only, without the two peers")
+    delta = bench.add_argument_group(
+        "sending only what changed (--delta: DistributedWeightSyncScheme(delta=True) against delta=False "
+        "in the same run, on one host or with --emulate-hosts N --link-rate R across hosts)"
+    )
+    delta.add_argument(
+        "--delta",
+        action="store_true",
+        help="send real update trajectories (each step's weights, computed before timing) with "
+        "delta=True and delta=False, each send checked on every worker; columns: the trainer NIC's "
+        "bytes per send (its tx_bytes counter), time against S/B and against delta=False, the "
+        "trainer's stall, the codec's encode and decode CPU ms, the hosts' CPU, and the index/value "
+        "format's size on the same steps; --size is S, the bytes of one send (default 64)",
+    )
+    delta.add_argument(
+        "--trajectory",
+        nargs="+",
+        choices=list(TRAJECTORIES),
+        default=list(TRAJECTORIES),
+        metavar="NAME",
+        help=f"trajectories to send with --delta (default: all: {', '.join(TRAJECTORIES)})",
+    )
+    delta.add_argument(
+        "--keep-steps",
+        metavar="DIR",
+        help="keep the computed trajectory steps in DIR and use them again in later --delta runs of "
+        "the same --size and --steps (default: computed anew, in a temporary directory)",
+    )
+    delta.add_argument(
+        "--steps",
+        type=int,
+        default=5,
+        help="timed steps of each trajectory with --delta (default: %(default)s)",
+    )
     # Testing hook: this worker corrupts its model after applying, so verification must fail.
     bench.add_argument("--corrupt-worker", type=int, default=None, help=argparse.SUPPRESS)
     return parser
@@ -311,6 +349,59 @@ def _distributed_across_hosts(
         with open(args.json, "w") as handle:
             json.dump({"rows": done["rows"], "bytes_per_second": rate}, handle, indent=1)
     print("\nall cases:\n" + format_distributed_table(done["rows"], rate))
+    return 0
+
+
+def _delta(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--delta``: the cases of :mod:`._delta_bench`, on one host or
+    (``--emulate-hosts N``) across emulated hosts."""
+    from ._delta_bench import delta_legend, emulate_delta, format_delta_table, target_lines
+    from ._netns import unavailable_reason
+
+    if args.cluster or args.scheme not in (["distributed"], list(_DEFAULTS.schemes)):
+        parser.error("--delta runs the distributed scheme (--scheme distributed), on one or emulated hosts")
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    sizes = list(args.size) if args.size != list(_DEFAULTS.sizes_mib) else [64.0]
+    if len(sizes) != 1:
+        parser.error("--delta takes one --size")
+    args.link_rate = args.link_rate or "1gbit"
+    if args.emulate_hosts is not None:
+        checked = _emulation(args, parser)
+        if checked is None:
+            return 2
+        hosts, total = checked[1], args.emulate_hosts
+    else:
+        # One host: every process in one network namespace of its own, so
+        # that its lo counts only their bytes.
+        why = unavailable_reason()
+        if why is not None:
+            print(f"weightsync bench: --delta needs a network namespace: {why}", file=sys.stderr)
+            return 2
+        hosts, total = [0], 1
+    print(describe_machine(machine_facts()), flush=True)
+    print(
+        f"DistributedWeightSyncScheme(delta=True) against delta=False in the same run; S = {sizes[0]:g} MiB "
+        f"sent per step; {args.per_host} worker(s) per receiving host; medians of {args.steps} steps; "
+        "enc/dec: the codec on the same steps in this process (CPU time)",
+        flush=True,
+    )
+    try:
+        done = emulate_delta(
+            total, args.link_rate, hosts, args.trajectory, sizes[0], args.steps, args.per_host,
+            progress=lambda text: print(text, flush=True), keep_steps=args.keep_steps,
+        )  # fmt: skip
+    except RuntimeError as exc:
+        print(f"weightsync bench: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(done, handle, indent=1)
+    print("\nall cases:\n" + format_delta_table(done["rows"], done["bytes_per_second"]))
+    print("columns:\n" + delta_legend())
+    targets = target_lines(done["rows"], done["bytes_per_second"])
+    if targets:
+        print("targets (1 Gbit/s NICs):\n" + "\n".join(targets))
     return 0
 
 
@@ -427,6 +518,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.delta:
+        return _delta(args, parser)
     if args.command == "bench" and (args.emulate_hosts is not None or args.cluster):
         return _across_hosts(args, parser)
     if args.command == "bench" and args.scheme == ["distributed"]:
