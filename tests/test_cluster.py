@@ -132,8 +132,12 @@ def test_relay_carries_deltas_and_a_host_that_missed_a_send_gets_the_full_bytes(
     nbytes, sends = result["nbytes"], result["sends"]
     assert [s["bad"] for s in sends] == [[]] * len(sends), sends
     # connect()'s initial send: no base, the full bytes along one chain.
-    assert sends[0]["delta"] == [False] and sends[0]["chains"] == [[1, 2, 3]], sends[0]
-    assert sends[0]["wire"] == nbytes
+    assert sends[0]["delta"] == [False] and sends[0]["chains"][0] == [1, 2, 3], sends[0]
+    assert sends[0]["wire"] >= nbytes
+    # (Then sends until one reached every host in one chain: the agents start
+    # with the first, which may break its chain.)
+    assert result["warmup"] <= 2, sends
+    sends = sends[result["warmup"] :]
     for send in sends[1:5]:
         assert send["delta"] == [True] and send["chains"] == [[1, 2, 3]], send
         assert send["wire"] < 0.1 * nbytes, send
