@@ -39,6 +39,9 @@ class Collector:
     def host(self) -> str:
         return str(ray.util.get_node_ip_address())
 
+    def node(self) -> str:
+        return str(ray.get_runtime_context().get_node_id())
+
 
 def _model(mib: int) -> dict[str, torch.Tensor]:
     per = mib * MIB // 4 // 4
@@ -104,6 +107,65 @@ def scenario_exact(result: dict[str, Any]) -> None:
     scheme.send(worker_ids=[0, 4])
     result["subset_bad"] = _exact([actors[0], actors[4]], model)
     result["subset_chains"] = [len(chain) for chain in relay.last_attempts] if relay else []
+    scheme.shutdown()
+
+
+def _nudge(model: dict[str, torch.Tensor], step: int, fraction: float = 0.01) -> None:
+    """Change ``fraction`` of the elements, as a small RL step does."""
+    gen = torch.Generator().manual_seed(step)
+    with torch.no_grad():
+        for tensor in model.values():
+            flat = tensor.view(-1)
+            picked = torch.randperm(flat.numel(), generator=gen)[: int(fraction * flat.numel())]
+            flat[picked] += torch.randn(picked.numel(), generator=gen)
+
+
+def scenario_delta(result: dict[str, Any]) -> None:
+    """RayWeightSyncScheme(delta=True), 3 receiving hosts x 1 actor: sends
+    of small changes, each checked on every actor it targets, with how
+    each went (chains, whether each carried a delta, wire bytes); host 3
+    (actor 2) misses one send."""
+    model = _model(16)
+    scheme = ws.RayWeightSyncScheme(timeout=60, delta=True)
+    actors = _actors(scheme, model, range(1, 4), 1)
+    scheme.init_on_sender("policy", remote_collectors=actors, model=model)
+    scheme.connect(timeout=120)  # actors and relay agents start: not what is under test
+    result["nbytes"] = sum(t.numel() * t.element_size() for t in model.values())
+    # Each chain as the hosts (1..3) it went through.
+    host_of = {node: 1 + i for i, node in enumerate(ray.get([a.node.remote() for a in actors]))}
+    relay = scheme.staging.relay  # type: ignore[attr-defined]
+    sends = []
+
+    def send(step: int, worker_ids: list[int] | None = None) -> None:
+        if step:
+            _nudge(model, step)
+            scheme.send(worker_ids=worker_ids)
+        targets = actors if worker_ids is None else [actors[i] for i in worker_ids]
+        sends.append(
+            {
+                "delta": scheme.last_delta,
+                "wire": scheme.last_wire_bytes,
+                "chains": [[host_of[n] for n in chain] for chain in relay.last_attempts],
+                "bad": _exact(targets, model),
+            }
+        )
+
+    send(0)  # connect()'s initial send
+    # Until one send reached every host along one chain: the relay agents
+    # start with the first send (seconds each, importing torch), which may
+    # break its chain; a host no chain reached holds no base yet.
+    for warmup in range(1, 6):
+        if sends[-1]["chains"] == [[1, 2, 3]] and all(relay.why(n) is None for n in host_of):
+            break
+        send(100 + warmup)
+    result["warmup"] = len(sends) - 1
+    for step in range(1, 5):
+        send(step)
+    # Host 3 misses this one: the base moves on without it.
+    send(5, worker_ids=[0, 1])
+    for step in range(6, 9):
+        send(step)
+    result["sends"] = sends
     scheme.shutdown()
 
 

@@ -119,6 +119,39 @@ def test_relaying_host_killed_mid_send(cluster: _netns.EmulatedCluster) -> None:
     assert len(result["chains"]) >= 1
 
 
+def test_relay_carries_deltas_and_a_host_that_missed_a_send_gets_the_full_bytes(
+    cluster: _netns.EmulatedCluster,
+) -> None:
+    """RayWeightSyncScheme(delta=True) to 3 hosts: every send bit-exact on
+    every actor; after the first (no base yet), each change of 1% of the
+    elements crosses the trainer's NIC as a small fraction of the bytes; a
+    host that missed a send gets the full bytes in a chain of its own, and
+    deltas again after that."""
+    pytest.importorskip("blosc2")
+    result = _drive(cluster, "delta")
+    nbytes, sends = result["nbytes"], result["sends"]
+    assert [s["bad"] for s in sends] == [[]] * len(sends), sends
+    # connect()'s initial send: no base, the full bytes along one chain.
+    assert sends[0]["delta"] == [False] and sends[0]["chains"][0] == [1, 2, 3], sends[0]
+    assert sends[0]["wire"] >= nbytes
+    # (Then sends until one reached every host in one chain: the agents start
+    # with the first, which may break its chain.)
+    assert result["warmup"] <= 2, sends
+    sends = sends[result["warmup"] :]
+    for send in sends[1:5]:
+        assert send["delta"] == [True] and send["chains"] == [[1, 2, 3]], send
+        assert send["wire"] < 0.1 * nbytes, send
+    # Host 3 missed send 5 (a delta to hosts 1 and 2); send 6 goes as a
+    # delta to those, and as the full bytes to host 3.
+    assert sends[5]["delta"] == [True] and sends[5]["chains"] == [[1, 2]], sends[5]
+    assert sends[6]["delta"] == [True, False], sends[6]
+    assert sends[6]["chains"] == [[1, 2], [3]], sends[6]
+    assert nbytes < sends[6]["wire"] < 1.1 * nbytes
+    for send in sends[7:]:
+        assert send["delta"] == [True] and send["chains"] == [[1, 2, 3]], send
+        assert send["wire"] < 0.1 * nbytes, send
+
+
 def _ray_workers(cluster: _netns.EmulatedCluster, host: int) -> list[int]:
     """The Ray worker processes (actors, the relay agent) of ``host``: not
     its raylet or other services."""

@@ -7,6 +7,8 @@ All tests share the session's two-node Ray test cluster.
 
 from __future__ import annotations
 
+import pickle
+import sys
 import time
 
 import _probe
@@ -215,3 +217,29 @@ def test_an_async_actor_must_register_where_its_loop_runs(ray_runtime: RayRuntim
         assert "call it from the actor's __init__ or one of its methods" in refused
     finally:
         ray.kill(actor)
+
+
+def test_delta_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An entry of None in sys.modules makes ``import blosc2`` fail as if it
+    # were not installed: refused at construction, before anything moves.
+    monkeypatch.setitem(sys.modules, "blosc2", None)
+    with pytest.raises(ws.WeightSyncStateError, match=r"pip install 'weightsync\[delta\]'"):
+        ws.RayWeightSyncScheme(delta=True)
+
+
+def test_delta_on_one_host_sends_the_bytes_as_they_are(ray_runtime: RayRuntime) -> None:
+    """Actors on the trainer's node and on one other: no relay, so Ray's
+    object store carries the bytes as ever, and ``delta=True`` changes
+    nothing (no chain, no wire bytes of weightsync's own)."""
+    pytest.importorskip("blosc2")
+    c = RayCluster(ray_runtime, ["probe", "probe"], trainer_kind="probe", delta=True)
+    try:
+        assert c.scheme.delta and pickle.loads(pickle.dumps(c.scheme)).delta
+        for version in (1, 2, 3):
+            _probe.fill(c.model, version)
+            assert c.sender.send().version == version
+            for i in range(2):
+                assert _probe.span(c.state(i)["weights"]) == (version, version)
+            assert c.scheme.last_delta == [] and c.scheme.last_wire_bytes == 0
+    finally:
+        c.close()

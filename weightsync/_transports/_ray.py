@@ -60,7 +60,7 @@ from .._exceptions import (
 from .._offload import inline_allowed, run_blocking
 from .._packet import Manifest, Packet, Signature
 from ._base import Applier, worker_failed, worker_lost
-from ._ray_relay import HostRelay
+from ._ray_relay import HostRelay, SendKind
 
 __all__ = ["RayEndpoint", "RaySenderTransport", "RayStaging", "RayUpdate", "apply_on_actor"]
 
@@ -81,6 +81,16 @@ def _tensor_views(arrays: Sequence[np.ndarray], manifest: Manifest) -> list[torc
     return [t.view(spec.dtype).view(spec.shape) for t, spec in zip(flat, manifest.specs, strict=True)]
 
 
+def _element_size(tensors: Sequence[torch.Tensor]) -> int:
+    """The element size of the dtype that holds most of ``tensors``' bytes:
+    a delta's byte planes are split by it."""
+    share: dict[int, int] = {}
+    for tensor in tensors:
+        size = tensor.element_size()
+        share[size] = share.get(size, 0) + tensor.numel() * size
+    return max(share, key=lambda size: share[size]) if share else 1
+
+
 class RayStaging:
     """Puts each send's bytes into the object store, once for all actors, and
     keeps the calls of the send in flight.
@@ -88,10 +98,16 @@ class RayStaging:
     When the actors live on two or more nodes besides the trainer's, the
     actors of those nodes are fed through a :class:`HostRelay` (a pipelined
     chain of the nodes, each getting the bytes once); the trainer's node
-    reads the trainer's object, as with one node."""
+    reads the trainer's object, as with one node.
 
-    def __init__(self, model_id: str | None, relay: bool = True) -> None:
+    ``delta=True``: the relay's chain carries what changed since the last
+    whole relayed send that every actor of its send acked (see
+    ``_ray_relay.RelayDelta``); the object store's own path (one node, or
+    the trainer's) carries the bytes as ever."""
+
+    def __init__(self, model_id: str | None, relay: bool = True, *, delta: bool = False) -> None:
         self.model_id = model_id
+        self.delta = delta
         self.ref: ray.ObjectRef | None = None
         self.header: tuple[Any, ...] = ()
         # Each actor's node (learned when it is connected: add_node), the
@@ -118,12 +134,41 @@ class RayStaging:
         self.replies: dict[int, Any] = {}
         self.failed: dict[int, ray.exceptions.RayError] = {}
         self._finished: set[int] = set()
+        # The last version each worker acked, and what a delta needs to
+        # know of the current send.
+        self._acked: dict[int, int] = {}
+        self._kind: SendKind | None = None
+
+    @property
+    def last_encoded(self) -> list[bool]:
+        """Per chain of the relay in the last send: whether it carried a
+        delta (empty: the send did not use the relay)."""
+        return self.relay.last_encoded if self.relay is not None and self._routes else []
+
+    @property
+    def last_wire_bytes(self) -> int:
+        """The bytes the trainer put on the relay's chains in the last send
+        (0: the send did not use the relay)."""
+        return self.relay.last_wire_bytes if self.relay is not None and self._routes else 0
+
+    def acked(self, worker_id: int, version: int) -> None:
+        """Worker ``worker_id`` applied ``version`` (its ack came)."""
+        self._acked[worker_id] = version
+
+    def _settle(self) -> None:
+        """Before the next send: tell the relay whether every actor of the
+        current one acked it (a whole relayed send then becomes its base)."""
+        if self.relay is not None and self.version:
+            targets = self.calls.keys() | self.deferred
+            acked = bool(targets) and all(self._acked.get(w) == self.version for w in targets)
+            self.relay.settle(self.version, acked)
 
     def _put(self, packet: Packet, model_id: str | None, digest: bool) -> tuple[int, ...] | None:
         self.ref = None  # (if the previous send was abandoned)
         # The digests travel in the stored object's header: taken first, in
         # a pass of their own (ray.put's copy cannot digest as it goes).
         sums = digests(packet.tensors, usable_cores()) if digest else None
+        self._settle()
         self.calls, self.replies, self.failed, self._finished = {}, {}, {}, set()
         threads = max(1, usable_cores() // packet.fanout)
         # Everything an actor needs is in the one stored object, the same for
@@ -142,6 +187,8 @@ class RayStaging:
         self.header = header
         self.version = packet.version
         self.deferred, self._routes = set(), None
+        if self.delta:
+            self._kind = SendKind(packet.version, packet.subset is None, _element_size(packet.tensors))
         return sums
 
     async def stage(self, packet: Packet, digest: bool = False) -> tuple[int, ...] | None:
@@ -198,8 +245,10 @@ class RayStaging:
                 deadline = anyio.current_effective_deadline()
                 left = 3600.0 if deadline == float("inf") else deadline - anyio.current_time()
                 if self.relay is None:
-                    self.relay = HostRelay(self.model_id)
-                self._routes = self.relay.start(self.ref, self.header, nodes, time.monotonic() + left)
+                    self.relay = HostRelay(self.model_id, delta=self.delta)
+                self._routes = self.relay.start(
+                    self.ref, self.header, nodes, time.monotonic() + left, self._kind
+                )
         return self._routes
 
     def why(self, worker_id: int) -> str | None:
@@ -368,6 +417,7 @@ class RaySenderTransport:
             # The version applied, or a newer one of the same sender that
             # was already there (only a late call of an abandoned send can
             # find that).
+            staging.acked(self.worker_id, packet.version)
             return
         if kind == "error":
             raise self._failed(packet.version, reply[2])

@@ -34,6 +34,18 @@ hosts whose agents still answer, within the send's deadline. A host that no
 chain could reach is fed the way a single host is, from the trainer's own
 object (Ray pulls it to that node): Ray then reports its actors as dead, or
 their acks miss the deadline, exactly as without the relay.
+
+Deltas (``delta=True``, :class:`RelayDelta`). The chain can carry what
+changed instead of the bytes (``_delta``): the trainer keeps the
+concatenation of a send's arrays as its base once every actor of that send
+acked it, and each agent keeps its receive buffer holding the last version
+it relayed completely, which it says in its result. A send's first chain
+carries delta frames, encoded on the chain's thread as they are sent, to
+the agents whose buffer holds the base version; each rebuilds the version
+in place and checks every chunk against the trainer's digest before it is
+put into its node's store. The other agents (a new one, one that missed a
+send or whose rebuild failed, any doubt) get the bytes themselves in a
+later chain of the same send.
 """
 
 from __future__ import annotations
@@ -44,16 +56,17 @@ import os
 import threading
 import warnings
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from ._chain import ChainDriver, ChainMember, Link, Report, Route
+from .._delta import DeltaEncoder
+from ._chain import ChainDriver, ChainMember, Encoded, EncodedSend, Link, Report, Route
 from ._gloo_chain import CHUNK_BYTES, chunk_spans, connect_store
 from ._gloo_chain import seconds as _seconds
 
-__all__ = ["CHUNK_BYTES", "HostRelay", "RelayAgent", "chunk_spans"]
+__all__ = ["CHUNK_BYTES", "HostRelay", "RelayAgent", "RelayDelta", "SendKind", "chunk_spans"]
 
 
 def _node_address() -> str:
@@ -80,12 +93,16 @@ class RelayAgent:
     node): receives a send's bytes from the previous host of the chain,
     passes them on to the next (a :class:`ChainMember`), and puts them into
     its node's object store for the actors of the host. Holds one receive
-    buffer, reused by sends of the same size."""
+    buffer, reused by sends of the same size; it holds the last whole
+    version relayed completely here, the base a delta is rebuilt against,
+    in place (the host's copy in the store is ``ray.put``'s own)."""
 
     def __init__(self) -> None:
         torch.set_num_threads(1)
         self._member = ChainMember(_node_address())
         self._buffer: torch.Tensor | None = None
+        # The version the buffer holds, whole (None: none, or in doubt).
+        self._holds: int | None = None
         self._ref: Any = None
 
     def address(self) -> str:
@@ -102,21 +119,34 @@ class RelayAgent:
         """Take part in the chain of ``link`` (joining its group, in the
         trainer's store at ``store``, when it is a new one): receive one send
         (tensors of ``sizes`` bytes) and pass it on. Blocks until the send
-        ended here. Returns ``("ok", [ref], error)`` with the host's copy,
-        stored as the trainer's object is (``(header, byte arrays)``;
+        ended here. Returns ``("ok", [ref], error, holds)`` with the host's
+        copy, stored as the trainer's object is (``(header, byte arrays)``;
         ``error`` is None, or why the next host did not get it all), or
-        ``("error", why)``."""
+        ``("error", why, holds)``; ``holds``: the version this host's buffer
+        now holds whole (None: none), the base of a later delta.
+
+        Of an encoded chain (``link.encoded``), the frames are rebuilt in
+        place against the buffer if it holds the delta's base version; else
+        (or if a chunk's check fails) the result is an error, and the
+        trainer sends the bytes in a later chain."""
         import ray
 
+        version, whole = header[2], header[5] is None
         total = int(sum(sizes))
         self._ref = None  # the previous send's copy is no longer needed here
         if self._buffer is None or self._buffer.numel() != total:
-            self._buffer = None
+            self._buffer, self._holds = None, None
             self._buffer = torch.empty(total, dtype=torch.uint8)
         buffer = self._buffer
-        report = self._member.relay(lambda timeout: connect_store(*store, timeout), link, buffer)
+        encoded = link.encoded
+        base = buffer if encoded is not None and self._holds == encoded.base_version else None
+        # From the first byte in, the buffer holds no whole version.
+        self._holds = None
+        report = self._member.relay(lambda timeout: connect_store(*store, timeout), link, buffer, base=base)
         if not report.complete:
-            return ("error", report.error)
+            return ("error", report.error, None)
+        # A partial update is no base for a later delta.
+        self._holds = version if whole else None
         flat = buffer.numpy()
         arrays, offset = [], 0
         for size in sizes:
@@ -124,11 +154,11 @@ class RelayAgent:
             offset += size
         self._ref = ray.put((header, tuple(arrays)))
         # The chain broke after this host (error set): it still has it all.
-        return ("ok", [self._ref], report.error)
+        return ("ok", [self._ref], report.error, self._holds)
 
     def leave(self) -> None:
         self._member.leave()
-        self._buffer, self._ref = None, None
+        self._buffer, self._ref, self._holds = None, None, None
 
 
 class _RelayControl:
@@ -146,6 +176,8 @@ class _RelayControl:
         self._futures: dict[str, concurrent.futures.Future[Any]] = {}
         self._calls: dict[Any, str] = {}
         self._names: dict[str, str] = {}
+        #: The version each node's agent said its buffer holds (see ``RelayAgent.relay``).
+        self.holds: dict[str, int | None] = {}
 
     def begin(
         self, header: tuple[Any, ...], sizes: list[int], futures: dict[str, concurrent.futures.Future[Any]]
@@ -186,10 +218,12 @@ class _RelayControl:
             try:
                 result = ray.get(ref)
             except ray.exceptions.RayError as exc:
+                self.holds[node] = None
                 came.append(
                     (node, Report(False, f"its relay agent is gone ({type(exc).__name__})", gone=True))
                 )
                 continue
+            self.holds[node] = result[-1]
             if result[0] == "ok":
                 _resolve(self._futures[node], result[1][0])
                 came.append((node, Report(True, result[2])))
@@ -199,6 +233,94 @@ class _RelayControl:
 
     def settle(self, route: Route[str]) -> None:
         self._calls = {}
+
+
+class SendKind(NamedTuple):
+    """What the trainer knows of a send's bytes that the relay needs for a delta."""
+
+    version: int
+    #: The bytes of every tensor (no partial update).
+    whole: bool
+    #: The bytes per element the frames' byte planes are split by.
+    element_size: int
+
+
+class RelayDelta:
+    """``delta=True``: the trainer's base, the encoder of each send against
+    it, and the buffer each relayed send is gathered into (the
+    concatenation of its arrays: what the chain carries).
+
+    A send's gathered buffer becomes the base, kept instead of copied, at
+    the next relayed send, once the trainer said that every actor of the
+    send acked it (:meth:`settle`); the old base's memory then gathers the
+    next send. So the trainer holds two buffers of the model's size, the
+    base and the send in flight. Eligible for a delta: the agents that said
+    their buffer holds the base version. Used from the chain's thread only,
+    but :meth:`settle`."""
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+        self.encoder: DeltaEncoder | None = None
+        self._gathered: np.ndarray | None = None
+        # The send gathered in it, and the trainer's word on a send: (version, every actor acked).
+        self._kind: SendKind | None = None
+        self._settled: tuple[int, bool] | None = None
+
+    def settle(self, version: int, acked: bool) -> None:
+        """The trainer is done with send ``version``: whether every actor it
+        targeted acked it (a whole relayed send can then be the base)."""
+        self._settled = (version, acked)
+
+    def gather(self, sources: Sequence[torch.Tensor], kind: SendKind) -> torch.Tensor | None:
+        """Gather a whole send's ``sources`` into one flat buffer (after
+        adopting the last gathered send as the base, where it may be): the
+        bytes every chain of this send carries, and that the frames are
+        taken over. None for a partial send, which goes as it is and
+        leaves the base as it was. Blocks for one copy."""
+        self._adopt_last()
+        if not kind.whole:
+            return None
+        nbytes = sum(s.numel() for s in sources)
+        encoder = self.encoder
+        if encoder is not None and (encoder.nbytes != nbytes or encoder.element_size != kind.element_size):
+            self.encoder = None  # a new layout: start again
+        gathered = self._gathered
+        if gathered is None or gathered.nbytes != nbytes:
+            gathered = self._gathered = None
+            gathered = np.empty(nbytes, dtype=np.uint8)
+        self._gathered, self._kind = gathered, kind
+        offset = 0
+        for source in sources:
+            # A memmove on this thread (numpy's), off torch's intra-op pool.
+            gathered[offset : offset + source.numel()] = source.numpy()
+            offset += source.numel()
+        if self.encoder is None and nbytes:
+            self.encoder = DeltaEncoder(nbytes, kind.element_size, chunk_bytes=self.chunk)
+        return torch.from_numpy(gathered)
+
+    def _adopt_last(self) -> None:
+        """The last gathered send becomes the base if it is settled as acked
+        by every actor; its buffer is then the encoder's, and the old
+        base's memory gathers the next send."""
+        encoder, last, gathered = self.encoder, self._kind, self._gathered
+        if encoder is None or last is None or gathered is None or gathered.nbytes != encoder.nbytes:
+            return
+        if self._settled == (last.version, True):
+            self._gathered, self._kind = encoder.adopt(gathered, last.version), None
+
+    def encoded(self, flat: torch.Tensor, holds: dict[str, int | None]) -> EncodedSend | None:
+        """The delta chain of the send gathered in ``flat``, for the agents
+        whose buffer ``holds`` the base version; None when there is no base
+        or the send is not whole."""
+        encoder, kind = self.encoder, self._kind
+        if encoder is None or encoder.base_version is None or kind is None or not kind.whole:
+            return None
+        base = encoder.base_version
+        eligible = {node for node, version in holds.items() if version == base}
+        if not eligible:
+            return None
+        link = Encoded(base, encoder.element_size, len(encoder.spans))
+        return EncodedSend(link, lambda: encoder.frames(flat), eligible)
 
 
 class HostRelay:
@@ -212,9 +334,11 @@ class HostRelay:
     (:meth:`why` then says why).
     """
 
-    def __init__(self, model_id: str | None, chunk: int = CHUNK_BYTES) -> None:
+    def __init__(self, model_id: str | None, chunk: int = CHUNK_BYTES, *, delta: bool = False) -> None:
         self.model_id = model_id
         self.chunk = chunk
+        #: ``delta=True``: the base and the encoder (see :class:`RelayDelta`).
+        self.delta = RelayDelta(chunk) if delta else None
         self._agents: dict[str, Any] = {}
         self.address = ""
         self.port = 0
@@ -230,6 +354,16 @@ class HostRelay:
         """How many chains the last send ran, and the nodes each one reached
         (for the benchmark and the tests)."""
         return [] if self._driver is None else [route.chain for route in self._driver.routes]
+
+    @property
+    def last_encoded(self) -> list[bool]:
+        """Per chain of the last send: whether it carried a delta."""
+        return [] if self._driver is None else [r.encoded is not None for r in self._driver.routes]
+
+    @property
+    def last_wire_bytes(self) -> int:
+        """The bytes the trainer put on the chains of the last send."""
+        return 0 if self._driver is None else self._driver.sent_bytes
 
     def why(self, node: str) -> str | None:
         """Why no chain of the last send brought ``node`` its copy (None: one did, or it was not in it)."""
@@ -264,21 +398,35 @@ class HostRelay:
 
     # -- one send --------------------------------------------------------------
     def start(
-        self, ref: Any, header: tuple[Any, ...], nodes: Sequence[str], deadline: float
+        self,
+        ref: Any,
+        header: tuple[Any, ...],
+        nodes: Sequence[str],
+        deadline: float,
+        kind: SendKind | None = None,
     ) -> dict[str, concurrent.futures.Future[Any]]:
         """Start sending the trainer's object ``ref`` (``(header, byte
         arrays)``) to ``nodes`` along a chain; ``deadline``: a
-        ``time.monotonic()`` time. Returns a future per node; never waits."""
+        ``time.monotonic()`` time; ``kind``: what a delta needs to know of
+        the send (with ``delta=True``). Returns a future per node; never
+        waits: with ``delta=True`` the bytes are gathered and encoded on
+        the chain's thread."""
         futures: dict[str, concurrent.futures.Future[Any]] = {n: concurrent.futures.Future() for n in nodes}
         # A chain of an abandoned send may still be ending (within a stall
         # limit): the new chain waits for it on its own thread, never here,
         # which is the caller's event loop.
         self._thread = threading.Thread(
-            target=self._run, args=(self._thread, ref, header, list(nodes), deadline, futures), daemon=True,
-            name=f"weightsync-relay-{self.model_id}",
+            target=self._run, args=(self._thread, ref, header, list(nodes), deadline, futures, kind),
+            daemon=True, name=f"weightsync-relay-{self.model_id}",
         )  # fmt: skip
         self._thread.start()
         return futures
+
+    def settle(self, version: int, acked: bool) -> None:
+        """The trainer is done with send ``version``, which every actor it
+        targeted acked or not (see :meth:`RelayDelta.settle`)."""
+        if self.delta is not None:
+            self.delta.settle(version, acked)
 
     def _run(
         self,
@@ -288,6 +436,7 @@ class HostRelay:
         nodes: list[str],
         deadline: float,
         futures: dict[str, concurrent.futures.Future[Any]],
+        kind: SendKind | None,
     ) -> None:
         try:
             if previous is not None:
@@ -299,12 +448,27 @@ class HostRelay:
             self._ensure_store()
             _, arrays = ray.get(ref)
             sources = _byte_tensors(arrays)
+            sizes = [s.numel() for s in sources]
             if self._control is None or self._driver is None:
                 self._control = _RelayControl(self)
-                # One host (or none) left is served by the direct path.
-                self._driver = ChainDriver(self._control, chunk=self.chunk, min_chain=2)
-            self._control.begin(header, [s.numel() for s in sources], futures)
-            self._driver.run(sources, nodes, deadline)
+                # One host (or none) left is served by the direct path; with
+                # deltas it is a chain of its own, so that its agent holds
+                # the version, the base of the next send.
+                min_chain = 1 if self.delta is not None else 2
+                self._driver = ChainDriver(self._control, chunk=self.chunk, min_chain=min_chain)
+            encoded = None
+            if self.delta is not None and kind is not None:
+                # The frames are taken over the arrays' concatenation, which
+                # every chain of the send then carries (and may become the base).
+                flat = self.delta.gather(sources, kind)
+                if flat is not None:
+                    sources = [flat]
+                    encoded = self.delta.encoded(flat, self._control.holds)
+            for node in nodes:
+                # In doubt until its agent answers for this send.
+                self._control.holds[node] = None
+            self._control.begin(header, sizes, futures)
+            self._driver.run(sources, nodes, deadline, encoded)
         except BaseException:  # never leave a waiting deliver() without an answer
             pass
         finally:

@@ -6,10 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
+from .._delta import require_codec
 from .._exceptions import WeightSyncStateError
-from .._sender import SendReport
+from .._sender import DEFAULT_TIMEOUT, SendReport
 from .._transports._base import SenderTransport, Staging
-from ._base import EndpointFactory, WeightSyncScheme, _from
+from ._base import EndpointFactory, StrategyName, WeightSyncScheme, _from
 
 __all__ = ["RayWeightSyncMixin", "RayWeightSyncScheme"]
 
@@ -50,12 +53,88 @@ class RayWeightSyncScheme(WeightSyncScheme):
     caller. Ray must be initialised (``ray.init``) before ``init_on_sender``.
     Default strategy: ``'tensordict'``, as torchrl's (whose ``RayCollector``
     extracts the weights itself with the scheme's ``strategy_str``).
+
+    Across hosts (the targeted actors on two or more nodes besides the
+    trainer's), each send travels along a pipelined chain of those nodes,
+    one relay actor of weightsync's per node, and each node's actors read
+    that node's copy. ``delta=True`` (the ``delta`` extra) makes that
+    chain carry what changed: each whole send goes as a lossless delta
+    against the base, the last whole relayed send that every actor of its
+    send acked, encoded by the relay's thread after staging
+    (``send_async()`` still returns once the weights are staged), in 1 MiB
+    chunks that each pick their encoding, pipelined with the chain. A
+    node's relay actor keeps the last version it received whole and
+    rebuilds the next one from it in place, checking each chunk against
+    the trainer's digest before its actors read it. A node without the base
+    (new, one that missed a send, after a partial update, any doubt) or
+    whose rebuild fails its check gets the full bytes in the same send: no
+    actor ever holds weights other than the trainer's. On one node (and
+    for actors on the trainer's node) the bytes go through Ray's object
+    store as they are: ``delta`` has no effect there. Memory: the trainer
+    keeps two more buffers of the sent bytes' size (the base, and the send
+    in flight), each relay actor one. A partial update is sent whole and
+    leaves the base as it was. :attr:`last_delta` and
+    :attr:`last_wire_bytes` say how the last send went.
     """
 
     default_strategy = "tensordict"
     # The sender finds a registered actor through Ray: nothing to announce,
     # and no event loop to enter, so this works inside an async actor's loop.
     _announces = False
+
+    def __init__(
+        self,
+        strategy: StrategyName | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        verify: bool = False,
+        per_worker_weights: bool = False,
+        wire_dtype: torch.dtype | None = None,
+        delta: bool = False,
+    ) -> None:
+        """:raises WeightSyncStateError: ``delta=True`` without the ``delta``
+        extra installed (the message names it).
+        :raises ValueError: ``wire_dtype`` is not a floating dtype narrower than float32."""
+        if delta:
+            require_codec()
+        super().__init__(
+            strategy,
+            timeout=timeout,
+            verify=verify,
+            per_worker_weights=per_worker_weights,
+            wire_dtype=wire_dtype,
+        )
+        self.delta = delta
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(delta=self.delta)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.delta = state.get("delta", False)
+
+    @property
+    def last_delta(self) -> list[bool]:
+        """Per chain of the relay in the trainer's last send: whether it
+        carried a delta (``delta=True``) or the full bytes. Empty when the
+        send did not use the relay (one node), on a worker, and before the
+        first send."""
+        from .._transports._ray import RayStaging
+
+        staging = self.staging
+        return staging.last_encoded if isinstance(staging, RayStaging) else []
+
+    @property
+    def last_wire_bytes(self) -> int:
+        """The bytes the trainer put on the relay's chains in its last send
+        (the encoded frames with ``delta=True``); 0 when the send did not
+        use the relay, and on a worker."""
+        from .._transports._ray import RayStaging
+
+        staging = self.staging
+        return staging.last_wire_bytes if isinstance(staging, RayStaging) else 0
 
     def _sender_side(
         self, context: Any, kwargs: dict[str, Any]
@@ -75,7 +154,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
                 "(and create the actors) first",
                 model_id=self._model_id,
             )
-        staging = RayStaging(self._model_id)
+        staging = RayStaging(self._model_id, delta=self.delta)
         transports: dict[int, SenderTransport] = {
             i: RaySenderTransport(actor, i, staging, self._model_id) for i, actor in enumerate(actors)
         }
@@ -125,7 +204,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
 
         staging = self.staging
         if not isinstance(staging, RayStaging):
-            staging = RayStaging(self._model_id)
+            staging = RayStaging(self._model_id, delta=self.delta)
         return RaySenderTransport(actor, len(self.sender_transports), staging, self._model_id)
 
     def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> EndpointFactory:
