@@ -6,9 +6,13 @@ what a transport implements and how blocking calls enter the event loop are
 described in ``docs/architecture.md``.
 """
 
+# Delta codec (what delta=True sends; lazy: blosc2 and xxhash are imported on first use)
+from ._delta import DeltaDecoder, DeltaEncoder, version_digest
+
 # Errors
 from ._exceptions import (
     AckTimeoutError,
+    DeltaFrameError,
     InvalidWeightsError,
     ResourceExhaustedError,
     SenderClosedError,
@@ -60,6 +64,9 @@ __all__ = [
     "AckTimeoutError",
     "AsyncWeightReceiver",
     "AsyncWeightSender",
+    "DeltaDecoder",
+    "DeltaEncoder",
+    "DeltaFrameError",
     "DistributedWeightSyncScheme",
     "InProcessWeightSyncScheme",
     "InvalidWeightsError",
@@ -93,4 +100,5 @@ __all__ = [
     "WorkerProtocolError",
     "__version__",
     "register_with_torchrl",
+    "version_digest",
 ]

@@ -21,8 +21,8 @@ and after; on one host, of ``lo`` in the host's namespace, which also
 counts the workers' sends), and the CPU seconds of every process of the
 emulated hosts (trainer included). Measured once per step in the calling
 process, on the same steps: the CPU time of the codec as the scheme runs
-it (one :class:`~weightsync._delta.DeltaEncoder` thread encoding a send;
-one :class:`~weightsync._delta.DeltaDecoder` rebuilding it and checking
+it (one :class:`~weightsync.DeltaEncoder` thread encoding a send;
+one :class:`~weightsync.DeltaDecoder` rebuilding it and checking
 its digest, as a host leader does), and the size of the index/value
 format (a 4-byte index and the value of each changed element).
 
@@ -93,7 +93,7 @@ def _codec_ms(steps: list[torch.Tensor], item: int) -> tuple[list[float], list[f
     """CPU ms of encoding each step against the previous one as the scheme
     does (one encoder thread), and of rebuilding it and checking its digest
     (a host leader); the encoded bytes. Checked bit-exact."""
-    from .._delta import DeltaDecoder, DeltaEncoder, version_digest
+    from weightsync import DeltaDecoder, DeltaEncoder, version_digest
 
     nbytes = steps[0].numel()
     encode, decode, sizes = [], [], []
