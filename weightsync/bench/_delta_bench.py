@@ -41,7 +41,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ import torch
 
 import weightsync as ws
 
+from ._dist_hosts import run_trainer_and_workers
 from ._hosts import NAMESPACES_ENV, cpu_seconds_in, namespace_inodes
 from ._model import tensor_checksums
 from ._netns import EmulatedCluster
@@ -325,31 +325,14 @@ def run_case(cluster: EmulatedCluster, hosts: int, per_host: int, prepared: dict
     host = cluster.addresses[0]
     argv = [sys.executable, "-m", "weightsync.bench._delta_bench", "trainer", host, str(workers),
             prepared["path"], prepared["wire"], nic]  # fmt: skip
-    env = {**_QUIET, NAMESPACES_ENV: " ".join(cluster.namespaces)}
-    trainer = cluster.popen(0, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    procs = []
-    try:
-        assert trainer.stdout is not None
-        first = trainer.stdout.readline().split()
-        if first[:1] != ["PORTS"]:
-            raise RuntimeError(f"the trainer did not start: {trainer.communicate()[1][-3000:]}")
-        for rank in range(1, workers + 1):
-            on = (rank - 1) % hosts + 1 if hosts else 0
-            wargv = [sys.executable, "-m", "weightsync.bench._delta_bench", "worker", host, *first[1:],
-                     str(rank), str(prepared["bytes"]), prepared["wire"]]  # fmt: skip
-            procs.append(cluster.popen(on, wargv, env=_QUIET, stdout=subprocess.DEVNULL))
-        out, err = trainer.communicate(timeout=_TIMEOUT * 4)
-        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        if trainer.returncode != 0 or not rows:
-            raise RuntimeError(f"the trainer failed: {err[-3000:]}")
-        return dict(rows[-1])
-    finally:
-        for proc in [trainer, *procs]:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+
+    def worker_argvs(ports: list[str]) -> list[tuple[int, list[str]]]:
+        module = [sys.executable, "-m", "weightsync.bench._delta_bench", "worker", host, *ports]
+        tail = [str(prepared["bytes"]), prepared["wire"]]
+        on = [(r - 1) % hosts + 1 if hosts else 0 for r in range(1, workers + 1)]
+        return [(on[r - 1], [*module, str(r), *tail]) for r in range(1, workers + 1)]
+
+    return run_trainer_and_workers(cluster, argv, worker_argvs, _TIMEOUT * 4)
 
 
 def emulate_delta(

@@ -48,7 +48,7 @@ from ._memcpy import memcpy_seconds
 from ._model import mlp_shapes, tensor_checksums, unflatten_into
 from ._netns import EmulatedCluster
 
-__all__ = ["emulate_distributed", "format_distributed_table"]
+__all__ = ["emulate_distributed", "format_distributed_table", "run_trainer_and_workers"]
 
 MIB = 1 << 20
 MODEL_ID = "bench"
@@ -227,32 +227,32 @@ def host_of(rank: int, hosts: int) -> int:
 _QUIET = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 
-def run_case(
-    cluster: EmulatedCluster, hosts: int, per_host: int, mib: float, repeats: int, peers: bool
+def run_trainer_and_workers(
+    cluster: EmulatedCluster,
+    trainer_argv: list[str],
+    workers: Callable[[list[str]], list[tuple[int, list[str]]]],
+    timeout: float,
 ) -> dict[str, Any]:
-    """One case on ``cluster``: the trainer on host 0, ``per_host`` workers on
-    each of hosts 1..``hosts``. Returns the trainer's row.
+    """Start ``trainer_argv`` on host 0 (it prints ``PORTS ...`` first, then
+    one JSON row), then ``workers(ports)``: (host, argv) of each worker, given
+    what followed ``PORTS``. Returns the trainer's last row; every process is
+    waited for (killed after 30 s) before it returns.
 
-    :raises RuntimeError: a process failed.
+    :raises RuntimeError: the trainer did not start, or failed.
     """
-    workers = hosts * per_host
-    addresses = [cluster.addresses[host_of(r, hosts)] for r in range(1, workers + 1)]
-    argv = [sys.executable, "-m", "weightsync.bench._dist_hosts", "trainer", cluster.addresses[0],
-            str(workers), str(mib), str(repeats), "1" if peers else "0", *addresses]  # fmt: skip
     env = {**_QUIET, NAMESPACES_ENV: " ".join(cluster.namespaces)}
-    trainer = cluster.popen(0, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    trainer = cluster.popen(
+        0, trainer_argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     procs = []
     try:
         assert trainer.stdout is not None
         first = trainer.stdout.readline().split()
         if first[:1] != ["PORTS"]:
             raise RuntimeError(f"the trainer did not start: {trainer.communicate()[1][-3000:]}")
-        port, ctrl_port = first[1], first[2]
-        for rank in range(1, workers + 1):
-            wargv = [sys.executable, "-m", "weightsync.bench._dist_hosts", "worker", cluster.addresses[0],
-                     port, ctrl_port, str(rank), str(mib)]  # fmt: skip
-            procs.append(cluster.popen(host_of(rank, hosts), wargv, env=_QUIET, stdout=subprocess.DEVNULL))
-        out, err = trainer.communicate(timeout=_TIMEOUT * 2)
+        for host, argv in workers(first[1:]):
+            procs.append(cluster.popen(host, argv, env=_QUIET, stdout=subprocess.DEVNULL))
+        out, err = trainer.communicate(timeout=timeout)
         rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         if trainer.returncode != 0 or not rows:
             raise RuntimeError(f"the trainer failed: {err[-3000:]}")
@@ -264,6 +264,27 @@ def run_case(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def run_case(
+    cluster: EmulatedCluster, hosts: int, per_host: int, mib: float, repeats: int, peers: bool
+) -> dict[str, Any]:
+    """One case on ``cluster``: the trainer on host 0, ``per_host`` workers on
+    each of hosts 1..``hosts``. Returns the trainer's row.
+
+    :raises RuntimeError: a process failed.
+    """
+    workers = hosts * per_host
+    host = cluster.addresses[0]
+    addresses = [cluster.addresses[host_of(r, hosts)] for r in range(1, workers + 1)]
+    argv = [sys.executable, "-m", "weightsync.bench._dist_hosts", "trainer", host,
+            str(workers), str(mib), str(repeats), "1" if peers else "0", *addresses]  # fmt: skip
+
+    def worker_argvs(ports: list[str]) -> list[tuple[int, list[str]]]:
+        module = [sys.executable, "-m", "weightsync.bench._dist_hosts", "worker", host, *ports[:2]]
+        return [(host_of(r, hosts), [*module, str(r), str(mib)]) for r in range(1, workers + 1)]
+
+    return run_trainer_and_workers(cluster, argv, worker_argvs, _TIMEOUT * 2)
 
 
 def emulate_distributed(
