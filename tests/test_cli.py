@@ -289,7 +289,7 @@ def test_bench_ray_scheme_and_ray_put_on_ray_actors(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = _bench_subprocess(
         *("--scheme", "ray", "--compare", "ray-put", "--size", "1", "--workers", "2"),
-        *("--repeats", "3", "--warmup", "1", "--json", str(out)),
+        *("--repeats", "3", "--warmup", "1", "--json", str(out), "--wide"),
     )
     # Exit 0: every send of both cases passed verification.
     assert proc.returncode == 0, proc.stdout + proc.stderr
