@@ -111,7 +111,9 @@ def test_block_runs_as_written(block: Block, tmp_path: Path) -> None:
     script.write_text(block.source)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env.pop("RAY_ADDRESS", None)  # a block's ray.init() starts a Ray of its own, as it says
+    # A block's ray.init() starts a Ray of its own, as it says, even where the
+    # tests' own Ray cluster runs on this machine (ray.init() would join it).
+    env["RAY_ADDRESS"] = "local"
     try:
         result = subprocess.run(
             [sys.executable, str(script)],
