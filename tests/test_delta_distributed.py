@@ -19,6 +19,9 @@ from weightsync._transports import _chain
 
 pytest.importorskip("blosc2")
 pytestmark = pytest.mark.timeout(180)
+# Worker processes and a gloo chain, a few seconds a test: a CI step of
+# their own (pytest -m extended), beside the default run's codec tests.
+extended = pytest.mark.extended
 
 SHAPES = {"w0": 1 << 20, "w1": 300_001, "w2": 7}
 
@@ -46,6 +49,7 @@ def exact(w: Workers, version: int, worker_ids: range | list[int]) -> None:
         assert w.state(wid) == (version, w.expected()), f"worker {wid}"
 
 
+@extended
 @pytest.mark.parametrize("share", [True, False], ids=["host-leader", "all-in-chain"])
 def test_deltas_are_bit_exact_and_small(share: bool) -> None:
     with delta_workers(3, share_on_host=share) as w:
@@ -72,6 +76,7 @@ def test_deltas_are_bit_exact_and_small(share: bool) -> None:
         exact(w, report.version, range(3))
 
 
+@extended
 def test_a_worker_that_missed_a_send_gets_the_full_bytes() -> None:
     with delta_workers(3) as w:
         w.scheme.connect()
@@ -94,6 +99,7 @@ def test_a_worker_that_missed_a_send_gets_the_full_bytes() -> None:
         exact(w, report.version, range(3))
 
 
+@extended
 def test_a_partial_update_then_deltas() -> None:
     with delta_workers(2) as w:
         w.scheme.connect()
@@ -110,6 +116,7 @@ def test_a_partial_update_then_deltas() -> None:
         assert w.scheme.last_delta == [True]
 
 
+@extended
 def test_a_frame_damaged_in_transit_is_caught_and_repaired_with_the_full_bytes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -144,6 +151,7 @@ def test_a_frame_damaged_in_transit_is_caught_and_repaired_with_the_full_bytes(
         exact(w, report.version, range(2))
 
 
+@extended
 def test_delta_combines_with_a_bf16_wire() -> None:
     shapes = {"w0": 1 << 19, "w1": 12345}
     trainer_dtype = torch.float32

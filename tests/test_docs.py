@@ -9,7 +9,9 @@ says what is done with it:
 - ``# extended`` (optionally followed by ``: why``, such as
   ``# extended: needs Ray``): a complete script that is run, as below, only
   under ``pytest -m extended`` (it starts Ray, or takes longer).
-- anything else: a complete script, run in the default run.
+- anything else: a complete script. README's first block (the quickstart)
+  runs in the default run; the others under ``pytest -m extended`` (a CI
+  step), to keep the default run short.
 
 A block that is run is written to a file of a temporary directory and run
 there with this interpreter, in a subprocess of its own, with the
@@ -84,7 +86,8 @@ BLOCKS = [block for path in DOCUMENTS for block in python_blocks(path)]
 
 
 def _param(block: Block) -> object:
-    marks = [pytest.mark.extended] if block.kind == "extended" else []
+    quickstart = block is next(b for b in BLOCKS if b.path.name == "README.md")
+    marks = [] if quickstart and block.kind == "run" else [pytest.mark.extended]
     return pytest.param(block, id=block.id, marks=marks)
 
 
