@@ -51,7 +51,7 @@ import torch
 
 import weightsync as ws
 
-from ._dist_hosts import run_trainer_and_workers
+from ._dist_hosts import control_store, run_trainer_and_workers, wait_keys
 from ._hosts import NAMESPACES_ENV, cpu_seconds_in, namespace_inodes
 from ._model import tensor_checksums
 from ._netns import EmulatedCluster
@@ -61,7 +61,6 @@ __all__ = ["emulate_delta", "format_delta_table", "prepare_steps"]
 
 MIB = 1 << 20
 TENSORS = 8
-_POLL = 0.002
 _TIMEOUT = 300.0
 _JUNK = 0xA5
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "random": torch.float32}
@@ -165,26 +164,6 @@ def prepare_steps(
     return out
 
 
-# -- the store of commands -------------------------------------------------------
-
-
-def _store(host: str, port: int, master: bool) -> Any:
-    import torch.distributed as dist
-
-    return dist.TCPStore(
-        host, port, is_master=master, wait_for_workers=False, timeout=datetime.timedelta(seconds=_TIMEOUT)
-    )
-
-
-def _wait_keys(store: Any, keys: Sequence[str], timeout: float = _TIMEOUT) -> list[bytes]:
-    deadline = time.monotonic() + timeout
-    while not store.check(list(keys)):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"no {list(keys)[:3]}... in the store within {timeout} s")
-        time.sleep(_POLL)
-    return [bytes(store.get(k)) for k in keys]
-
-
 # -- a worker ----------------------------------------------------------------------
 
 
@@ -198,7 +177,7 @@ def worker_main(host: str, ports: list[int], ctrl_port: int, rank: int, nbytes: 
         info = {"host": host, "port": port}
         scheme.init_on_worker(model_id, model=tensors, worker_idx=rank, store_info=info)
         schemes.append(scheme)
-    ctrl = _store(host, ctrl_port, master=False)
+    ctrl = control_store(host, ctrl_port, master=False)
     ctrl.set(f"up/{rank}", b"1")
     for scheme in schemes:
         scheme.connect()
@@ -250,11 +229,11 @@ def trainer_main(host: str, workers: int, path: str, wire: str, nic: str) -> Non
         scheme = ws.DistributedWeightSyncScheme(timeout=_TIMEOUT, delta=model_id == "delta")
         scheme.init_on_sender(model_id, num_workers=workers, model=source, host=host)
         schemes[model_id] = scheme
-    ctrl = _store(host, 0, master=True)
+    ctrl = control_store(host, 0, master=True)
     ports = [(s.get_store_info() or {})["port"] for s in schemes.values()]
     print(f"PORTS {ports[0]} {ports[1]} {ctrl.port}", flush=True)
     ranks = range(1, workers + 1)
-    _wait_keys(ctrl, [f"up/{r}" for r in ranks])
+    wait_keys(ctrl, [f"up/{r}" for r in ranks])
     commands = 0
 
     def command(name: str, tag: str) -> None:
@@ -262,12 +241,12 @@ def trainer_main(host: str, workers: int, path: str, wire: str, nic: str) -> Non
         commands += 1
         ctrl.set(f"cmd/{commands}", json.dumps([name, tag]).encode())
         if name == "junk":
-            _wait_keys(ctrl, [f"junk/{tag}/{r}" for r in ranks])
+            wait_keys(ctrl, [f"junk/{tag}/{r}" for r in ranks])
 
     def check(tag: str) -> None:
         want = tensor_checksums(source)
         command("crc", tag)
-        got = [json.loads(v) for v in _wait_keys(ctrl, [f"crc/{tag}/{r}" for r in ranks])]
+        got = [json.loads(v) for v in wait_keys(ctrl, [f"crc/{tag}/{r}" for r in ranks])]
         bad = [r for r, g in zip(ranks, got, strict=True) if g != want]
         if bad:
             raise SystemExit(f"{tag}: ranks {bad} do not hold the trainer's weights")

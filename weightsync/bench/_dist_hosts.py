@@ -48,7 +48,13 @@ from ._memcpy import memcpy_seconds
 from ._model import mlp_shapes, tensor_checksums, unflatten_into
 from ._netns import EmulatedCluster
 
-__all__ = ["emulate_distributed", "format_distributed_table", "run_trainer_and_workers"]
+__all__ = [
+    "control_store",
+    "emulate_distributed",
+    "format_distributed_table",
+    "run_trainer_and_workers",
+    "wait_keys",
+]
 
 MIB = 1 << 20
 MODEL_ID = "bench"
@@ -56,7 +62,7 @@ _POLL = 0.002
 _TIMEOUT = 300.0
 
 
-def _store(host: str, port: int, master: bool) -> Any:
+def control_store(host: str, port: int, master: bool) -> Any:
     import torch.distributed as dist
 
     return dist.TCPStore(
@@ -64,7 +70,7 @@ def _store(host: str, port: int, master: bool) -> Any:
     )
 
 
-def _wait_keys(store: Any, keys: Sequence[str], timeout: float = _TIMEOUT) -> list[bytes]:
+def wait_keys(store: Any, keys: Sequence[str], timeout: float = _TIMEOUT) -> list[bytes]:
     deadline = time.monotonic() + timeout
     while not store.check(list(keys)):
         if time.monotonic() > deadline:
@@ -85,7 +91,7 @@ def worker_main(host: str, port: int, ctrl_port: int, rank: int, mib: float) -> 
     # that emulates every host, polling workers would take CPU from the sends.
     scheme = ws.DistributedWeightSyncScheme(sync=False, timeout=_TIMEOUT)
     scheme.init_on_worker(MODEL_ID, model=tensors, worker_idx=rank, store_info={"host": host, "port": port})
-    ctrl = _store(host, ctrl_port, master=False)
+    ctrl = control_store(host, ctrl_port, master=False)
     ctrl.set(f"up/{rank}", b"1")
     scheme.connect()
     group: Any = None
@@ -136,12 +142,12 @@ def trainer_main(
     nbytes = sum(t.numel() * 4 for t in source.values())
     scheme = ws.DistributedWeightSyncScheme(timeout=_TIMEOUT)
     scheme.init_on_sender(MODEL_ID, num_workers=workers, model=source, host=host)
-    ctrl = _store(host, 0, master=True)
+    ctrl = control_store(host, 0, master=True)
     info = scheme.get_store_info()
     assert info is not None
     print(f"PORTS {info['port']} {ctrl.port}", flush=True)
     ranks = range(1, workers + 1)
-    _wait_keys(ctrl, [f"up/{r}" for r in ranks])
+    wait_keys(ctrl, [f"up/{r}" for r in ranks])
     commands = 0
 
     def command(name: str, tag: Any) -> None:
@@ -158,7 +164,7 @@ def trainer_main(
 
     def check(tag: str) -> None:
         command("crc", tag)
-        got = [json.loads(v) for v in _wait_keys(ctrl, [f"crc/{tag}/{r}" for r in ranks])]
+        got = [json.loads(v) for v in wait_keys(ctrl, [f"crc/{tag}/{r}" for r in ranks])]
         bad = [r for r, g in zip(ranks, got, strict=True) if g != want]
         if bad:
             raise SystemExit(f"{tag}: ranks {bad} do not hold the trainer's weights")
@@ -204,7 +210,7 @@ def trainer_main(
                 else:
                     for r in ranks:  # one worker after the other, as torchrl's scheme
                         group.send([flat], r, 0).wait()
-                _wait_keys(ctrl, [f"done/{tag}/{r}" for r in ranks])
+                wait_keys(ctrl, [f"done/{tag}/{r}" for r in ranks])
                 if step >= 0:
                     times.append(time.perf_counter() - started)
                 check(f"c{tag}")
