@@ -186,13 +186,15 @@ def scheme_probe(
 
     With a ``receive_timeout``, the probe waits for the next update and
     applies it as soon as it is announced, instead of after its current read.
-    A thread of the in-process scheme passes no ``pipe`` but its
-    ``worker_idx`` (and leaves torch's thread count alone: it is the test
-    process's).
+    A worker reached by rank (DistributedWeightSyncScheme) or a thread of
+    the in-process scheme passes no ``pipe`` but its ``worker_idx``; a
+    thread leaves torch's thread count alone (it is the test process's).
     """
+    import threading
+
     from tensordict import TensorDict
 
-    if pipe is not None:
+    if threading.current_thread() is threading.main_thread():
         torch.set_num_threads(1)
     model = TensorDict({name: torch.zeros(numel) for name, numel in shapes.items()}, batch_size=[])
     if pipe is not None:

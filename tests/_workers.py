@@ -262,7 +262,12 @@ def trainer_then_die(scheme: ws.WeightSyncScheme, model_id: str, pipe: Connectio
     import signal
 
     model = build_model("net", seed=7)
-    scheme.init_on_sender(model_id, pipes=[pipe], model=model)
+    if isinstance(scheme, ws.DistributedWeightSyncScheme):
+        # Its worker joins by rank, through the store whose address it is told.
+        scheme.init_on_sender(model_id, num_workers=1, model=model, host="127.0.0.1")
+        pipe.send(scheme.get_store_info())
+    else:
+        scheme.init_on_sender(model_id, pipes=[pipe], model=model)
     for _ in range(sends):
         with torch.no_grad():
             model.inp.weight.add_(1)

@@ -19,7 +19,7 @@ import _probe
 import pytest
 import torch
 from _workers import Net, snapshot
-from conftest import PIPE_SCHEMES, PROCS, SCHEMES, reap
+from harness import PROCS, make_scheme, reap, schemes
 from tensordict import TensorDict
 
 import weightsync as ws
@@ -51,9 +51,9 @@ def _ready(conns: list) -> None:
         assert conn.recv()[0] == "ready"
 
 
-@pytest.mark.parametrize("scheme_name", PIPE_SCHEMES)
+@pytest.mark.parametrize("scheme_name", schemes(pipes=True))
 def test_background_updates_land_between_two_forward_calls(scheme_name: str) -> None:
-    scheme = SCHEMES[scheme_name]()
+    scheme = make_scheme(scheme_name)
     trainer = TensorDict({name: torch.zeros(numel) for name, numel in SHAPES.items()}, batch_size=[])
     pipes, conns, procs = _start(workers.background_probe, scheme, 2, SHAPES, 60.0)
     try:
@@ -88,9 +88,9 @@ def test_background_updates_land_between_two_forward_calls(scheme_name: str) -> 
         assert applied == sends  # every send was applied and called on_update
 
 
-@pytest.mark.parametrize("scheme_name", PIPE_SCHEMES)
+@pytest.mark.parametrize("scheme_name", schemes(pipes=True))
 def test_a_meta_model_gets_storage_and_the_weights_before_its_ack(scheme_name: str) -> None:
-    scheme = SCHEMES[scheme_name]()
+    scheme = make_scheme(scheme_name)
     trainer = Net()
     pipes, conns, procs = _start(workers.meta_worker, scheme, 1, 16)
     try:

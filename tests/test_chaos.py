@@ -79,14 +79,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import (
-    KEEPS_DATA_PTR,
+from harness import (
     Cluster,
     RayCluster,
     fd_baseline,
     new_cluster,
     open_fds,
+    schemes,
     shm_entries,
+    spec,
     weightsync_threads,
 )
 
@@ -465,7 +466,7 @@ def check_worker(
     applied versions and errors."""
     if not state["same_identity"]:
         return f"worker {i}: a tensor of its model was replaced"
-    if KEEPS_DATA_PTR[c.scheme_name] and not state["same_ptr"]:
+    if spec(c.scheme_name).keeps_data_ptr and not state["same_ptr"]:
         return f"worker {i}: a tensor's data_ptr() changed"
     got = state["weights"]
     if set(got) != set(expected):
@@ -522,7 +523,7 @@ def run_chaos(request: pytest.FixtureRequest, scheme_name: str, seconds: float) 
     log = ChaosLog(scheme_name, seed)
     rng = random.Random(f"{seed}-{scheme_name}")
     chaos_rng, send_rng = random.Random(rng.getrandbits(64)), random.Random(rng.getrandbits(64))
-    pipes = scheme_name != "ray"
+    pipes = not spec(scheme_name).actors  # its workers are the test's own processes
     shm_before, fds_before = (shm_entries(), fd_baseline()) if pipes else (set(), set())
     c = new_cluster(request, scheme_name, ["net"] * WORKERS)
     closed = False
@@ -643,16 +644,19 @@ def run_chaos(request: pytest.FixtureRequest, scheme_name: str, seconds: float) 
         _close_pidfds(timelines)
 
 
-# Chaos over Ray (about 20 s: its killed actors are replaced by new ones,
-# which import torch) runs with -m extended, a CI step of its own.
-@pytest.mark.parametrize(
-    "chaos_scheme", ["multiprocess", "shared", pytest.param("ray", marks=pytest.mark.extended)]
-)
-def test_sends_under_chaos(request: pytest.FixtureRequest, chaos_scheme: str) -> None:
-    run_chaos(request, chaos_scheme, SHORT_SECONDS)
+# Every scheme whose workers can be stopped and killed. Chaos over Ray
+# (about 20 s: its killed actors are replaced by new ones, which import
+# torch) runs with -m extended, a CI step of its own.
+CHAOS_SCHEMES = schemes(processes=True, extended=("ray",))
+
+
+@pytest.mark.parametrize("scheme_name", CHAOS_SCHEMES)
+def test_sends_under_chaos(request: pytest.FixtureRequest, scheme_name: str) -> None:
+    run_chaos(request, scheme_name, SHORT_SECONDS)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("scheme_name", CHAOS_SCHEMES)
 def test_sends_under_long_chaos(request: pytest.FixtureRequest, scheme_name: str) -> None:
     run_chaos(request, scheme_name, LONG_SECONDS)

@@ -17,25 +17,25 @@ import time
 import pytest
 import torch
 from _workers import build_model, leftovers, memfd_fds, memfd_maps, trainer_then_die
-from conftest import (
-    PIPE_SCHEMES,
+from harness import (
     PROCS,
-    SCHEMES,
     Cluster,
     fd_baseline,
+    make_scheme,
+    new_cluster,
     open_fds,
+    schemes,
     shm_entries,
+    spec,
     weightsync_threads,
 )
 
 import weightsync as ws
 
-
-@pytest.fixture(params=PIPE_SCHEMES)
-def scheme_name(request: pytest.FixtureRequest) -> str:
-    """The pipe-based schemes: their memory, descriptors and processes are
-    weightsync's to clean up."""
-    return request.param
+# The schemes whose worker processes, memory and descriptors are weightsync's
+# to clean up (a Ray actor's process is Ray's; the in-process scheme's
+# workers are threads, which the leak checks of the other suites count).
+pytestmark = pytest.mark.parametrize("scheme_name", schemes(processes=True, actors=False))
 
 
 def _wait_for(predicate, timeout: float = 10.0) -> bool:
@@ -48,10 +48,13 @@ def _wait_for(predicate, timeout: float = 10.0) -> bool:
 
 
 def _assert_live(c: Cluster) -> None:
-    """While the scheme is up, the trainer holds its segments open and
-    mapped, and every worker maps them: the checks below see them."""
-    assert memfd_fds(), "the trainer holds no weightsync segment during a send"
-    assert memfd_maps(), "the trainer maps no weightsync segment during a send"
+    """While the scheme is up, weightsync's segments are held open and mapped
+    (the checks below see them): a pipe scheme's trainer stages into its
+    own, and every worker maps one (the trainer's, or under
+    DistributedWeightSyncScheme the host leader's or its own)."""
+    if spec(c.scheme_name).pipes:
+        assert memfd_fds(), "the trainer holds no weightsync segment during a send"
+        assert memfd_maps(), "the trainer maps no weightsync segment during a send"
     for pid in c.pids:
         if _alive(pid):
             assert memfd_maps(pid), f"worker {pid} maps no weightsync segment after a send"
@@ -83,9 +86,9 @@ def _assert_trainer_holds_no_segment() -> None:
     assert _wait_for(lambda: not memfd_maps()), memfd_maps()
 
 
-def test_shutdown_on_both_sides_leaves_nothing(scheme_name: str) -> None:
+def test_shutdown_on_both_sides_leaves_nothing(request: pytest.FixtureRequest, scheme_name: str) -> None:
     shm_before, fds_before = shm_entries(), fd_baseline()
-    c = Cluster(scheme_name, ["net", "net"])
+    c = new_cluster(request, scheme_name, ["net", "net"])
     for _ in range(3):
         c.bump()
         c.sender.send()
@@ -114,9 +117,9 @@ def test_shutdown_on_both_sides_leaves_nothing(scheme_name: str) -> None:
     _assert_trainer_holds_no_segment()
 
 
-def test_sigkilled_worker_leaves_nothing_behind(scheme_name: str) -> None:
+def test_sigkilled_worker_leaves_nothing_behind(request: pytest.FixtureRequest, scheme_name: str) -> None:
     shm_before, fds_before = shm_entries(), fd_baseline()
-    c = Cluster(scheme_name, ["net", "net"])
+    c = new_cluster(request, scheme_name, ["net", "net"])
     c.sender.send()
     _assert_live(c)
     c.kill(0)
@@ -131,11 +134,12 @@ def test_sigkilled_worker_leaves_nothing_behind(scheme_name: str) -> None:
 
 
 def test_sigkilled_trainer_is_reported_to_the_worker_promptly(scheme_name: str) -> None:
-    """The test process is the worker here; the trainer is a child process
-    that sends twice (its ``inp.weight`` plus 1, then plus 2) and SIGKILLs
+    """The test process is the worker here (its model after shutdown keeps
+    nothing of weightsync's but, under the shared scheme, the slot it runs
+    on); the trainer is a child process that sends twice (its ``inp.weight`` plus 1, then plus 2) and SIGKILLs
     itself."""
     shm_before = shm_entries()
-    scheme = SCHEMES[scheme_name]()
+    scheme = make_scheme(scheme_name)
     ours, theirs = PROCS.Pipe()
     trainer = PROCS.Process(target=trainer_then_die, args=(scheme, "policy", theirs, 2), daemon=True)
     trainer.start()
@@ -145,13 +149,18 @@ def test_sigkilled_trainer_is_reported_to_the_worker_promptly(scheme_name: str) 
     expected = build_model("net", seed=7).state_dict()  # the trainer's model...
     for _ in range(2):  # ...after its two sends
         expected["inp.weight"].add_(1)
-    scheme.init_on_worker("policy", pipe=ours, model=model)
     try:
+        if scheme_name == "distributed":
+            assert ours.poll(60), "the trainer did not say where its store is"
+            scheme.init_on_worker("policy", model=model, worker_idx=1, store_info=ours.recv())
+        else:
+            scheme.init_on_worker("policy", pipe=ours, model=model)
         assert scheme.receive(timeout=30) == 1, "the trainer's first update did not arrive"
-        # The trainer now waits for the ack of its second send: it is alive
-        # and holds its segment, which this worker maps.
-        assert memfd_fds(trainer.pid) and memfd_maps(trainer.pid), "the trainer holds no segment"
-        assert memfd_maps(), "this worker maps no segment of the trainer's"
+        if spec(scheme_name).pipes:
+            # The trainer now waits for the ack of its second send: it is
+            # alive and holds its segment, which this worker maps.
+            assert memfd_fds(trainer.pid) and memfd_maps(trainer.pid), "the trainer holds no segment"
+            assert memfd_maps(), "this worker maps no segment of the trainer's"
         assert scheme.receive(timeout=30) == 2, "the trainer's second update did not arrive"
         trainer.join(30)
         assert trainer.exitcode == -9

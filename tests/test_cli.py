@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import shm_entries
+from harness import shm_entries
 
 from weightsync.bench import MIB, main, mlp_shapes, model_nbytes
 

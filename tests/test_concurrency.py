@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 from _workers import build_model, two_model_worker
-from conftest import PIPE_SCHEMES, PROCS, SCHEMES, Cluster, RayRuntime, reap
+from harness import PROCS, Cluster, RayRuntime, make_scheme, reap, schemes
 
 import weightsync as ws
 
@@ -50,10 +50,10 @@ def _matches(got: dict[str, torch.Tensor], model: torch.nn.Module) -> bool:
     return all(torch.equal(got[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("scheme_name", PIPE_SCHEMES)
+@pytest.mark.parametrize("scheme_name", schemes(pipes=True))
 def test_two_models_over_the_same_worker_processes_from_two_threads(scheme_name: str) -> None:
     trainers = {"policy": build_model("net", seed=21), "value": build_model("wide", seed=22)}
-    schemes = {name: SCHEMES[scheme_name]() for name in MODELS}
+    by_model = {name: make_scheme(scheme_name) for name in MODELS}
     procs, ctrls, ours = [], [], {name: [] for name in MODELS}
     try:
         for _ in range(2):
@@ -61,7 +61,7 @@ def test_two_models_over_the_same_worker_processes_from_two_threads(scheme_name:
             ctrl, ctrl_child = PROCS.Pipe()
             proc = PROCS.Process(
                 target=two_model_worker,
-                args=(schemes, {n: p[1] for n, p in pipes.items()}, ctrl_child),
+                args=(by_model, {n: p[1] for n, p in pipes.items()}, ctrl_child),
                 daemon=True,
             )
             proc.start()
@@ -72,10 +72,10 @@ def test_two_models_over_the_same_worker_processes_from_two_threads(scheme_name:
             procs.append(proc)
             ctrls.append(ctrl)
         for name in MODELS:
-            schemes[name].init_on_sender(name, pipes=ours[name], model=trainers[name])
+            by_model[name].init_on_sender(name, pipes=ours[name], model=trainers[name])
         for ctrl in ctrls:
             assert ctrl.poll(60) and ctrl.recv()[0] == "ready"
-        _send_from_threads(schemes, trainers)
+        _send_from_threads(by_model, trainers)
         for ctrl in ctrls:
             ctrl.send("state")
             assert ctrl.poll(30)
@@ -87,7 +87,7 @@ def test_two_models_over_the_same_worker_processes_from_two_threads(scheme_name:
         for ctrl in ctrls:
             ctrl.send("stop")
         reap(procs)
-        for scheme in schemes.values():
+        for scheme in by_model.values():
             scheme.shutdown()
         for conn in ctrls + ours["policy"] + ours["value"]:
             conn.close()
@@ -98,17 +98,17 @@ def test_two_models_over_the_same_ray_actors_from_two_threads(ray_runtime: RayRu
     actors = ray_runtime.take(2)  # test actors, one on each node
     ray.get([a.setup_two_models.remote(ws.RayWeightSyncScheme(), ws.RayWeightSyncScheme()) for a in actors])
     trainers = {"policy": build_model("net", seed=21), "value": build_model("wide", seed=22)}
-    schemes: dict[str, ws.WeightSyncScheme] = {}
+    by_model: dict[str, ws.WeightSyncScheme] = {}
     try:
         for name in MODELS:
-            schemes[name] = ws.RayWeightSyncScheme(timeout=30)
-            schemes[name].init_on_sender(name, remote_collectors=actors, model=trainers[name])
-        _send_from_threads(schemes, trainers)
+            by_model[name] = ws.RayWeightSyncScheme(timeout=30)
+            by_model[name].init_on_sender(name, remote_collectors=actors, model=trainers[name])
+        _send_from_threads(by_model, trainers)
         for got in ray.get([a.weights.remote() for a in actors]):
             for name in MODELS:
                 assert _matches(got[name], trainers[name])
     finally:
-        for scheme in schemes.values():
+        for scheme in by_model.values():
             scheme.shutdown()
         ray.get([a.teardown.remote() for a in actors], timeout=30)
         ray_runtime.give_back(actors)

@@ -7,27 +7,13 @@ and worker threads over the in-process scheme.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import CONFORMANCE_SCHEMES, KEEPS_DATA_PTR, Cluster, new_cluster
+from harness import Cluster, spec
 from tensordict import TensorDict
 
 import weightsync as ws
-
-
-@pytest.fixture(params=CONFORMANCE_SCHEMES)
-def scheme_name(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture(scope="module", params=CONFORMANCE_SCHEMES)
-def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    """Three healthy workers shared by the non-destructive tests of this module."""
-    c = new_cluster(request, request.param, ["net", "net", "net"])
-    yield c
-    c.close()
 
 
 def test_send_reaches_every_worker_in_place(cluster: Cluster) -> None:
@@ -173,7 +159,7 @@ def test_apply_failure_reaches_the_sender_with_the_workers_message(make_cluster)
     c.assert_has(0, sent)  # the healthy worker still got it
     after = c.state(1)
     assert after["same_identity"], "the refusing worker's tensors were replaced"
-    if KEEPS_DATA_PTR[c.scheme_name]:
+    if spec(c.scheme_name).keeps_data_ptr:
         assert after["same_ptr"], "the refusing worker's tensors were moved"
     assert set(after["weights"]) == set(before)
     written = [n for n, v in before.items() if not torch.equal(after["weights"][n], v)]

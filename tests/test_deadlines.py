@@ -13,18 +13,13 @@ import threading
 import time
 
 import pytest
-from conftest import CONFORMANCE_SCHEMES, PIPE_SCHEMES, make_scheme
+from harness import make_scheme, schemes
 
 import weightsync as ws
 from weightsync._sender import DEFAULT_TIMEOUT
 
 
-@pytest.fixture(params=PIPE_SCHEMES)
-def scheme_name(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.mark.parametrize("name", CONFORMANCE_SCHEMES)
+@pytest.mark.parametrize("name", schemes())
 def test_the_default_deadline_is_60_seconds(name: str) -> None:
     assert DEFAULT_TIMEOUT == 60.0
     scheme = make_scheme(name, timeout=None)
@@ -40,11 +35,10 @@ def test_the_default_deadline_reaches_the_sender(make_cluster) -> None:
     c.sender.send()
 
 
-@pytest.mark.parametrize("scheme_name", ["multiprocess"])
-def test_a_deadline_given_to_send_wins_over_the_schemes(make_cluster, scheme_name: str) -> None:
+def test_a_deadline_given_to_send_wins_over_the_schemes(make_cluster) -> None:
     """Longer: a scheme's 0.5 s does not cut short a send given 30 s. (Shorter
     wins too: the conformance suite's stale-ack test gives 0.5 s to a scheme
-    of 30.) The sender that decides is the same for every scheme."""
+    of 30.)"""
     c = make_cluster(["net"], timeout=0.5)
     c.sender.send()
     c.pause(0)

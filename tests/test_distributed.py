@@ -28,7 +28,7 @@ import _distributed_workers as dw
 import _probe
 import pytest
 import torch
-from conftest import PROCS, fd_baseline, open_fds, reap
+from harness import PROCS, fd_baseline, open_fds, reap
 
 import weightsync as ws
 

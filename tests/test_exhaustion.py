@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import PIPE_SCHEMES, Cluster
+from harness import Cluster, schemes
 
 import weightsync as ws
 
@@ -82,7 +82,7 @@ def test_the_trainer_out_of_a_resource_is_told_which_and_recovers(which: str) ->
     assert lines[4] == "version 1", "a failed send used up a version"
 
 
-@pytest.mark.parametrize("scheme_name", PIPE_SCHEMES)
+@pytest.mark.parametrize("scheme_name", schemes(pipes=True))
 def test_a_worker_out_of_descriptors_tells_the_sender_and_keeps_its_model(scheme_name: str) -> None:
     c = Cluster(scheme_name, ["net", "net"])
     try:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import anyio
 import pytest
 import torch
-from conftest import PIPE_SCHEMES, Cluster
+from harness import Cluster, schemes
 
 import weightsync as ws
 from weightsync._runtime import RUNTIME as LOOP
@@ -169,7 +169,7 @@ async def _turns_while_written(c: Cluster, until: list[object]) -> int:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("scheme_name", PIPE_SCHEMES)
+@pytest.mark.parametrize("scheme_name", schemes(pipes=True))
 async def test_a_send_does_not_block_the_event_loop(make_cluster, scheme_name: str) -> None:
     """While a send waits for an ack, the loop it runs on keeps running. The
     model (32 MiB, past the 1 MiB below which a send copies inline) is

@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from conftest import PIPE_SCHEMES, Cluster
+from harness import Cluster, schemes
 
 import weightsync as ws
 
@@ -52,7 +52,7 @@ def _lost_worker_error(c: Cluster, i: int, cmd: str, targets: list[int]) -> ws.W
     return info.value.failures[i]  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("scheme_name", PIPE_SCHEMES)
+@pytest.mark.parametrize("scheme_name", schemes(processes=True, actors=False))
 def test_a_lost_worker_says_how_it_ended(make_cluster, scheme_name: str) -> None:
     c = make_cluster(["net", "net", "net"])
     c.sender.send()

@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-from conftest import CONFORMANCE_SCHEMES, Cluster, new_cluster
+from harness import Cluster, new_cluster, schemes
 
 import weightsync as ws
 from weightsync._digest import BLOCK, copy_and_check, copy_with_digests, digests, mismatched
@@ -37,7 +37,7 @@ def _staged(scheme: ws.WeightSyncScheme) -> torch.Tensor:
     return segment.data
 
 
-@pytest.mark.parametrize("scheme_name", CONFORMANCE_SCHEMES)
+@pytest.mark.parametrize("scheme_name", schemes())
 def test_a_verified_send_arrives_exact(request: pytest.FixtureRequest, scheme_name: str) -> None:
     c = new_cluster(request, scheme_name, ["net", "net"])
     try:

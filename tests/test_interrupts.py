@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PIPE_SCHEMES, Cluster
+from harness import Cluster, scheme_names, schemes
 
 TRAINER = Path(__file__).with_name("_interrupted_trainer.py")
 
@@ -67,19 +67,19 @@ def _interrupt_a_trainer(scheme_names: list[str], rounds: int, mib: int, seed: i
 
 def test_ctrl_c_during_sends_is_a_keyboard_interrupt_and_the_next_send_is_exact() -> None:
     # Both pipe schemes, one after the other, in one trainer process.
-    _interrupt_a_trainer(PIPE_SCHEMES, rounds=3, mib=64, seed=12)
+    _interrupt_a_trainer(scheme_names(pipes=True), rounds=3, mib=64, seed=12)
 
 
 @pytest.mark.slow
 def test_ctrl_c_during_sends_many_times() -> None:
-    _interrupt_a_trainer(PIPE_SCHEMES, rounds=80, mib=256, seed=34)
+    _interrupt_a_trainer(scheme_names(pipes=True), rounds=80, mib=256, seed=34)
 
 
 def _copy_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "weightsync-copy"]
 
 
-@pytest.mark.parametrize("scheme_name", PIPE_SCHEMES)
+@pytest.mark.parametrize("scheme_name", schemes(pipes=True))
 def test_a_cancelled_send_has_stopped_copying_when_the_cancel_returns(scheme_name: str) -> None:
     c = Cluster(scheme_name, ["big", "big"], trainer_kind="big")
     try:

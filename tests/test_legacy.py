@@ -10,7 +10,7 @@ import _probe
 import pytest
 import torch
 from _workers import build_model
-from conftest import PROCS, reap
+from harness import PROCS, reap
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 

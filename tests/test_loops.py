@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import Cluster, weightsync_threads
+from harness import Cluster, weightsync_threads
 
 from weightsync._runtime import RUNTIME as LOOP
 

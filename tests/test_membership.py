@@ -14,7 +14,7 @@ import _applier_workers as workers
 import pytest
 import torch
 from _workers import worker_main
-from conftest import PIPE_SCHEMES, PROCS, Cluster, RayCluster
+from harness import PROCS, Cluster, RayCluster, schemes
 
 import weightsync as ws
 
@@ -39,7 +39,7 @@ def _start_worker(cluster: Cluster) -> Any:
     return ours
 
 
-@pytest.mark.parametrize("scheme_name", PIPE_SCHEMES)
+@pytest.mark.parametrize("scheme_name", schemes(pipes=True))
 def test_workers_join_leave_and_come_back(scheme_name: str) -> None:
     cluster = Cluster(scheme_name, ["net", "net"])
     scheme = cluster.scheme

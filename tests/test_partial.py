@@ -5,20 +5,11 @@ against every worker's model before anything moves."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-from conftest import CONFORMANCE_SCHEMES, Cluster, new_cluster
+from harness import Cluster
 
 import weightsync as ws
-
-
-@pytest.fixture(scope="module", params=CONFORMANCE_SCHEMES)
-def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    c = new_cluster(request, request.param, ["net", "net"])
-    yield c
-    c.close()
 
 
 def _head(name: str) -> bool:
@@ -38,12 +29,12 @@ def test_a_partial_update_writes_those_tensors_only(cluster: Cluster) -> None:
     latest = cluster.expected()
     head_bytes = sum(-(-t.numel() * t.element_size() // 64) * 64 for n, t in latest.items() if _head(n))
     assert report.nbytes == head_bytes  # only the head's bytes moved
-    for i in range(2):
+    for i in range(3):
         got = cluster.state(i)["weights"]
         for name, value in got.items():
             want = latest[name] if _head(name) else whole[name]
             assert torch.equal(value, want), f"worker {i}: {name}"
-    assert cluster.sender.worker_versions == {0: report.version, 1: report.version}
+    assert cluster.sender.worker_versions == dict.fromkeys(range(3), report.version)
 
 
 def test_a_subset_given_as_weights(cluster: Cluster) -> None:
@@ -53,7 +44,7 @@ def test_a_subset_given_as_weights(cluster: Cluster) -> None:
     with torch.no_grad():
         cluster.model.inp.bias.add_(5.0)
     cluster.sender.send({"inp.bias": cluster.model.inp.bias}, partial=True)
-    for i in range(2):
+    for i in range(3):
         got = cluster.state(i)["weights"]
         assert torch.equal(got["inp.bias"], cluster.model.inp.bias.detach())
         assert all(torch.equal(got[n], before[n]) for n in got if n != "inp.bias")
@@ -67,7 +58,7 @@ def test_a_partial_update_that_does_not_fit_moves_nothing(cluster: Cluster, defe
     cluster.bump()
     cluster.sender.send()
     version = cluster.sender.async_sender.version
-    states = [cluster.state(i)["weights"] for i in range(2)]
+    states = [cluster.state(i)["weights"] for i in range(3)]
     subset = {
         "unknown": {"nope": torch.zeros(3)},
         "shape": {"out.weight": torch.zeros(3, 3)},
@@ -78,7 +69,7 @@ def test_a_partial_update_that_does_not_fit_moves_nothing(cluster: Cluster, defe
     with pytest.raises(ws.WeightMismatchError, match="nope"):
         cluster.sender.send(keys=["out.bias", "nope"])  # a key the weights lack
     assert cluster.sender.async_sender.version == version  # nothing moved
-    for i in range(2):
+    for i in range(3):
         got = cluster.state(i)["weights"]
         assert all(torch.equal(got[n], states[i][n]) for n in got)
 

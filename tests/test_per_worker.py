@@ -18,7 +18,7 @@ import _applier_workers as workers
 import pytest
 import torch
 from _workers import Net, build_model
-from conftest import CONFORMANCE_SCHEMES, PROCS, Cluster, new_cluster, reap
+from harness import PROCS, Cluster, new_cluster, reap, schemes
 from tensordict import TensorDict
 
 import weightsync as ws
@@ -45,7 +45,7 @@ def test_devices_give_the_number_of_workers(cls: type[ws.WeightSyncScheme]) -> N
         scheme.shutdown()
 
 
-@pytest.mark.parametrize("scheme_name", CONFORMANCE_SCHEMES)
+@pytest.mark.parametrize("scheme_name", schemes())
 def test_each_worker_gets_its_own_weights(request: pytest.FixtureRequest, scheme_name: str) -> None:
     # Worker 2's policy has another layout (another factory): only its own
     # weights fit it.

@@ -23,7 +23,7 @@ from _workers import (
     probe_weights,
     register_off_the_loop,
 )
-from conftest import RayCluster, RayRuntime
+from harness import RayCluster, RayRuntime
 
 import weightsync as ws
 

@@ -9,7 +9,7 @@ import stat
 
 import pytest
 from _workers import MEMFD_LABEL
-from conftest import PIPE_SCHEMES, Cluster, shm_entries
+from harness import Cluster, schemes, shm_entries
 
 from weightsync._segment import HEADER_BYTES, Segment
 
@@ -25,7 +25,7 @@ def _weightsync_mappings(pid: int) -> list[str]:
         return [line for line in maps if MEMFD_LABEL in line]
 
 
-@pytest.mark.parametrize("scheme_name", PIPE_SCHEMES)
+@pytest.mark.parametrize("scheme_name", schemes(pipes=True))
 def test_shared_memory_is_the_owners_only_nameless_and_read_only_for_workers(
     make_cluster, scheme_name: str
 ) -> None:

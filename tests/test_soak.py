@@ -22,12 +22,12 @@ import time
 
 import pytest
 from _workers import MEMFD_LABEL, tensors_of
-from conftest import Cluster, RayCluster, shm_entries
+from harness import Cluster, RayCluster, schemes, shm_entries
 
 WARMUP = 50
 # Private resident memory a process may gain whatever the number of sends,
 # in KiB: the allocator's arenas, and under Ray its own bookkeeping.
-RSS_SLACK_KIB = {"multiprocess": 1024, "shared": 1024, "ray": 4096}
+RSS_SLACK_KIB = {"multiprocess": 1024, "shared": 1024, "distributed": 1024, "ray": 4096}
 # ... plus this share of the model's bytes per send.
 RSS_PER_SEND = 1 / 8
 # Mappings a process may gain (the allocator maps large blocks of its own).
@@ -105,6 +105,10 @@ def _soak(c: Cluster, sends: int) -> None:
             f"{model_kib:.1f} KiB model (allowed: {rss_allowed:.0f} KiB)"
         )
     assert shm_entries() <= shm_before
+
+
+# Every scheme whose workers are processes: their resources are counted.
+pytestmark = pytest.mark.parametrize("scheme_name", schemes(processes=True))
 
 
 def test_hundreds_of_sends_leak_nothing(make_cluster) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import _probe
 import pytest
 import torch
-from conftest import PROCS, RayRuntime, make_scheme, reap
+from harness import PROCS, RayRuntime, make_scheme, reap
 from tensordict import TensorDict
 
 import weightsync as ws

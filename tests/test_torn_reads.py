@@ -1,10 +1,12 @@
 """No torn reads: between two receive() calls a worker's weights all belong
 to one version, while the trainer sends as fast as it can.
 
-Covers the two pipe-based schemes, MultiProcessWeightSyncScheme and
-SharedMemWeightSyncScheme, with worker processes (the Ray scheme's actors
-are probed in test_ray.py; the in-process scheme shares the multiprocess
-scheme's staging and receiver). Each runs at two paces:
+Covers every scheme whose workers are processes of the test's own: the
+two pipe-based schemes and DistributedWeightSyncScheme (its workers on one
+host: the host leader receives along the chain, the other copies from its
+shared memory). The Ray scheme's actors are probed in test_ray.py; the
+in-process scheme shares the multiprocess scheme's staging and receiver.
+Each runs at two paces:
 
 - ``acked``: every send waits for every ack, so the trainer never rewrites
   its staging while a worker reads it.
@@ -28,7 +30,7 @@ import time
 import _probe
 import pytest
 import torch
-from conftest import PIPE_SCHEMES, PROCS, SCHEMES, reap
+from harness import PROCS, make_scheme, reap, schemes, spec
 from tensordict import TensorDict
 
 import weightsync as ws
@@ -46,9 +48,9 @@ ROTATION = (-1, -2, -3)
 
 
 @pytest.mark.parametrize("pace", ["acked", "overlapping"])
-@pytest.mark.parametrize("scheme_name", PIPE_SCHEMES)
+@pytest.mark.parametrize("scheme_name", schemes(processes=True, actors=False))
 def test_workers_never_see_a_mix_of_versions(scheme_name: str, pace: str) -> None:
-    scheme = SCHEMES[scheme_name]()
+    scheme = make_scheme(scheme_name)
     trainer = TensorDict({name: torch.zeros(numel) for name, numel in SHAPES.items()}, batch_size=[])
     rotation = []
     if pace == "overlapping":
@@ -59,22 +61,28 @@ def test_workers_never_see_a_mix_of_versions(scheme_name: str, pace: str) -> Non
     receive_timeout = 0.05 if pace == "overlapping" else 0.0
     conns, pipes, procs = [], [], []
     sends = timed_out = 0
+    by_rank = not spec(scheme_name).pipes
     try:
-        for _ in range(2):
-            ours, theirs = PROCS.Pipe()
+        if by_rank:  # its workers join by rank, through the trainer's store
+            scheme.init_on_sender("policy", num_workers=2, model=trainer, host="127.0.0.1")
+        for rank in (1, 2):
+            ours, theirs = PROCS.Pipe() if not by_rank else (None, None)
             ctrl, ctrl_child = PROCS.Pipe()
             proc = PROCS.Process(
                 target=_probe.scheme_probe,
                 args=(scheme, "policy", theirs, ctrl_child, SHAPES, 60.0, receive_timeout),
+                kwargs={"worker_idx": rank} if by_rank else {},
                 daemon=True,
             )
             proc.start()
-            theirs.close()
+            if theirs is not None:
+                theirs.close()
+                pipes.append(ours)
             ctrl_child.close()
-            pipes.append(ours)
             conns.append(ctrl)
             procs.append(proc)
-        scheme.init_on_sender("policy", pipes=pipes, model=trainer)
+        if not by_rank:
+            scheme.init_on_sender("policy", pipes=pipes, model=trainer)
         _probe.start(conns)
         deadline = time.monotonic() + SEND_SECONDS[pace]
         while time.monotonic() < deadline:

@@ -13,7 +13,7 @@ from typing import Any
 import _applier_workers as workers
 import pytest
 from _workers import Net
-from conftest import PIPE_SCHEMES, PROCS, SCHEMES, reap
+from harness import PIPE_SCHEMES, PROCS, make_scheme, reap
 
 import weightsync as ws
 
@@ -23,9 +23,7 @@ class _Workers:
     threads (the in-process scheme)."""
 
     def __init__(self, scheme_name: str) -> None:
-        self.scheme = (
-            SCHEMES[scheme_name]() if scheme_name != "inprocess" else ws.InProcessWeightSyncScheme(timeout=30)
-        )
+        self.scheme = make_scheme(scheme_name)
         self.conns: list[Any] = []
         self.runners: list[Any] = []
         pipes = []
@@ -113,9 +111,9 @@ def test_versions_on_both_sides_ray(ray_runtime: Any) -> None:
     import ray
 
     actors = ray_runtime.take(2)
-    scheme = SCHEMES["ray"]()
+    scheme = make_scheme("ray")
     try:
-        ray.get([a.setup.remote(SCHEMES["ray"](), "policy", "net") for a in actors], timeout=60)
+        ray.get([a.setup.remote(make_scheme("ray"), "policy", "net") for a in actors], timeout=60)
         scheme.init_on_sender("policy", remote_collectors=actors, model=Net())
         sender = scheme.get_sender()
         assert sender.worker_versions == {0: None, 1: None}

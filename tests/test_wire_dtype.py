@@ -8,7 +8,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 import torch
-from conftest import PROCS, reap
+from harness import PROCS, reap
 from torch import nn
 
 import weightsync as ws
