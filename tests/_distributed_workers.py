@@ -100,19 +100,6 @@ def pipe_worker(
     serve(scheme, rank, shapes, conn.send, lambda: conn.recv() if conn.poll() else None, dtype)
 
 
-def trainer_main(conn: Any, shapes: dict[str, int]) -> None:
-    """A trainer process with one worker: sends its store's address over
-    ``conn``, connects (the worker gets the initial weights), then waits to
-    be killed."""
-    torch.set_num_threads(1)
-    scheme = ws.DistributedWeightSyncScheme(timeout=30.0)
-    scheme.init_on_sender("policy", num_workers=1, model=build_model(shapes), host="127.0.0.1")
-    conn.send(scheme.get_store_info())
-    scheme.connect()
-    conn.send("connected")
-    conn.recv()  # never comes: the test kills this process
-
-
 if __name__ == "__main__":
     # A worker on an emulated host: python _distributed_workers.py HOST PORT RANK NUMEL...
     # Commands come on stdin, one per line; answers go to stdout as repr() lines.

@@ -40,7 +40,13 @@ The rule checked after each send, which started at ``t0`` (just before
    only for a worker that was not dead at ``t0`` and had no window of
    :data:`GRACE` seconds or more, inside ``[t0, min(t0 + T, t1)]``, in which
    it was surely alive and running: a worker stopped and resumed well before
-   the deadline must ack in time and must not be named.
+   the deadline must ack in time and must not be named. Under a scheme that
+   forwards the bytes from worker to worker (DistributedWeightSyncScheme's
+   chain and host leaders), a worker is also excused, in rules 4 and 6, when
+   a worker ahead of it on that send's chains was possibly unable during
+   the send: it waits for it up to the chain's stall limit (at least a
+   second), and the repair chain around it may not fit in what is left of
+   a deadline of about a second.
 7. Every worker that is not named and is alive and running when the test
    looks (the chaos thread is paused meanwhile) holds that send's version bit
    for bit, in the same tensor objects (same ``data_ptr()`` where the scheme
@@ -384,11 +390,30 @@ class Chaos(threading.Thread):
 # -- judging a send ----------------------------------------------------------------
 
 
+def upstream_of(c: Cluster) -> dict[int, set[int]]:
+    """For each worker, the workers ahead of it on the chains of the last
+    send (the workers it was fed through), under a scheme that has chains."""
+    ahead: dict[int, set[int]] = {}
+    for chain, fed in getattr(c.scheme, "last_routes", []):
+        for pos, rank in enumerate(chain):
+            ahead.setdefault(rank - 1, set()).update(r - 1 for r in chain[:pos])
+            for follower in fed.get(rank, ()):
+                ahead.setdefault(follower - 1, set()).update(r - 1 for r in chain[: pos + 1])
+    return ahead
+
+
 def judge(
-    timelines: list[Timeline], t0: float, t1: float, timeout: float, error: ws.WorkerError | None
+    timelines: list[Timeline],
+    t0: float,
+    t1: float,
+    timeout: float,
+    error: ws.WorkerError | None,
+    ahead: dict[int, set[int]] | None = None,
 ) -> list[str]:
-    """What is wrong with one send (empty: nothing), by rules 1-6 of the module docstring."""
+    """What is wrong with one send (empty: nothing), by rules 1-6 of the
+    module docstring; ``ahead``: :func:`upstream_of` the send."""
     problems = []
+    ahead = ahead or {}
     elapsed = t1 - t0
     if elapsed >= timeout + HANG_SLACK:
         problems.append(f"the send took {elapsed:.3f}s, past its deadline {timeout:.3f}s + {HANG_SLACK}s")
@@ -401,6 +426,11 @@ def judge(
         if failure is None:
             if tl.surely_unable_throughout(t0, t1):
                 problems.append(f"worker {i} was dead or stopped throughout the send, and is not named")
+            continue
+        fed_through_unable = isinstance(failure, ws.AckTimeoutError) and any(
+            timelines[j].possibly_unable(t0, t1) for j in ahead.get(i, ())
+        )
+        if fed_through_unable:
             continue
         if not tl.possibly_unable(t0, t1):
             problems.append(
@@ -548,7 +578,7 @@ def run_chaos(request: pytest.FixtureRequest, scheme_name: str, seconds: float) 
             with chaos.lock:
                 chaos.check()
                 log.add(describe_send(version, timeout, t0, t1, error), t0)
-                problems = judge(timelines, t0, t1, timeout, error)
+                problems = judge(timelines, t0, t1, timeout, error, upstream_of(c))
                 # The version is read from the sender: an error naming a
                 # single lost worker carries none of its own.
                 got = c.sender.async_sender.version if report is None else report.version

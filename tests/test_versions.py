@@ -1,4 +1,5 @@
-"""Versions on both sides, under every scheme: ``receiver.version`` (None
+"""Versions on both sides, under every scheme (the Ray scheme's actors in a
+test of their own): ``receiver.version`` (None
 before the first update), ``receiver.wait_for_version`` (applies pending
 updates while it waits, or waits for the applier; raises at its deadline),
 and ``sender.worker_versions`` (the last version each worker acked)."""
@@ -13,20 +14,23 @@ from typing import Any
 import _applier_workers as workers
 import pytest
 from _workers import Net
-from harness import PIPE_SCHEMES, PROCS, make_scheme, reap
+from harness import PROCS, make_scheme, reap, schemes
 
 import weightsync as ws
 
 
 class _Workers:
-    """Two workers running ``version_worker``: processes (pipe schemes) or
-    threads (the in-process scheme)."""
+    """Two workers running ``version_worker``: processes on pipes, processes
+    reached by rank (DistributedWeightSyncScheme: the trainer inits first,
+    its store on 127.0.0.1) or threads (the in-process scheme)."""
 
     def __init__(self, scheme_name: str) -> None:
         self.scheme = make_scheme(scheme_name)
         self.conns: list[Any] = []
         self.runners: list[Any] = []
         pipes = []
+        if scheme_name == "distributed":
+            self.scheme.init_on_sender("policy", model=Net(), num_workers=2, host="127.0.0.1")
         for i in range(2):
             ctrl, ctrl_child = multiprocessing.Pipe()
             if scheme_name == "inprocess":
@@ -34,6 +38,10 @@ class _Workers:
                     target=workers.version_worker,
                     args=(copy.copy(self.scheme), None, ctrl_child, i),
                     daemon=True,
+                )
+            elif scheme_name == "distributed":
+                runner = PROCS.Process(
+                    target=workers.version_worker, args=(self.scheme, None, ctrl_child, i + 1), daemon=True
                 )
             else:
                 ours, theirs = PROCS.Pipe()
@@ -46,7 +54,7 @@ class _Workers:
             self.runners.append(runner)
         if scheme_name == "inprocess":
             self.scheme.init_on_sender("policy", model=Net(), num_workers=2)
-        else:
+        elif scheme_name != "distributed":
             self.scheme.init_on_sender("policy", pipes=pipes, model=Net())
         self.pipes = pipes
         for conn in self.conns:
@@ -68,7 +76,7 @@ class _Workers:
             conn.close()
 
 
-@pytest.mark.parametrize("scheme_name", [*PIPE_SCHEMES, "inprocess"])
+@pytest.mark.parametrize("scheme_name", schemes(actors=False))
 def test_versions_on_both_sides(scheme_name: str) -> None:
     cluster = _Workers(scheme_name)
     sender = cluster.scheme.get_sender()
