@@ -16,6 +16,15 @@ import pytest
 from harness import TEST_TIMEOUT, Cluster, RayRuntime, new_cluster, schemes
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that takes Ray actors runs in the extended step (``-m
+    extended``): Ray's start and its actors' (each imports torch) cost
+    seconds, which the default run's three minutes cannot hold."""
+    for item in items:
+        if "ray_runtime" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.extended)
+
+
 @pytest.fixture(scope="session")
 def ray_runtime() -> Iterator[RayRuntime]:
     """One Ray instance for the whole session, started on first use."""

@@ -243,6 +243,7 @@ def test_the_decoder_checks_the_whole_version() -> None:
     decoder.check(version_digest(torch.from_numpy(v0)))
 
 
+@pytest.mark.extended  # a child interpreter of its own
 def test_no_torch_intra_op_threads() -> None:
     # torch starts its intra-op pool on first parallel use: a fresh process
     # shows whether the cast, encoding and decoding ever used it.

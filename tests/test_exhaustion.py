@@ -67,10 +67,13 @@ TRAINER = textwrap.dedent(
 
 
 # Both schemes stage through the same segment code; the second one runs
-# with the slow tests only.
+# with the slow tests only. A trainer interpreter of its own: the extended step.
 @pytest.mark.parametrize(
     "which",
-    ["MultiProcessWeightSyncScheme", pytest.param("SharedMemWeightSyncScheme", marks=pytest.mark.slow)],
+    [
+        pytest.param("MultiProcessWeightSyncScheme", marks=pytest.mark.extended),
+        pytest.param("SharedMemWeightSyncScheme", marks=pytest.mark.slow),
+    ],
 )
 def test_the_trainer_out_of_a_resource_is_told_which_and_recovers(which: str) -> None:
     done = subprocess.run([sys.executable, "-c", TRAINER, which], capture_output=True, text=True, timeout=120)

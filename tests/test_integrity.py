@@ -158,6 +158,7 @@ print("wrote", flush=True)
 """
 
 
+@pytest.mark.extended  # a child interpreter of its own
 def test_a_write_into_a_published_slot_faults_in_the_writer() -> None:
     import signal
     import subprocess

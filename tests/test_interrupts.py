@@ -65,6 +65,7 @@ def _interrupt_a_trainer(scheme_names: list[str], rounds: int, mib: int, seed: i
     assert report == {"mapped": [], "fds": [], "threads": [], "children": []}, report
 
 
+@pytest.mark.extended  # a trainer process of its own, 3 rounds of 64 MiB per scheme: about 20 s
 def test_ctrl_c_during_sends_is_a_keyboard_interrupt_and_the_next_send_is_exact() -> None:
     # Both pipe schemes, one after the other, in one trainer process.
     _interrupt_a_trainer(scheme_names(pipes=True), rounds=3, mib=64, seed=12)

@@ -71,8 +71,17 @@ REGISTRY: dict[str, SchemeSpec] = {
         cross_host=False,
         zero_copy=False,
     ),
+    # A Ray test takes actors that import torch (seconds each) from a two-node
+    # Ray test cluster: the extended step runs them, as every test that uses
+    # the ``ray_runtime`` fixture (conftest.py).
     "ray": SchemeSpec(
-        ws.RayWeightSyncScheme, processes=True, pipes=False, actors=True, cross_host=True, zero_copy=False
+        ws.RayWeightSyncScheme,
+        processes=True,
+        pipes=False,
+        actors=True,
+        cross_host=True,
+        zero_copy=False,
+        marks=(pytest.mark.extended,),
     ),
     # Worker processes reached by rank through the trainer's store on
     # 127.0.0.1 (across hosts: the cluster step). Every test of it starts a
