@@ -24,7 +24,7 @@ from ._exceptions import (
     out_of_resources,
 )
 from ._packet import DEFAULT_TIMEOUT
-from ._receiver import AsyncWeightReceiver
+from ._receiver import NEEDS_LOOP, AsyncWeightReceiver
 from ._runtime import RUNTIME
 from ._sender import AsyncWeightSender, Keys, SendReport
 from ._stepguard import StepGuard
@@ -268,12 +268,27 @@ class WeightReceiver:
         if self._applier is not None:
             return self._take_background(timeout or 0.0)
         # Wait on this thread, outside any event loop, until something may be
-        # pending: a poll that finds nothing never enters the loop, and one
-        # that does runs the coroutine without it ever suspending.
+        # pending: a poll that finds nothing never enters the loop.
         deadline = time.monotonic() + (timeout or 0.0)
         if not self._receiver.wait_ready(timeout or 0.0):
             return None
-        return RUNTIME.call(self._receiver.receive, max(deadline - time.monotonic(), 0.0))
+        return self._receive_now(max(deadline - time.monotonic(), 0.0))
+
+    def _receive_now(self, timeout: float) -> int | None:
+        """Apply what is pending, waiting up to ``timeout`` if nothing is.
+
+        The usual case (an update pending, its ack fits in the channel) is
+        done on this thread without entering an event loop: on a machine
+        with as many processes as cores, a loop's machinery costs a worker
+        several times its copy. Everything else (waiting, the first call,
+        a copy that raced the next version) runs the coroutine."""
+        receiver = self._receiver
+        got = RUNTIME.run_now(receiver.receive_ready)
+        if got is not NEEDS_LOOP:
+            return got
+        if receiver.unsent:
+            return RUNTIME.call(receiver.finish_unsent)
+        return RUNTIME.call(receiver.receive, timeout)
 
     def wait_for_version(self, version: int, timeout: float | None = None) -> int:
         """Block until ``version`` or a newer one is applied; return the
@@ -349,7 +364,7 @@ class WeightReceiver:
                     if not got:
                         break  # stopping
                     try:
-                        version = RUNTIME.call(self._receiver.receive, 0.0)
+                        version = self._receive_now(0.0)
                     except SenderClosedError as exc:
                         self._applier_failed(exc)
                         break

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -22,12 +24,38 @@ from ._packet import DEFAULT_TIMEOUT, Manifest, Signature
 from ._strategy import materialize, model_tensors
 from ._transports._base import Applier, Incoming, WorkerEndpoint
 
-__all__ = ["AsyncWeightReceiver"]
+__all__ = ["NEEDS_LOOP", "AsyncWeightReceiver"]
 
 # After a copy raced with the sender's next write (only a worker that missed a
 # deadline can see that), the receiver waits this long for the newer version
 # before giving up, so it never returns with a mix of two versions.
 _RECOVERY_TIMEOUT = 60.0
+
+
+class _NeedsLoop(enum.Enum):
+    NEEDS_LOOP = "needs the event loop"
+
+
+#: Returned by :meth:`AsyncWeightReceiver.receive_ready` where the coroutine
+#: must run instead.
+NEEDS_LOOP = _NeedsLoop.NEEDS_LOOP
+
+
+class _Then(enum.Enum):
+    DONE = "reply, then return or raise"
+    SUPERSEDED = "a newer update replaced it before it was read: take the next"
+    TORN = "the copy raced the next version: wait for it and apply it"
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What one update came to (see ``AsyncWeightReceiver._take``)."""
+
+    then: _Then
+    #: (version, error message or None for an ack) to tell the sender.
+    reply: tuple[int, str | None] | None = None
+    #: Raised to the caller once the sender was told.
+    error: BaseException | None = None
 
 
 def _still_fit(targets: list[torch.Tensor], manifest: Manifest) -> bool:
@@ -73,6 +101,11 @@ class AsyncWeightReceiver:
         # Updates applied so far, and how many of them receive() reported.
         self._applied = 0
         self._reported = 0
+        # A copy raced the sender's next version (receive_ready): the next
+        # receive() must overwrite the model before it returns.
+        self._torn = False
+        # What receive_ready() applied but could not reply without waiting.
+        self._unsent: _Step | None = None
         self.endpoint = endpoint(self)
 
     def set_model(self, model: Any) -> None:
@@ -226,6 +259,12 @@ class AsyncWeightReceiver:
             return True
         return self.endpoint.wait_ready(timeout)
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WeightSyncStateError(
+                f"the receiver of model {self.model_id!r} is shut down", model_id=self.model_id
+            )
+
     async def receive(self, timeout: float | None = None) -> int | None:
         """Apply the newest pending update, if any, and ack it.
 
@@ -246,14 +285,13 @@ class AsyncWeightReceiver:
             coroutine runs under another async library than asyncio.
         """
         require_asyncio(self.model_id)
-        if self._closed:
-            raise WeightSyncStateError(
-                f"the receiver of model {self.model_id!r} is shut down", model_id=self.model_id
-            )
+        self._check_open()
         if not self._announced:
             await self.announce()
-        wait = timeout or 0.0
-        torn = False
+        # A copy that raced the sender's next version (see receive_ready)
+        # left the model torn: only a newer version may end this call.
+        torn, self._torn = self._torn, False
+        wait = _RECOVERY_TIMEOUT if torn else (timeout or 0.0)
         while True:
             incoming = await self.endpoint.next_update(wait)
             if incoming is None:
@@ -264,50 +302,112 @@ class AsyncWeightReceiver:
                         model_id=self.model_id,
                     )
                 return self._take_applied()
-            try:
-                targets, manifest = self._targets(incoming)
-            except WeightMismatchError as exc:
-                await self.endpoint.reply(incoming.version, str(exc))
-                return self._take_applied()
-            except Exception as exc:
-                # (e.g. out of memory giving a meta model its storage): the
-                # sender hears why, then the caller.
-                await self.endpoint.reply(incoming.version, f"{type(exc).__name__}: {exc}")
-                raise
-            try:
-                if not incoming.is_current():
-                    continue  # superseded before we began: the newer update is queued or coming
-                refused = self._corrupt(incoming, manifest)
-                if refused is not None:
-                    if not incoming.is_current():
-                        continue  # overwritten while we read it: not corrupt, superseded
-                    await self.endpoint.reply(incoming.version, refused)
-                    return self._take_applied()
-                incoming.apply(self.model, targets, manifest)
-            except ResourceExhaustedError as exc:
-                # Nothing was written (the staging could not even be mapped):
-                # tell the sender why, then the caller.
-                exc.model_id = self.model_id
-                await self.endpoint.reply(incoming.version, str(exc))
-                raise
-            if not incoming.is_current():
-                # The sender began the next version during the copy: the model
-                # holds a mix now and must be overwritten before returning.
+            step = self._take(incoming)
+            if step.then is _Then.SUPERSEDED:
+                continue
+            if step.then is _Then.TORN:
                 torn = True
                 wait = _RECOVERY_TIMEOUT
                 continue
-            self._mark_applied(incoming.version)
-            failed = self._updated(incoming.version)
-            if failed is None:
-                await self.endpoint.reply(incoming.version)
-                return self._take_applied()
-            # The sender hears why; this worker's caller gets its own error.
-            await self.endpoint.reply(
+            return await self._finish(step)
+
+    def receive_ready(self) -> int | _NeedsLoop | None:
+        """What :meth:`receive` with no wait returns, done on the calling
+        thread without an event loop where nothing has to wait: an update
+        is pending and its ack fits in the channel. Returns
+        :data:`NEEDS_LOOP`, having changed nothing, where the coroutine must
+        run instead (nothing pending yet, an endpoint that cannot tell
+        without its loop, the first call, which announces the worker); after
+        a copy that raced the sender's next version it returns
+        :data:`NEEDS_LOOP` too, and the next :meth:`receive` waits for the
+        newer version before it returns (the model is torn until then).
+
+        Never blocks but for the copy into the model. Raises as :meth:`receive`.
+        """
+        self._check_open()
+        if not self._announced or self._torn:
+            return NEEDS_LOOP
+        while True:
+            incoming = self.endpoint.take_ready()
+            if incoming is None:
+                return NEEDS_LOOP
+            step = self._take(incoming)
+            if step.then is _Then.SUPERSEDED:
+                continue
+            if step.then is _Then.TORN:
+                self._torn = True
+                return NEEDS_LOOP
+            if step.reply is not None and not self.endpoint.try_reply(*step.reply):
+                self._unsent = step
+                return NEEDS_LOOP
+            if step.error is not None:
+                raise step.error
+            return self._take_applied()
+
+    async def finish_unsent(self) -> int | None:
+        """Send the reply that :meth:`receive_ready` could not send without
+        waiting, then return or raise what it would have."""
+        step, self._unsent = self._unsent, None
+        assert step is not None, "receive_ready() left nothing to finish"
+        return await self._finish(step)
+
+    @property
+    def unsent(self) -> bool:
+        """Whether :meth:`receive_ready` left a reply for :meth:`finish_unsent`."""
+        return self._unsent is not None
+
+    async def _finish(self, step: _Step) -> int | None:
+        if step.reply is not None:
+            await self.endpoint.reply(*step.reply)
+        if step.error is not None:
+            raise step.error
+        return self._take_applied()
+
+    def _take(self, incoming: Incoming) -> _Step:
+        """Everything :meth:`receive` does with one update but wait and reply:
+        check it, apply it, and say what to tell the sender and what next.
+        Never waits (but for the copy)."""
+        try:
+            targets, manifest = self._targets(incoming)
+        except WeightMismatchError as exc:
+            return _Step(_Then.DONE, (incoming.version, str(exc)))
+        except Exception as exc:
+            # (e.g. out of memory giving a meta model its storage): the
+            # sender hears why, then the caller.
+            return _Step(_Then.DONE, (incoming.version, f"{type(exc).__name__}: {exc}"), exc)
+        try:
+            if not incoming.is_current():
+                # Superseded before we began: the newer update is queued or coming.
+                return _Step(_Then.SUPERSEDED)
+            refused = self._corrupt(incoming, manifest)
+            if refused is not None:
+                if not incoming.is_current():
+                    return _Step(_Then.SUPERSEDED)  # overwritten while we read it: not corrupt
+                return _Step(_Then.DONE, (incoming.version, refused))
+            incoming.apply(self.model, targets, manifest)
+        except ResourceExhaustedError as exc:
+            # Nothing was written (the staging could not even be mapped):
+            # tell the sender why, then the caller.
+            exc.model_id = self.model_id
+            return _Step(_Then.DONE, (incoming.version, str(exc)), exc)
+        if not incoming.is_current():
+            # The sender began the next version during the copy: the model
+            # holds a mix now and must be overwritten before returning.
+            return _Step(_Then.TORN)
+        self._mark_applied(incoming.version)
+        failed = self._updated(incoming.version)
+        if failed is None:
+            return _Step(_Then.DONE, (incoming.version, None))
+        # The sender hears why; this worker's caller gets its own error.
+        return _Step(
+            _Then.DONE,
+            (
                 incoming.version,
                 f"version {incoming.version} was applied, but on_update raised "
                 f"{type(failed).__name__}: {failed}",
-            )
-            raise failed
+            ),
+            failed,
+        )
 
     async def wait_for_version(self, version: int, timeout: float | None = None) -> int:
         """Return once ``version`` or a newer one is applied: the version

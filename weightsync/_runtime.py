@@ -82,8 +82,8 @@ class _Interruptible:
     run); the call then raises KeyboardInterrupt once its work has stopped.
     A second SIGINT raises at once, as usual."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.loop = loop  # None: a plain function runs (Runtime.run_now), no scope to cancel
         self.scope: anyio.CancelScope | None = None
         self.interrupted = False
         self._finished = False
@@ -92,7 +92,7 @@ class _Interruptible:
         if self.interrupted:
             raise KeyboardInterrupt  # the user insists
         self.interrupted = True
-        if self.scope is not None and not self._finished:
+        if self.loop is not None and self.scope is not None and not self._finished:
             self.loop.call_soon_threadsafe(self.scope.cancel)
         # Before the scope exists, run() cancels it as it opens; after the
         # work finished, call() raises KeyboardInterrupt on its way out.
@@ -269,6 +269,29 @@ class Runtime:
             # it: the user asked to stop.
             raise KeyboardInterrupt
         return result  # type: ignore[return-value]
+
+    def run_now(self, func: Callable[..., T], *args: Any) -> T:
+        """Run the plain function ``func(*args)`` on the calling thread, for
+        a step that never waits (an update already pending, copied in and
+        acked): entering an event loop would cost more than the step.
+
+        As in :meth:`call`, Ctrl-C on the main thread does not stop the step
+        midway (a copy half done): ``KeyboardInterrupt`` is raised once it
+        returned. ``func`` must not block, or Ctrl-C waits for it.
+
+        :raises KeyboardInterrupt: Ctrl-C, once ``func`` returned.
+        """
+        guard = _Interruptible(None)
+        with guard.installed():
+            try:
+                result = func(*args)
+            except BaseException as exc:
+                if guard.interrupted and not isinstance(exc, KeyboardInterrupt):
+                    raise KeyboardInterrupt from exc
+                raise
+        if guard.interrupted:
+            raise KeyboardInterrupt
+        return result
 
     def close_thread_loop(self) -> None:
         """Close the calling thread's private loop, if it has one (a thread

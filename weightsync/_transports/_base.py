@@ -222,6 +222,21 @@ class WorkerEndpoint(Protocol):
     async def reply(self, version: int, error: str | None = None) -> None:
         """Report ``version`` applied, or (``error``) not applied and why."""
 
+    def take_ready(self) -> Incoming | None:
+        """The newest pending update if it can be had on the calling thread
+        without an event loop (None: none is pending, or this endpoint
+        cannot tell without its loop; ``next_update`` will). Never blocks.
+
+        :raises SenderLostError: the sender died or shut down.
+        """
+
+    def try_reply(self, version: int, error: str | None = None) -> bool:
+        """Send what :meth:`reply` sends, if that can be done now without
+        waiting; False if it was not sent (``reply`` will). Never blocks.
+
+        :raises SenderLostError: the sender is gone.
+        """
+
     def wait_ready(self, timeout: float) -> bool:
         """Block the calling thread (not an event loop) up to ``timeout``
         seconds until an update may be pending or the sender may be gone.

@@ -40,9 +40,10 @@ def _readable(fd: int) -> bool:
     return bool(select.select([fd], [], [], 0)[0])
 
 
-async def _wait_readable_any(fds: list[int], timeout: float) -> None:
-    """Wait until one of ``fds`` is readable or ``timeout`` seconds pass.
-    Cancellable. The caller checks which, if any, happened."""
+async def _wait_readable_any(fds: list[int], timeout: float | None) -> None:
+    """Wait until one of ``fds`` is readable or ``timeout`` seconds pass
+    (None: no limit; the caller's cancel scope bounds it). Cancellable. The
+    caller checks which, if any, happened."""
     loop = asyncio.get_running_loop()  # asyncio only: see _offload.require_asyncio
     ready = loop.create_future()
 
@@ -51,14 +52,16 @@ async def _wait_readable_any(fds: list[int], timeout: float) -> None:
             ready.set_result(None)
 
     # A timer handle, not a cancel scope: this wait is on every send's path,
-    # and a scope costs more than the rest of the wait.
-    timer = loop.call_later(timeout, wake)
+    # and a scope costs more than the rest of the wait. None where the
+    # caller's deadline is a scope of its own (a send's acks).
+    timer = None if timeout is None else loop.call_later(timeout, wake)
     for fd in fds:
         loop.add_reader(fd, wake)
     try:
         await ready
     finally:
-        timer.cancel()
+        if timer is not None:
+            timer.cancel()
         for fd in fds:
             loop.remove_reader(fd)
 
@@ -223,11 +226,12 @@ class PipeChannel:
     def _closed(self, exc: BaseException) -> Exception:
         return self._lost(f"its pipe is closed ({exc.__class__.__name__}: {exc})")
 
-    async def _wait(self, timeout: float) -> None:
-        """Wait for the pipe to be readable, the peer to exit, or ``timeout``."""
+    async def _wait(self, timeout: float | None) -> None:
+        """Wait for the pipe to be readable, the peer to exit, or ``timeout``
+        (None: no limit)."""
         watch = self.peer.fd if self.peer is not None else None
         if watch is None:  # no pidfd: wake up now and then to poll the peer
-            await _wait_readable_any([self._fd], min(timeout, LIVENESS_PERIOD))
+            await _wait_readable_any([self._fd], min(timeout or LIVENESS_PERIOD, LIVENESS_PERIOD))
         else:
             await _wait_readable_any([self._fd, watch], timeout)
 
@@ -297,8 +301,8 @@ class PipeChannel:
             return message
         deadline = None if timeout is None else _now() + timeout
         while True:
-            remaining = 3600.0 if deadline is None else deadline - _now()
-            if remaining <= 0:
+            remaining = None if deadline is None else deadline - _now()
+            if remaining is not None and remaining <= 0:
                 return None
             await self._wait(remaining)
             message = self.poll()

@@ -427,6 +427,12 @@ class ChainEndpoint:
         except RuntimeError as exc:
             raise self.lost(f"its store failed ({short_message(exc)})") from exc
 
+    def take_ready(self) -> None:
+        return None  # its updates are taken in the loop (next_update)
+
+    def try_reply(self, version: int, error: str | None = None) -> bool:
+        return False  # a store write may wait on the network: the loop sends it
+
     def wait_ready(self, timeout: float) -> bool:
         return self._relay.wait_ready(timeout)
 

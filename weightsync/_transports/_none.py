@@ -44,6 +44,12 @@ class NoEndpoint:
     async def reply(self, version: int, error: str | None = None) -> None:
         return None
 
+    def take_ready(self) -> Incoming | None:
+        return None
+
+    def try_reply(self, version: int, error: str | None = None) -> bool:
+        return True  # nothing to send
+
     def wait_ready(self, timeout: float) -> bool:
         return False
 

@@ -302,11 +302,19 @@ class PipeEndpoint:
             return None
         return self._drain(self._handle(message, None))
 
-    async def reply(self, version: int, error: str | None = None) -> None:
+    def take_ready(self) -> PipeUpdate | None:
+        return self._drain(None)
+
+    def _reply(self, version: int, error: str | None) -> tuple[Any, ...]:
         if error is None:
-            await self._channel.send(("ack", version, self.reader.holding()))
-        else:
-            await self._channel.send(("error", version, error))
+            return ("ack", version, self.reader.holding())
+        return ("error", version, error)
+
+    async def reply(self, version: int, error: str | None = None) -> None:
+        await self._channel.send(self._reply(version, error))
+
+    def try_reply(self, version: int, error: str | None = None) -> bool:
+        return self._channel.try_send(self._reply(version, error))
 
     def wait_ready(self, timeout: float) -> bool:
         return self._channel.wait_ready(timeout)

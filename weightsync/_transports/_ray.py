@@ -611,6 +611,13 @@ class RayEndpoint:
     async def reply(self, version: int, error: str | None = None) -> None:
         """Nothing to send: the reply is the result of the sender's call."""
 
+    def take_ready(self) -> None:
+        """Never an update to pull; a closed endpoint is reported by ``next_update``."""
+        return None
+
+    def try_reply(self, version: int, error: str | None = None) -> bool:
+        return True  # nothing to send: the reply is the result of the sender's call
+
     def wait_ready(self, timeout: float) -> bool:
         return self._closed
 
