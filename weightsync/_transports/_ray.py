@@ -98,8 +98,9 @@ class RayStaging:
 
     When the actors live on two or more nodes besides the trainer's, the
     actors of those nodes are fed through a :class:`HostRelay` (a pipelined
-    chain of the nodes, each getting the bytes once); the trainer's node
-    reads the trainer's object, as with one node.
+    chain of the nodes, each getting the bytes once, into shared memory its
+    actors map: ``_host_copy``); the trainer's node reads the trainer's
+    object, as with one node.
 
     ``delta=True``: the relay's chain carries what changed since the last
     whole relayed send that every actor of its send acked (see

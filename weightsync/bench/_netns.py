@@ -236,7 +236,7 @@ class EmulatedCluster:
         self._procs.append(proc)
         return proc
 
-    def start_ray(self, cpus: int = 4, object_store_mib: int = 1024, timeout: float = 60.0) -> str:
+    def start_ray(self, cpus: int = 4, object_store_mib: int = 1024, timeout: float = 180.0) -> str:
         """Start a Ray node on every host (the head on host 0) and return the
         head's address, once every node has joined. Each node has the custom
         resource ``host<i>`` (for placing actors on host ``i``)."""
