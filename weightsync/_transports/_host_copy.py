@@ -37,6 +37,7 @@ import itertools
 import os
 import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -48,6 +49,8 @@ from .._segment import AttachedSegments, Segment, SegmentRef
 # (here the stamp) at 0, the segment's token at 8.
 _STAMP = struct.Struct("<q")
 _TOKEN_AT = 8
+# How long a reader waits for the agent to let go of the lock (seconds).
+_LOCK_WAIT = 5.0
 
 __all__ = ["HostBuffers", "HostCopy", "HostCopyError", "HostReader", "UnmappedError"]
 
@@ -164,7 +167,7 @@ class HostReader:
             if os.pread(lock, len(ref.token), _TOKEN_AT) != ref.token:
                 # The agent let that segment go, and its number names another file now.
                 raise HostCopyError("the host's copy was replaced by a later send's before it was read")
-            fcntl.flock(lock, fcntl.LOCK_SH)  # the agent holds it exclusive only to change the stamp
+            _lock_shared(lock)
             # (The stamp is read through the descriptor: the mapping may be
             # let go meanwhile by another apply of this process; the arrays
             # keep its memory.)
@@ -178,6 +181,21 @@ class HostReader:
 
     def close(self) -> None:
         self._mapped.close()
+
+
+def _lock_shared(fd: int) -> None:
+    """Take the segment's lock shared. The agent holds it exclusive only to
+    change the stamp (microseconds); one stopped in between is waited for
+    up to :data:`_LOCK_WAIT` seconds."""
+    deadline = time.monotonic() + _LOCK_WAIT
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise HostCopyError("the host's agent kept its copy locked") from None
+            time.sleep(0.001)
 
 
 def _stamp(fd: int) -> int:
