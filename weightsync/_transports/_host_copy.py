@@ -93,47 +93,65 @@ def _take_from_readers(segment: Segment) -> bool:
 
 class HostBuffers:
     """A relay agent's receive buffer, in shared memory: one segment, reused
-    by the sends of the same size; a fresh one only when readers still hold
-    it (see the module's docstring)."""
+    by the sends of the same size; a fresh one when readers still hold it
+    (see the module's docstring), or when another relay call of the agent
+    still writes it (a chain of an abandoned send, ending within its stall
+    limit). Thread-safe."""
 
     def __init__(self) -> None:
+        #: The segment the next send reuses.
         self.segment: Segment | None = None
+        self._all: list[Segment] = []
+        self._writing: set[int] = set()  # ids of the segments a relay call writes
+        self._lock = threading.Lock()
         self._stamps = itertools.count(1)
 
-    def claim(self, nbytes: int) -> tuple[Segment, Segment | None]:
+    def claim(self, nbytes: int) -> Segment:
         """The segment to receive the next send of ``nbytes`` bytes into,
-        marked "being written"; and the segment it replaces when readers
-        still hold that one (None otherwise). The replaced segment still
-        holds its send whole: a delta's base can be read from it until
-        :meth:`let_go`."""
-        current = self.segment
-        if current is not None and current.nbytes == nbytes and _take_from_readers(current):
-            return current, None
-        fresh = Segment.create(nbytes)
-        fresh.begin_write()
-        self.segment = fresh
-        if current is not None and current.nbytes != nbytes:
-            current.close()
-            current = None
-        return fresh, current
+        marked "being written" (see the module's docstring); give it back
+        with :meth:`release`."""
+        with self._lock:
+            current = self.segment
+            if (
+                current is not None
+                and current.nbytes == nbytes
+                and id(current) not in self._writing
+                and _take_from_readers(current)
+            ):
+                self._writing.add(id(current))
+                return current
+            fresh = Segment.create(nbytes)
+            fresh.begin_write()
+            self._writing.add(id(fresh))
+            self._all.append(fresh)
+            self.segment = fresh
+            return fresh
 
     def publish(self, segment: Segment) -> int:
         """``segment`` holds a whole send: give it a new stamp; the stamp."""
-        stamp = next(self._stamps)
+        with self._lock:
+            stamp = next(self._stamps)
         segment.publish(stamp)
         return stamp
 
-    @staticmethod
-    def let_go(replaced: Segment | None) -> None:
-        """Close the agent's side of a replaced segment; its readers keep
-        their mappings, and the memory goes with the last of them."""
-        if replaced is not None:
-            replaced.close()
+    def release(self, segment: Segment, keep: Segment | None) -> None:
+        """The relay call that claimed ``segment`` is done with it. The
+        agent's side of every segment that is neither reused next, nor
+        written, nor ``keep`` (the one holding the agent's base) is closed:
+        its readers keep their mappings, and the memory goes with the last
+        of them."""
+        with self._lock:
+            self._writing.discard(id(segment))
+            for old in list(self._all):
+                if old is not self.segment and old is not keep and id(old) not in self._writing:
+                    old.close()
+                    self._all.remove(old)
 
     def close(self) -> None:
-        if self.segment is not None:
-            self.segment.close()
-            self.segment = None
+        with self._lock:
+            for segment in self._all:
+                segment.close()
+            self._all, self.segment = [], None
 
 
 class HostReader:

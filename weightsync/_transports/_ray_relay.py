@@ -64,6 +64,7 @@ import numpy as np
 import torch
 
 from .._delta import DeltaEncoder
+from .._segment import Segment
 from ._chain import ChainDriver, ChainMember, Encoded, EncodedSend, Link, Report, Route
 from ._gloo_chain import CHUNK_BYTES, chunk_spans, connect_store
 from ._gloo_chain import seconds as _seconds
@@ -105,8 +106,10 @@ class RelayAgent:
         torch.set_num_threads(1)
         self._member = ChainMember(_node_address())
         self._buffers = HostBuffers()
-        # The version the segment holds, whole (None: none, or in doubt).
+        # The version this host holds whole (None: none, or in doubt), and
+        # the segment holding it: a delta's base.
         self._holds: int | None = None
+        self._holder: Segment | None = None
 
     def address(self) -> str:
         """This host's address, which its end of the chain binds to."""
@@ -135,42 +138,41 @@ class RelayAgent:
         version, whole = header[2], header[5] is None
         total = int(sum(sizes))
         encoded = link.encoded
-        held = self._buffers.segment
-        has_base = (
-            encoded is not None
-            and self._holds == encoded.base_version
-            and held is not None
-            and held.nbytes == total
-        )
         # From here on no reader starts on the segment (it is marked being
-        # written), and none is reading it: a reader holds a replaced one.
-        segment, replaced = self._buffers.claim(total)
-        self._holds = None
+        # written), and none is reading it.
+        segment = self._buffers.claim(total)
+        holder = self._holder
+        base = None
+        if encoded is not None and self._holds == encoded.base_version and holder is not None:
+            # The base is rebuilt in place, or read from the segment that
+            # holds it while a reader keeps it (then it stays the base
+            # until the new one is whole).
+            data = holder.data
+            base = None if data is None or holder.nbytes != total else data[:total]
+        if holder is segment:
+            self._holds, self._holder = None, None
         assert segment.data is not None
         buffer = segment.data[:total]
-        base = None
-        if has_base:
-            source = segment if replaced is None else replaced
-            base = None if source.data is None else source.data[:total]
         try:
             report = self._member.relay(
                 lambda timeout: connect_store(*store, timeout), link, buffer, base=base
             )
-        finally:
             base = None
-            self._buffers.let_go(replaced)
+            if report.complete:
+                copy = HostCopy(segment.ref(), self._buffers.publish(segment), tuple(int(s) for s in sizes))
+                # A partial update is no base for a later delta.
+                self._holds, self._holder = (version, segment) if whole else (None, None)
+        finally:
+            self._buffers.release(segment, keep=self._holder)
         if not report.complete:
-            return ("error", report.error, None)
-        # A partial update is no base for a later delta.
-        self._holds = version if whole else None
-        copy = HostCopy(segment.ref(), self._buffers.publish(segment), tuple(int(s) for s in sizes))
+            return ("error", report.error, self._holds)
         # The chain broke after this host (error set): it still has it all.
         return ("ok", copy, report.error, self._holds)
 
     def leave(self) -> None:
         self._member.leave()
         self._buffers.close()
-        self._holds = None
+        self._holds, self._holder = None, None
 
 
 class _RelayControl:
