@@ -9,9 +9,10 @@ counting, from ``/proc``, the CPU time of every process in the cluster's
 namespaces (by host and process name) and the machine's softirq time (the
 kernel's packet work, which no process is charged for).
 
-It prints the median send, the CPU per send by process, and the bound the
-CPU puts on a send: (cluster CPU + softirq) per send / cores. A send can
-be no faster than that bound on this machine, whatever the network.
+It prints the median send, the CPU per send by process and per relayed
+host (also as core-ms per GiB sent), and the bound the CPU puts on a
+send: (cluster CPU + softirq) per send / cores. A send can be no faster
+than that bound on this machine, whatever the network.
 
 Run (root, iproute2): ``python benchmarks/relay_cpu.py [--hosts 7] [--size 64] [--sends 10]``.
 """
@@ -138,6 +139,13 @@ def main() -> None:
           f"in {wall - wall_before:.2f} s")  # fmt: skip
     print(f"median send {median * 1e3:.0f} ms ({median / floor:.2f}x the floor S/B = {floor * 1e3:.0f} ms)")
     print(f"CPU per send: cluster processes {cluster_cpu * 1e3:.0f} ms, softirq {softirq * 1e3:.0f} ms")
+    # Each receiving host's processes (relay agent, actor, raylet...), per GiB sent.
+    gib = args.size / 1024
+    hosts_cpu = [sum(v for (h, _), v in per_send.items() if h == host) for host in range(1, args.hosts + 1)]
+    trainer_host = sum(v for (h, _), v in per_send.items() if h == 0)
+    print(f"CPU per send of each relayed host: {min(hosts_cpu) * 1e3:.0f} to {max(hosts_cpu) * 1e3:.0f} ms, "
+          f"{statistics.mean(hosts_cpu) * 1e3 / gib:.0f} core-ms per GiB on average "
+          f"(the trainer's host: {trainer_host * 1e3:.0f} ms)")  # fmt: skip
     bound = (cluster_cpu + softirq) / cores
     print(f"CPU bound on a send here: {bound * 1e3:.0f} ms ({bound / floor:.2f}x the floor)")
     print("by host and process (ms per send):")

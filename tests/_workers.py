@@ -513,3 +513,57 @@ def register_off_the_loop(actor: AsyncActorRegisteringLate) -> str:
     except ws.WeightSyncStateError as exc:
         return str(exc)
     return "registered"
+
+
+# -- for the tests of the Ray relay's host copy (test_ray.py) ------------------
+_APPLIED_WEIGHTS: dict[int, dict[str, torch.Tensor]] = {}
+
+
+def slow_applies(actor: Any, flag: str, release: str, count: int = 1) -> None:
+    """Runs on a Ray actor (through ``__ray_call__``): each of its next
+    ``count`` updates touches the file ``flag``, then waits (up to 60 s)
+    for the file ``release`` just before it copies into the model (a
+    relayed one, inside its lease of the host's copy); every update from
+    now on records the weights it left in the model, by version (see
+    :func:`applied_weights`)."""
+    import pathlib
+    import time
+
+    from weightsync._transports import _ray
+
+    original = getattr(_ray.RayUpdate, "original_apply", _ray.RayUpdate.apply)
+    left = [count]
+
+    def apply(self: Any, model: Any, targets: list[torch.Tensor], manifest: Any) -> None:
+        if left[0] > 0:
+            left[0] -= 1
+            pathlib.Path(flag).touch()
+            deadline = time.monotonic() + 60
+            while not os.path.exists(release) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        original(self, model, targets, manifest)
+        _APPLIED_WEIGHTS[self.version] = snapshot(model)
+
+    _ray.RayUpdate.original_apply = original  # type: ignore[attr-defined]
+    _ray.RayUpdate.apply = apply  # type: ignore[method-assign]
+
+
+def applied_weights(actor: Any) -> dict[int, dict[str, torch.Tensor]]:
+    """Runs on a Ray actor: the weights each update recorded since :func:`slow_applies`."""
+    return dict(_APPLIED_WEIGHTS)
+
+
+def undo_slow_applies(actor: Any) -> None:
+    """Runs on a Ray actor: updates are applied as ever again."""
+    from weightsync._transports import _ray
+
+    original = getattr(_ray.RayUpdate, "original_apply", None)
+    if original is not None:
+        _ray.RayUpdate.apply = original  # type: ignore[method-assign]
+        del _ray.RayUpdate.original_apply  # type: ignore[attr-defined]
+    _APPLIED_WEIGHTS.clear()
+
+
+def host_copy_state(actor: Any) -> dict[str, Any]:
+    """Runs on a Ray actor: its pid and the weightsync segments it maps."""
+    return {"pid": os.getpid(), "maps": memfd_maps(), "fds": memfd_fds()}

@@ -240,7 +240,8 @@ def test_bench_across_emulated_hosts_prints_the_table_and_writes_json(tmp_path: 
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     header = max(i for i, line in enumerate(lines) if line.lstrip().startswith("hosts"))
-    for column in ("floor ms", "TCP chain", "weightsync ms", "ray put/get", "gloo bcast", "cluster cpu"):
+    columns = ("floor ms", "TCP chain", "weightsync ms", "ray put/get", "gloo bcast", "cluster cpu")
+    for column in (*columns, "host core-ms/GiB"):
         assert column in lines[header]
     rows = [line.split() for line in lines[header + 1 :] if line.strip()]
     assert [(row[0], row[1], row[2]) for row in rows] == [("1", "1", "4"), ("2", "1", "4")], done.stdout
@@ -251,4 +252,7 @@ def test_bench_across_emulated_hosts_prints_the_table_and_writes_json(tmp_path: 
         assert len(row["weightsync"]) == len(row["ray_put"]) == len(row["gloo_bcast"]) == 2
         # From clock ticks of 10 ms: a rough share at 4 MiB, but a share.
         assert 0 <= row["cluster_cpu"] < 2, row
+        # Per relayed host and GiB: only where the relay ran (2 hosts and more).
+        assert ("host_cpu_ms_per_gib" in row) == (row["hosts"] >= 2), row
+        assert row.get("host_cpu_ms_per_gib", 0.0) >= 0, row
     assert set(_netns._namespaces()) <= before

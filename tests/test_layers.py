@@ -19,7 +19,7 @@ LAYERS: list[set[str]] = [
     {"_digest"},
     {"_segment", "_delta"},
     {"_transports._gloo_chain"},
-    {"_transports._chain", "_transports._liveness"},
+    {"_transports._chain", "_transports._liveness", "_transports._host_copy"},
     {"_transports._base", "_transports._channel", "_transports._ray_relay", "_transports._dist_protocol"},
     {"_transports._host_share"},
     {"_transports._dist_relay", "_transports._dist_chain", "_transports._dist_delta"},

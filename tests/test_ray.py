@@ -7,9 +7,12 @@ All tests share the session's two-node Ray test cluster.
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import _probe
 import pytest
@@ -243,3 +246,162 @@ def test_delta_on_one_host_sends_the_bytes_as_they_are(ray_runtime: RayRuntime) 
             assert c.scheme.last_delta == [] and c.scheme.last_wire_bytes == 0
     finally:
         c.close()
+
+
+# -- the relay across nodes: each node's actors read their agent's shared memory --
+
+
+@pytest.fixture(scope="module")
+def third_node(ray_runtime: RayRuntime) -> Iterator[str]:
+    """A third node in the session's Ray cluster for this module's relay
+    tests (the trainer's node and two more: the relay runs from two other
+    nodes on), removed afterwards. Its actors are pinned with the resource
+    it names."""
+    node = ray_runtime.nodes.add_node(num_cpus=1, object_store_memory=256 << 20, resources={"third_node": 1})
+    ray_runtime.nodes.wait_for_nodes()
+    yield "third_node"
+    ray_runtime.nodes.remove_node(node)
+
+
+def _relayed_pair(ray_runtime: RayRuntime, third: str, model: object, **options: object) -> tuple:
+    """One actor on the second node and one on the third (both relayed),
+    set up with a scheme whose sender is ready (a send done), and the
+    version of that send."""
+    actors = [ray_runtime.actor("second_node"), ray_runtime.actor(third)]
+    scheme = ws.RayWeightSyncScheme(timeout=60, **options)
+    ray.get([a.setup.remote(scheme, "relayed", "net") for a in actors], timeout=120)
+    scheme.init_on_sender("relayed", remote_collectors=actors, model=model)
+    scheme.connect()
+    version = scheme.send().version
+    assert scheme.staging.relay is not None and scheme.staging.relay.last_attempts, "the relay was not used"
+    return actors, scheme, version
+
+
+def _bump(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_relayed_reader_still_copying_keeps_its_bytes_while_the_next_send_proceeds(
+    ray_runtime: RayRuntime, third_node: str, tmp_path: Path
+) -> None:
+    """An actor still copying a send its trainer abandoned (past the
+    deadline) holds its host's copy: the next send's agent receives into
+    another buffer, so the slow actor applies exactly the bytes of the
+    version it was sent, then the next."""
+    from _workers import applied_weights, slow_applies
+
+    model = build_model("net", seed=7)
+    actors, scheme, v = _relayed_pair(ray_runtime, third_node, model)
+    fast, slow = actors
+    copying, release = tmp_path / "copying", tmp_path / "release"
+    try:
+        ray.get(slow.__ray_call__.remote(slow_applies, str(copying), str(release)), timeout=30)
+        abandoned = _bump(model)
+        with pytest.raises(ws.AckTimeoutError, match="worker 1"):
+            scheme.send(timeout=10.0)
+        assert copying.exists(), "the slow actor never began to apply the abandoned send"
+        # The slow actor is inside its copy of the abandoned send while the next one goes.
+        following = _bump(model)
+        sender = scheme.get_sender()
+        sender.send_async(timeout=60)
+        _wait_applied(fast, v + 2)
+        release.touch()
+        assert sender.wait_async().version == v + 2
+        weights = ray.get(slow.__ray_call__.remote(applied_weights), timeout=30)
+        assert sorted(weights) == [v + 1, v + 2]
+        assert _equal(weights[v + 1], abandoned), "the slow actor applied bytes of another version"
+        assert _equal(weights[v + 2], following)
+    finally:
+        release.touch()
+        scheme.shutdown()
+        for a in actors:
+            ray.kill(a)
+
+
+def _wait_applied(actor: object, version: int) -> None:
+    """Wait until ``actor`` applied ``version`` (so the relay's chain of that send is done)."""
+    deadline = time.monotonic() + 30
+    while (
+        version not in ray.get(actor.state.options(concurrency_group="ctrl").remote(), timeout=30)["applied"]
+    ):
+        assert time.monotonic() < deadline, f"the other actor never got version {version}"
+        time.sleep(0.1)
+    time.sleep(0.2)
+
+
+def test_a_late_relayed_reader_of_a_rewritten_copy_refuses_and_leaves_its_model(
+    ray_runtime: RayRuntime, third_node: str
+) -> None:
+    """An actor busy past the deadline of a send reads its host's copy only
+    after the next send rewrote it: the late call refuses (its model
+    untouched, never half-written), and the next send's call applies."""
+    from _workers import applied_weights, slow_applies
+
+    model = build_model("net", seed=8)
+    actors, scheme, v = _relayed_pair(ray_runtime, third_node, model)
+    late = actors[1]
+    try:
+        ray.get(late.__ray_call__.remote(slow_applies, "/dev/null", "/dev/null", 0), timeout=30)
+        held = late.hold.remote(60.0)
+        assert ray.get(late.wait_held.options(concurrency_group="ctrl").remote(), timeout=30)
+        _bump(model)
+        with pytest.raises(ws.AckTimeoutError, match="worker 1"):
+            scheme.send(timeout=10.0)
+        # The late actor's call of that send waits; the next send rewrites its host's copy.
+        following = _bump(model)
+        sender = scheme.get_sender()
+        sender.send_async(timeout=60)
+        _wait_applied(actors[0], v + 2)
+        ray.get(late.release.options(concurrency_group="ctrl").remote(), timeout=30)
+        ray.get(held, timeout=30)
+        assert sender.wait_async().version == v + 2
+        weights = ray.get(late.__ray_call__.remote(applied_weights), timeout=30)
+        assert sorted(weights) == [v + 2], "the late call of the abandoned send wrote into the model"
+        assert _equal(weights[v + 2], following)
+        assert ray.get(late.state.remote(), timeout=30)["applied"][-2:] == [v, v + 2]
+    finally:
+        scheme.shutdown()
+        for a in actors:
+            ray.kill(a)
+
+
+def test_relayed_host_copies_leave_nothing_behind(ray_runtime: RayRuntime, third_node: str) -> None:
+    """The agents' segments go with the scheme's shutdown (the agents end),
+    an actor's mappings with its own shutdown, and a killed actor's with it."""
+    from _workers import host_copy_state, memfd_fds, memfd_maps
+
+    model = build_model("net", seed=9)
+    actors, scheme, _ = _relayed_pair(ray_runtime, third_node, model)
+    try:
+        _bump(model)
+        scheme.send()
+        states = ray.get([a.__ray_call__.remote(host_copy_state) for a in actors], timeout=30)
+        assert all(s["maps"] for s in states), f"an actor maps no host copy: {states}"
+        relay = scheme.staging.relay
+        agents = [ray.get(agent.ping.remote(), timeout=30) for agent in relay._agents.values()]
+        assert all(memfd_fds(pid) for pid in agents), "an agent holds no segment"
+        # A killed actor takes its mappings with it; the agent is unaffected.
+        ray.kill(actors[1])
+        _bump(model)
+        with pytest.raises(ws.WorkerLostError):
+            scheme.send()
+        ray.get([a.teardown.remote() for a in actors[:1]], timeout=30)
+        scheme.shutdown()
+        deadline = time.monotonic() + 20
+        while any(os.path.exists(f"/proc/{pid}") for pid in agents) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in agents), "a relay agent outlived the scheme"
+        left = ray.get(actors[0].__ray_call__.remote(host_copy_state), timeout=30)
+        assert left["maps"] == [] and left["fds"] == [], left
+        assert memfd_fds() == [] and memfd_maps() == []
+    finally:
+        scheme.shutdown()
+        for a in actors:
+            ray.kill(a)

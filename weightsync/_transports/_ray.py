@@ -60,6 +60,7 @@ from .._exceptions import (
 from .._offload import inline_allowed, run_blocking
 from .._packet import Manifest, Packet, Signature
 from ._base import Applier, worker_failed, worker_lost
+from ._host_copy import HostCopy, HostCopyError, HostReader, UnmappedError
 from ._ray_relay import HostRelay, SendKind
 
 __all__ = ["RayEndpoint", "RaySenderTransport", "RayStaging", "RayUpdate", "apply_on_actor"]
@@ -97,8 +98,9 @@ class RayStaging:
 
     When the actors live on two or more nodes besides the trainer's, the
     actors of those nodes are fed through a :class:`HostRelay` (a pipelined
-    chain of the nodes, each getting the bytes once); the trainer's node
-    reads the trainer's object, as with one node.
+    chain of the nodes, each getting the bytes once, into shared memory its
+    actors map: ``_host_copy``); the trainer's node reads the trainer's
+    object, as with one node.
 
     ``delta=True``: the relay's chain carries what changed since the last
     whole relayed send that every actor of its send acked (see
@@ -221,17 +223,22 @@ class RayStaging:
             self._spread = len({n for n in self.node_of.values() if n != self._node}) >= 2
         return self._spread
 
-    async def route(self, worker_id: int) -> ray.ObjectRef:
-        """The object worker ``worker_id`` reads: its node's copy once the
-        relay brought it (the first caller starts the relay, for every
-        deferred worker of the send), or the trainer's own object where the
-        relay is not used or could not reach the node."""
+    async def route(self, worker_id: int) -> Any:
+        """What worker ``worker_id``'s apply call carries: its node's copy
+        once the relay brought it (the first caller starts the relay, for
+        every deferred worker of the send), or the trainer's own object
+        where the relay is not used or could not reach the node."""
         assert self.ref is not None, "stage() comes first"
         routes = self._start_routes()
         future = routes.get(self.node_of[worker_id])
         if future is None:
             return self.ref
-        return await asyncio.wrap_future(future)
+        routed = await asyncio.wrap_future(future)
+        if isinstance(routed, HostCopy):
+            # The actor maps its host's copy; the trainer's object rides
+            # along, unresolved (inside a list), for an actor that cannot.
+            return (self.header, routed, [self.ref])
+        return routed
 
     def _start_routes(self) -> dict[str, concurrent.futures.Future[Any]]:
         """Start the relay for the deferred workers' nodes (once per send;
@@ -343,7 +350,7 @@ class RaySenderTransport:
         except ray.exceptions.RayError as exc:
             raise self._lost(f"{type(exc).__name__}: {exc}") from exc
 
-    def _apply_call(self, payload: ray.ObjectRef) -> ray.ObjectRef:
+    def _apply_call(self, payload: Any) -> ray.ObjectRef:
         if self._has_method is None:
             # An actor handle lists the methods of its class.
             self._has_method = hasattr(self.actor, "weightsync_apply")
@@ -399,8 +406,8 @@ class RaySenderTransport:
         staging = self._staging
         try:
             if self.worker_id not in staging.calls and not self.post(packet):
-                ref = await staging.route(self.worker_id)
-                staging.calls[self.worker_id] = self._apply_call(ref)
+                payload = await staging.route(self.worker_id)
+                staging.calls[self.worker_id] = self._apply_call(payload)
             call = staging.calls[self.worker_id]
             if inline_allowed():
                 staging.wait_all()
@@ -461,11 +468,13 @@ def _describe_on_actor(actor: Any, model_id: str | None) -> tuple[Signature, str
     return endpoint.signature, ray.get_runtime_context().get_node_id()
 
 
-def apply_on_actor(actor: Any, update: tuple[tuple[Any, ...], Sequence[np.ndarray]]) -> tuple[Any, ...]:
-    """Runs on the actor (through ``__ray_call__``): apply one update, given
-    as (header, byte arrays), to the model registered under the header's
-    model id."""
-    (model_id, sender, version, layout_id, threads, subset, digests), arrays = update
+def apply_on_actor(actor: Any, update: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Runs on the actor (through ``__ray_call__``): apply one update to the
+    model registered under its header's model id. ``update``: (header, byte
+    arrays) from the object store, or (header, host copy, [the trainer's
+    object]) for an actor fed by its host's relay agent."""
+    header = update[0]
+    model_id, sender, version, layout_id, threads, subset, digests = header
     endpoint = _ENDPOINTS.get(model_id)
     if endpoint is None:
         return (
@@ -473,7 +482,19 @@ def apply_on_actor(actor: Any, update: tuple[tuple[Any, ...], Sequence[np.ndarra
             f"no model {model_id!r} is registered in this actor: call "
             f"RayWeightSyncScheme.init_on_worker({model_id!r}, model=...) inside the actor",
         )
-    return endpoint.run(sender, RayUpdate(version, layout_id, arrays, threads, subset, digests))
+    if len(update) == 2:
+        return endpoint.run(sender, RayUpdate(version, layout_id, update[1], threads, subset, digests))
+    copy, (fallback,) = update[1], update[2]
+    try:
+        with endpoint.host.lease(copy) as arrays:
+            return endpoint.run(sender, RayUpdate(version, layout_id, arrays, threads, subset, digests))
+    except UnmappedError:
+        # Not this host's memory after all, or not this user's: the object store.
+        _, arrays = ray.get(fallback)
+        return endpoint.run(sender, RayUpdate(version, layout_id, arrays, threads, subset, digests))
+    except HostCopyError as exc:
+        # A late call of an abandoned send: the model is as it was.
+        return ("error", version, f"version {version} was not applied: {exc}")
 
 
 @dataclass(eq=False)
@@ -548,6 +569,8 @@ class RayEndpoint:
                     model_id=model_id,
                 ) from None
         self._loop_thread = threading.get_ident()
+        #: This actor's mappings of its host's relayed copies.
+        self.host = HostReader()
         self.signature: Signature = receiver.manifest().signature
         with _ENDPOINTS_LOCK:
             _ENDPOINTS[model_id] = self
@@ -626,3 +649,4 @@ class RayEndpoint:
         with _ENDPOINTS_LOCK:
             if _ENDPOINTS.get(self.model_id) is self:
                 del _ENDPOINTS[self.model_id]
+        self.host.close()

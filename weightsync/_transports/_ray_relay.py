@@ -13,10 +13,12 @@ Who does what:
 
 - **Ray is the control plane.** One :class:`RelayAgent` (a small threaded
   actor of weightsync's, no CPU reserved) runs on every receiving host. The
-  trainer starts one call per agent for a send, and the call's result is
-  that host's copy as an object of its own node's store, from which the
-  host's actors are then fed by the usual apply call: each host receives
-  the bytes once, however many actors it has.
+  trainer starts one call per agent for a send; the agent receives the
+  bytes straight into shared memory of its own (``_host_copy``), and the
+  call's result says where: the host's actors, told by their apply call,
+  map it and copy from it into their models. Each host receives the bytes
+  once, however many actors it has, and copies them once per actor.
+  (An actor that cannot map it reads the trainer's object instead.)
 - **torch.distributed (gloo) is the data plane.** The trainer and the
   agents form a gloo process group of their own (no global state: it is a
   ``ProcessGroupGloo`` over a ``PrefixStore`` of a TCPStore the trainer
@@ -42,8 +44,8 @@ acked it, and each agent keeps its receive buffer holding the last version
 it relayed completely, which it says in its result. A send's first chain
 carries delta frames, encoded on the chain's thread as they are sent, to
 the agents whose buffer holds the base version; each rebuilds the version
-in place and checks every chunk against the trainer's digest before it is
-put into its node's store. The other agents (a new one, one that missed a
+in place and checks every chunk against the trainer's digest before its
+actors are told. The other agents (a new one, one that missed a
 send or whose rebuild failed, any doubt) get the bytes themselves in a
 later chain of the same send.
 """
@@ -62,9 +64,11 @@ import numpy as np
 import torch
 
 from .._delta import DeltaEncoder
+from .._segment import Segment
 from ._chain import ChainDriver, ChainMember, Encoded, EncodedSend, Link, Report, Route
 from ._gloo_chain import CHUNK_BYTES, chunk_spans, connect_store
 from ._gloo_chain import seconds as _seconds
+from ._host_copy import HostBuffers, HostCopy
 
 __all__ = ["CHUNK_BYTES", "HostRelay", "RelayAgent", "RelayDelta", "SendKind", "chunk_spans"]
 
@@ -90,20 +94,22 @@ def _resolve(future: concurrent.futures.Future[Any], value: Any) -> None:
 
 class RelayAgent:
     """One host's relay (made a Ray actor by :class:`HostRelay`, pinned to its
-    node): receives a send's bytes from the previous host of the chain,
-    passes them on to the next (a :class:`ChainMember`), and puts them into
-    its node's object store for the actors of the host. Holds one receive
-    buffer, reused by sends of the same size; it holds the last whole
-    version relayed completely here, the base a delta is rebuilt against,
-    in place (the host's copy in the store is ``ray.put``'s own)."""
+    node): receives a send's bytes from the previous host of the chain into
+    shared memory (:class:`~._host_copy.HostBuffers`), passes them on to the
+    next (a :class:`ChainMember`), and says where the host's actors map
+    them. Its segment, reused by sends of the same size, holds the last
+    whole version relayed completely here: the base a delta is rebuilt
+    against, in place (or into a fresh segment, while a late reader still
+    holds the base)."""
 
     def __init__(self) -> None:
         torch.set_num_threads(1)
         self._member = ChainMember(_node_address())
-        self._buffer: torch.Tensor | None = None
-        # The version the buffer holds, whole (None: none, or in doubt).
+        self._buffers = HostBuffers()
+        # The version this host holds whole (None: none, or in doubt), and
+        # the segment holding it: a delta's base.
         self._holds: int | None = None
-        self._ref: Any = None
+        self._holder: Segment | None = None
 
     def address(self) -> str:
         """This host's address, which its end of the chain binds to."""
@@ -119,46 +125,54 @@ class RelayAgent:
         """Take part in the chain of ``link`` (joining its group, in the
         trainer's store at ``store``, when it is a new one): receive one send
         (tensors of ``sizes`` bytes) and pass it on. Blocks until the send
-        ended here. Returns ``("ok", [ref], error, holds)`` with the host's
-        copy, stored as the trainer's object is (``(header, byte arrays)``;
-        ``error`` is None, or why the next host did not get it all), or
-        ``("error", why, holds)``; ``holds``: the version this host's buffer
-        now holds whole (None: none), the base of a later delta.
+        ended here. Returns ``("ok", copy, error, holds)`` with the
+        :class:`~._host_copy.HostCopy` the host's actors read (``error`` is
+        None, or why the next host did not get it all), or ``("error", why,
+        holds)``; ``holds``: the version this host's segment now holds whole
+        (None: none), the base of a later delta.
 
-        Of an encoded chain (``link.encoded``), the frames are rebuilt in
-        place against the buffer if it holds the delta's base version; else
-        (or if a chunk's check fails) the result is an error, and the
-        trainer sends the bytes in a later chain."""
-        import ray
-
+        Of an encoded chain (``link.encoded``), the frames are rebuilt
+        against the segment if it holds the delta's base version; else (or
+        if a chunk's check fails) the result is an error, and the trainer
+        sends the bytes in a later chain."""
         version, whole = header[2], header[5] is None
         total = int(sum(sizes))
-        self._ref = None  # the previous send's copy is no longer needed here
-        if self._buffer is None or self._buffer.numel() != total:
-            self._buffer, self._holds = None, None
-            self._buffer = torch.empty(total, dtype=torch.uint8)
-        buffer = self._buffer
         encoded = link.encoded
-        base = buffer if encoded is not None and self._holds == encoded.base_version else None
-        # From the first byte in, the buffer holds no whole version.
-        self._holds = None
-        report = self._member.relay(lambda timeout: connect_store(*store, timeout), link, buffer, base=base)
+        # From here on no reader starts on the segment (it is marked being
+        # written), and none is reading it.
+        segment = self._buffers.claim(total)
+        holder = self._holder
+        base = None
+        if encoded is not None and self._holds == encoded.base_version and holder is not None:
+            # The base is rebuilt in place, or read from the segment that
+            # holds it while a reader keeps it (then it stays the base
+            # until the new one is whole).
+            data = holder.data
+            base = None if data is None or holder.nbytes != total else data[:total]
+        if holder is segment:
+            self._holds, self._holder = None, None
+        assert segment.data is not None
+        buffer = segment.data[:total]
+        try:
+            report = self._member.relay(
+                lambda timeout: connect_store(*store, timeout), link, buffer, base=base
+            )
+            base = None
+            if report.complete:
+                copy = HostCopy(segment.ref(), self._buffers.publish(segment), tuple(int(s) for s in sizes))
+                # A partial update is no base for a later delta.
+                self._holds, self._holder = (version, segment) if whole else (None, None)
+        finally:
+            self._buffers.release(segment, keep=self._holder)
         if not report.complete:
-            return ("error", report.error, None)
-        # A partial update is no base for a later delta.
-        self._holds = version if whole else None
-        flat = buffer.numpy()
-        arrays, offset = [], 0
-        for size in sizes:
-            arrays.append(flat[offset : offset + size])
-            offset += size
-        self._ref = ray.put((header, tuple(arrays)))
+            return ("error", report.error, self._holds)
         # The chain broke after this host (error set): it still has it all.
-        return ("ok", [self._ref], report.error, self._holds)
+        return ("ok", copy, report.error, self._holds)
 
     def leave(self) -> None:
         self._member.leave()
-        self._buffer, self._ref, self._holds = None, None, None
+        self._buffers.close()
+        self._holds, self._holder = None, None
 
 
 class _RelayControl:
@@ -225,7 +239,7 @@ class _RelayControl:
                 continue
             self.holds[node] = result[-1]
             if result[0] == "ok":
-                _resolve(self._futures[node], result[1][0])
+                _resolve(self._futures[node], result[1])
                 came.append((node, Report(True, result[2])))
             else:
                 came.append((node, Report(False, result[1])))
@@ -329,9 +343,9 @@ class HostRelay:
     :class:`ChainDriver` that carries each send.
 
     :meth:`start` returns at once; the chain runs on a thread of its own and
-    resolves one future per host with the object that host's actors are to
-    read: its own copy, or the trainer's object where no chain reached it
-    (:meth:`why` then says why).
+    resolves one future per host with what that host's actors are to read:
+    its own copy (a :class:`~._host_copy.HostCopy`), or the trainer's object
+    where no chain reached it (:meth:`why` then says why).
     """
 
     def __init__(self, model_id: str | None, chunk: int = CHUNK_BYTES, *, delta: bool = False) -> None:

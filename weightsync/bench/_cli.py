@@ -180,7 +180,10 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="make an emulated cluster of N hosts on this machine (network namespaces, a Ray node in "
-        "each, the trainer on the first), with NICs of --link-rate; needs root and iproute2",
+        "each, the trainer on the first), with NICs of --link-rate; needs root and iproute2. Its table's "
+        "'cluster cpu' is the share of this machine's CPUs the emulated hosts used during weightsync's "
+        "sends, and 'host core-ms/GiB' the CPU time (user + system, summed over cores) that one "
+        "receiving host's processes (relay agent, actors, raylet) spent per relayed send, per GiB sent",
     )
     across.add_argument(
         "--link-rate",
@@ -288,7 +291,9 @@ def _across_hosts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             f"floor = S/B, B = {args.link_rate} = {rate / 1e6:.0f} MB/s each way per host; TCP chain = "
             "plain TCP relayed host to host over every link at once; "
             f"median of {args.repeats} sends, each verified; cluster cpu = the share of this machine's "
-            "CPUs the emulated hosts used during weightsync's sends (near 100%, the CPUs set the time)",
+            "CPUs the emulated hosts used during weightsync's sends (near 100%, the CPUs set the time); "
+            "host core-ms/GiB = CPU time (user + system, all cores) of one receiving host's processes "
+            "(relay agent, actors, raylet) per relayed send, per GiB sent",
             flush=True,
         )
         print(format_hosts_table([], None), flush=True)

@@ -194,8 +194,11 @@ def run_on_cluster(
     store = dist.TCPStore(
         address, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
     )
-    # On an emulated cluster (see :func:`emulate`): its hosts' namespaces.
-    hosts_here = namespace_inodes(os.environ.get(NAMESPACES_ENV, "").split())
+    # On an emulated cluster (see :func:`emulate`): its hosts' namespaces,
+    # host 0 (this one) first, then one per receiving node in the order of
+    # their addresses, which is the order of ``nodes``.
+    names = os.environ.get(NAMESPACES_ENV, "").split()
+    hosts_here = namespace_inodes(names)
     case_number = 0
     for size in sizes_mib:
         shapes = mlp_shapes(int(size * MIB), 8)
@@ -227,14 +230,17 @@ def run_on_cluster(
             # chain; one more, untimed, touches every buffer once.
             scheme.connect()
             scheme.send()
-            times, cpu = [], 0.0
+            receiving = namespace_inodes(names[1 : count + 1])
+            times, cpu, host_cpu = [], 0.0, 0.0
             for step in range(repeats):
                 change(step)
                 before = cpu_seconds_in(hosts_here) if hosts_here else 0.0
+                before_hosts = cpu_seconds_in(receiving) if receiving else 0.0
                 started = time.perf_counter()
                 scheme.send()
                 times.append(time.perf_counter() - started)
                 cpu += cpu_seconds_in(hosts_here) - before if hosts_here else 0.0
+                host_cpu += cpu_seconds_in(receiving) - before_hosts if receiving else 0.0
                 check(step)
             row["weightsync"] = times
             if hosts_here:
@@ -242,6 +248,11 @@ def run_on_cluster(
                 # used during those sends: near 100%, the CPUs they all run
                 # on, not the emulated network, set the time.
                 row["cluster_cpu"] = cpu / (sum(times) * (os.cpu_count() or 1))
+            if receiving and count >= 2:
+                # What one relayed host's processes (its relay agent, actors,
+                # raylet) spend on a send, per GiB sent: the cost each real
+                # host would pay with its own CPUs.
+                row["host_cpu_ms_per_gib"] = host_cpu * 1e3 / (repeats * count * nbytes / (1 << 30))
             scheme.shutdown()
             if peers:
                 # Ray put/get: a star from the trainer's node.
@@ -381,7 +392,7 @@ def format_hosts_table(
         lines.append(
             f"{'hosts':>5} {'act/h':>5} {'MiB':>6} {'floor ms':>9} {'TCP chain':>10} "
             f"{'weightsync ms':>14} {'x floor':>7} {'ray put/get':>12} {'x floor':>7} "
-            f"{'gloo bcast':>11} {'x floor':>7} {'cluster cpu':>11}"
+            f"{'gloo bcast':>11} {'x floor':>7} {'cluster cpu':>11} {'host core-ms/GiB':>16}"
         )
     for row in rows:
         floor = row["bytes"] / bytes_per_second if bytes_per_second else None
@@ -395,10 +406,12 @@ def format_hosts_table(
 
         tcp = (ceiling or {}).get(row["mib"])
         busy = f"{row['cluster_cpu']:.0%}" if row.get("cluster_cpu") is not None else "-"
+        per_host = row.get("host_cpu_ms_per_gib")
+        host_cpu = f"{per_host:.0f}" if per_host is not None else "-"
         lines.append(
             f"{row['hosts']:>5} {row['per_host']:>5} {row['mib']:>6g} "
             f"{(floor or 0) * 1e3:>9.0f} {(f'{tcp * 1e3:.0f}' if tcp else '-'):>10} "
-            f"{cell('weightsync'):>22} {cell('ray_put')} {cell('gloo_bcast')} {busy:>11}"
+            f"{cell('weightsync'):>22} {cell('ray_put')} {cell('gloo_bcast')} {busy:>11} {host_cpu:>16}"
         )
     return "\n".join(lines)
 

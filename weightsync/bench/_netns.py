@@ -236,7 +236,7 @@ class EmulatedCluster:
         self._procs.append(proc)
         return proc
 
-    def start_ray(self, cpus: int = 4, object_store_mib: int = 1024, timeout: float = 60.0) -> str:
+    def start_ray(self, cpus: int = 4, object_store_mib: int = 1024, timeout: float = 180.0) -> str:
         """Start a Ray node on every host (the head on host 0) and return the
         head's address, once every node has joined. Each node has the custom
         resource ``host<i>`` (for placing actors on host ``i``)."""
@@ -287,14 +287,16 @@ class EmulatedCluster:
     def _wait_nodes(self, timeout: float) -> None:
         code = (
             "import ray, time\n"
-            f"ray.init(address={self.ray_address!r}, logging_level='ERROR')\n"
+            # (The nodes' logs stay out of this driver's output, which is parsed.)
+            f"ray.init(address={self.ray_address!r}, logging_level='ERROR', log_to_driver=False)\n"
             f"deadline = time.monotonic() + {timeout}\n"
             f"while sum(n['Alive'] for n in ray.nodes()) < {self.hosts} and time.monotonic() < deadline:\n"
             "    time.sleep(0.5)\n"
-            "print(sum(n['Alive'] for n in ray.nodes()))\n"
+            "print('alive', sum(n['Alive'] for n in ray.nodes()))\n"
         )
         done = self.run_python(0, code, timeout=timeout + 30)
-        alive = done.stdout.strip().splitlines()[-1:] if done.stdout else []
+        said = [line.split()[1] for line in (done.stdout or "").splitlines() if line.startswith("alive ")]
+        alive = said[-1:]
         if not alive or int(alive[0]) < self.hosts:
             raise RuntimeError(
                 f"only {alive} of {self.hosts} Ray nodes joined within {timeout} s: {done.stderr[-2000:]}"

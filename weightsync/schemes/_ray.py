@@ -56,8 +56,9 @@ class RayWeightSyncScheme(WeightSyncScheme):
 
     Across hosts (the targeted actors on two or more nodes besides the
     trainer's), each send travels along a pipelined chain of those nodes,
-    one relay actor of weightsync's per node, and each node's actors read
-    that node's copy. ``delta=True`` (the ``delta`` extra) makes that
+    one relay actor of weightsync's per node, which receives it into shared
+    memory that the node's actors map and copy from (an actor that cannot
+    map it reads the trainer's object from Ray's store). ``delta=True`` (the ``delta`` extra) makes that
     chain carry what changed: each whole send goes as a lossless delta
     against the base, the last whole relayed send that every actor of its
     send acked, encoded by the relay's thread after staging
