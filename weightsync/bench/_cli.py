@@ -46,11 +46,13 @@ def _parser() -> argparse.ArgumentParser:
         "\n".join(f"  {i.name:<14} " + f"[copy: {i.copy}, torn: {i.torn}] " + i.summary for i in infos)
         for infos in (SCHEMES.values(), ALTERNATIVES.values())
     )
-    columns = "columns (the default table shows the first ones; --wide all of them):\n" + legend(
-        columns_for(True, True, wide=True)
-    ) + (
-        f"\n\n+MiB T/W: {MEMORY_METHOD} (RSS counts touched shared pages in every process mapping "
-        "them; per process in the results file)."
+    columns = (
+        "columns (the default table shows the first ones; --wide all of them):\n"
+        + legend(columns_for(True, True, wide=True))
+        + (
+            f"\n\n+MiB T/W: {MEMORY_METHOD} (RSS counts touched shared pages in every process mapping "
+            "them; per process in the results file)."
+        )
     )
     bench = commands.add_parser(
         "bench",
