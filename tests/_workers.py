@@ -328,8 +328,9 @@ class RayWorker:
         """The two models of :meth:`setup_two_models`."""
         return {name: snapshot(model) for name, model in self.models.items()}
 
-    def hold(self, limit: float = 60.0) -> None:
-        """Keep the actor busy (no update can run) until released."""
+    def hold(self, limit: float = 120.0) -> None:
+        """Keep the actor busy (no update can run) until released (or for
+        ``limit`` seconds: longer than the library's default deadline)."""
         self.released.clear()
         self.held.set()
         self.released.wait(limit)
