@@ -41,7 +41,8 @@ def reap(procs: list[Any], timeout: float = 20.0) -> None:
 
 
 class Cluster:
-    """One trainer-side scheme (in the test process) and N worker processes."""
+    """One trainer-side scheme (in the test process) and N worker processes
+    on pipes; the subclasses start their workers otherwise (:meth:`_start`)."""
 
     def __init__(
         self,
@@ -61,25 +62,29 @@ class Cluster:
         self.pipes: list[Any] = []
         self.pids: list[int] = []
         try:
-            for kind in kinds:
-                ours, theirs = PROCS.Pipe()
-                ctrl, ctrl_child = PROCS.Pipe()
-                proc = PROCS.Process(
-                    target=worker_main,
-                    args=(self.scheme, model_id, theirs, ctrl_child, kind),
-                    daemon=True,
-                )
-                proc.start()
-                theirs.close()
-                ctrl_child.close()
-                self.procs.append(proc)
-                self.ctrls.append(ctrl)
-                self.pipes.append(ours)
-            self.scheme.init_on_sender(model_id, pipes=self.pipes, model=self.model)
+            self._start(kinds)
             self._wait_until_ready()
         except BaseException:
             self.close()
             raise
+
+    def _start(self, kinds: list[str]) -> None:
+        """Start a worker of each kind, then init the trainer on their pipes."""
+        for kind in kinds:
+            ours, theirs = PROCS.Pipe()
+            ctrl, ctrl_child = PROCS.Pipe()
+            proc = PROCS.Process(
+                target=worker_main,
+                args=(self.scheme, self.model_id, theirs, ctrl_child, kind),
+                daemon=True,
+            )
+            proc.start()
+            theirs.close()
+            ctrl_child.close()
+            self.procs.append(proc)
+            self.ctrls.append(ctrl)
+            self.pipes.append(ours)
+        self.scheme.init_on_sender(self.model_id, pipes=self.pipes, model=self.model)
 
     def _wait_until_ready(self) -> None:
         for ctrl in self.ctrls:
@@ -154,40 +159,23 @@ class RankCluster(Cluster):
     trainer inits first (its store on 127.0.0.1), then worker ``i`` joins as
     rank ``i + 1`` of the pickled scheme."""
 
-    def __init__(
-        self,
-        kinds: list[str],
-        model_id: str = "policy",
-        trainer_kind: str = "net",
-        timeout: float | None = TEST_TIMEOUT,
-        **options: Any,
-    ) -> None:
-        self.scheme_name = "distributed"
-        self.model_id = model_id
-        self.scheme = make_scheme("distributed", timeout, **options)
-        self.model = build_model(trainer_kind, seed=7)
-        self.procs: list[Any] = []
-        self.ctrls: list[Any] = []
-        self.pipes: list[Any] = []
-        self.pids: list[int] = []
-        try:
-            self.scheme.init_on_sender(model_id, num_workers=len(kinds), model=self.model, host="127.0.0.1")
-            for rank, kind in enumerate(kinds, start=1):
-                ctrl, ctrl_child = PROCS.Pipe()
-                proc = PROCS.Process(
-                    target=worker_main,
-                    args=(self.scheme, model_id, None, ctrl_child, kind),
-                    kwargs={"worker_idx": rank},
-                    daemon=True,
-                )
-                proc.start()
-                ctrl_child.close()
-                self.procs.append(proc)
-                self.ctrls.append(ctrl)
-            self._wait_until_ready()
-        except BaseException:
-            self.close()
-            raise
+    def __init__(self, kinds: list[str], *args: Any, **options: Any) -> None:
+        super().__init__("distributed", kinds, *args, **options)
+
+    def _start(self, kinds: list[str]) -> None:
+        self.scheme.init_on_sender(self.model_id, num_workers=len(kinds), model=self.model, host="127.0.0.1")
+        for rank, kind in enumerate(kinds, start=1):
+            ctrl, ctrl_child = PROCS.Pipe()
+            proc = PROCS.Process(
+                target=worker_main,
+                args=(self.scheme, self.model_id, None, ctrl_child, kind),
+                kwargs={"worker_idx": rank},
+                daemon=True,
+            )
+            proc.start()
+            ctrl_child.close()
+            self.procs.append(proc)
+            self.ctrls.append(ctrl)
 
 
 class ThreadCluster(Cluster):
@@ -195,42 +183,25 @@ class ThreadCluster(Cluster):
     is a thread of this process running the same loop, on its own copy of
     the scheme."""
 
-    def __init__(
-        self,
-        kinds: list[str],
-        model_id: str = "policy",
-        trainer_kind: str = "net",
-        timeout: float | None = TEST_TIMEOUT,
-        **options: Any,
-    ) -> None:
-        self.scheme_name = "inprocess"
-        self.model_id = model_id
-        self.scheme = make_scheme("inprocess", timeout, **options)
-        self.model = build_model(trainer_kind, seed=7)
-        self.procs: list[Any] = []
-        self.ctrls: list[Any] = []
-        self.pipes: list[Any] = []
-        self.pids: list[int] = []
+    def __init__(self, kinds: list[str], *args: Any, **options: Any) -> None:
         self._ctrl_children: list[Any] = []
-        try:
-            for i, kind in enumerate(kinds):
-                ctrl, ctrl_child = mp.Pipe()
-                thread = threading.Thread(
-                    target=worker_main,
-                    args=(copy.copy(self.scheme), model_id, None, ctrl_child, kind),
-                    kwargs={"worker_idx": i},
-                    name=f"test-worker-{i}",
-                    daemon=True,
-                )
-                thread.start()
-                self.procs.append(thread)
-                self.ctrls.append(ctrl)
-                self._ctrl_children.append(ctrl_child)
-            self.scheme.init_on_sender(model_id, model=self.model, num_workers=len(kinds))
-            self._wait_until_ready()
-        except BaseException:
-            self.close()
-            raise
+        super().__init__("inprocess", kinds, *args, **options)
+
+    def _start(self, kinds: list[str]) -> None:
+        for i, kind in enumerate(kinds):
+            ctrl, ctrl_child = mp.Pipe()
+            thread = threading.Thread(
+                target=worker_main,
+                args=(copy.copy(self.scheme), self.model_id, None, ctrl_child, kind),
+                kwargs={"worker_idx": i},
+                name=f"test-worker-{i}",
+                daemon=True,
+            )
+            thread.start()
+            self.procs.append(thread)
+            self.ctrls.append(ctrl)
+            self._ctrl_children.append(ctrl_child)
+        self.scheme.init_on_sender(self.model_id, model=self.model, num_workers=len(kinds))
 
     def kill(self, i: int) -> None:
         """A thread cannot be killed: it ends at once, without a word to the
