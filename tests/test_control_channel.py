@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -123,3 +124,36 @@ def test_garbage_reaches_the_user_as_weightsync_errors_only(worker: FakeWorker) 
         with pytest.raises(ws.WeightSyncError):
             worker.sender.wait_async()
     _a_good_send_works(worker)
+
+
+def test_a_worker_that_announces_itself_again_mid_send_is_told_the_update_again(worker: FakeWorker) -> None:
+    """A worker that re-initialised while a send waited for its ack (a new
+    hello instead of the ack) is sent the same update again, and its ack of
+    that completes the send."""
+    worker.sender.send_async()
+    version = worker.next_update()
+    signature = ws.Manifest.of(worker.model.state_dict()).signature
+    worker.theirs.send(("hello", "policy", os.getpid(), signature))
+    assert worker.next_update() == version  # told again
+    worker.theirs.send(("ack", version, None))
+    report = worker.sender.wait_async()
+    assert report.version == version and report.worker_ids == (0,)
+    _a_good_send_works(worker)
+
+
+def test_a_blocking_send_completes_on_its_versions_ack_not_a_stale_one(worker: FakeWorker) -> None:
+    """send() on this thread, the worker's replies from another: the ack
+    of the version posted completes it, a stale ack before it does not."""
+    got: list[int] = []
+
+    def play() -> None:
+        version = worker.next_update()
+        worker.theirs.send(("ack", version - 1, None))  # stale: an earlier version's
+        worker.theirs.send(("ack", version, None))
+        got.append(version)
+
+    player = threading.Thread(target=play)
+    player.start()
+    report = worker.sender.send()
+    player.join(10)
+    assert got == [report.version]

@@ -26,7 +26,7 @@ from ._exceptions import (
 from ._packet import DEFAULT_TIMEOUT
 from ._receiver import NEEDS_LOOP, AsyncWeightReceiver
 from ._runtime import RUNTIME
-from ._sender import AsyncWeightSender, Keys, SendReport
+from ._sender import AsyncWeightSender, Keys, PendingSend, SendReport
 from ._stepguard import StepGuard
 
 __all__ = ["WeightReceiver", "WeightSender"]
@@ -47,6 +47,9 @@ class WeightSender:
     def __init__(self, sender: AsyncWeightSender) -> None:
         self._sender = sender
         self._pending: concurrent.futures.Future[SendReport] | None = None
+        # The gather of the pending send_async(), while the loop thread may
+        # not have picked it up yet (see wait_async).
+        self._gather: PendingSend | None = None
         self._closed = False
         RUNTIME.acquire()
 
@@ -125,7 +128,9 @@ class WeightSender:
         slot, or Ray's object store), not while the workers apply them: once
         this returns the weights may be changed, and every targeted worker
         still gets exactly the weights as they were at this call. The acks
-        are gathered in the background (weightsync's loop thread).
+        are gathered in the background (weightsync's loop thread), or by
+        :meth:`wait_async` on its own thread when it is called before the
+        loop thread got to them.
 
         Every error of the send, one found before anything moved (weights
         that do not fit, an unknown worker) included, is raised by
@@ -148,6 +153,7 @@ class WeightSender:
             return
         try:
             self._pending = RUNTIME.start(pending.wait)
+            self._gather = pending
         except BaseException:
             # Staged and announced: finish it here rather than leave the
             # sender busy with a send nobody waits for.
@@ -167,7 +173,16 @@ class WeightSender:
             raise WeightSyncStateError(
                 "wait_async() with no send_async() pending", model_id=self._sender.model_id
             )
-        future = self._pending
+        future, gather = self._pending, self._gather
+        self._gather = None
+        if timeout is None and gather is not None and future.cancel():
+            # The loop thread has not started gathering the acks yet (the
+            # caller waits at once, as when it has nothing to overlap): this
+            # thread, which would only block, gathers them instead. On a
+            # machine with few cores, waking the loop thread for it costs
+            # about as much as the whole send of a small model.
+            self._pending = None
+            return RUNTIME.call(gather.wait)
         try:
             return future.result(timeout)
         finally:

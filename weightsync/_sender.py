@@ -26,6 +26,7 @@ from ._offload import require_asyncio, run_blocking
 from ._packet import DEFAULT_TIMEOUT, Manifest, Packet, describe_mismatch, signature_of
 from ._strategy import WeightStrategy, flat_weights
 from ._transports._base import EVERY_VERSION, SenderTransport, Staging
+from ._transports._channel import ReadyWatch
 
 # DEFAULT_TIMEOUT: from _packet
 __all__ = ["DEFAULT_TIMEOUT", "AsyncWeightSender", "Keys", "PendingSend", "SendReport"]
@@ -149,6 +150,8 @@ class AsyncWeightSender:
         self._busy = False
         self._closed = False
         self._manifests: dict[Any, Manifest] = {}
+        # Watches the workers' acks of a send (_await_acks); made on first use.
+        self._ready_watch: ReadyWatch | None = None
 
     @property
     def worker_ids(self) -> list[int]:
@@ -466,6 +469,7 @@ class AsyncWeightSender:
                     failures,
                     f"ack version {packet.version}",
                     packet.version,
+                    acks_of=packet,
                 )
                 for wid in reachable:
                     if wid in failures:
@@ -495,10 +499,17 @@ class AsyncWeightSender:
         failures: dict[int, WorkerError],
         what: str,
         version: int | None = None,
+        *,
+        acks_of: Packet | None = None,
     ) -> None:
         """Run ``step(transport)`` for every target concurrently, all under the
         deadline; a failing worker never cancels the others. A target that
-        neither finished nor failed by the deadline gets an AckTimeoutError."""
+        neither finished nor failed by the deadline gets an AckTimeoutError.
+
+        With ``acks_of`` (a posted packet), ``step`` gathers its acks: the
+        workers whose transports can be watched by descriptor
+        (:meth:`SenderTransport.ack_fds`) are waited for together by one
+        waiter, and ``step`` runs only for the others."""
         done: set[int] = set()
 
         async def one(wid: int) -> None:
@@ -508,16 +519,27 @@ class AsyncWeightSender:
             except WorkerError as exc:
                 failures[wid] = exc
 
+        watched = self._watchable(targets, acks_of) if acks_of is not None else {}
+        rest = [w for w in targets if w not in watched and w not in done and w not in failures]
         # One cancel scope for the whole fan-out: the deadline is the same for
         # every worker, and a scope per worker costs more than the send itself
         # for small models.
         with anyio.move_on_after(max(deadline - anyio.current_time(), 0)):
-            if len(targets) == 1:
-                await one(targets[0])
+            if not rest:
+                if acks_of is not None and watched:
+                    await self._await_acks(watched, acks_of, failures, done, None)
+            elif len(rest) == 1 and not watched:
+                await one(rest[0])
             else:
                 async with anyio.create_task_group() as group:
-                    for wid in targets:
+                    for wid in rest:
                         group.start_soon(one, wid)
+                    if acks_of is not None and watched:
+
+                        def spill(wid: int) -> None:
+                            group.start_soon(one, wid)
+
+                        group.start_soon(self._await_acks, watched, acks_of, failures, done, spill)
         for wid in targets:
             if wid not in done and wid not in failures:
                 # (Only a send has a chain that may have broken before the worker.)
@@ -529,6 +551,73 @@ class AsyncWeightSender:
                     model_id=self.model_id,
                     version=version,
                 )
+
+    def _watchable(self, targets: list[int], packet: Packet) -> dict[int, tuple[int, ...]]:
+        """{worker: descriptors} of the targets whose acks of ``packet`` one
+        waiter can gather: posted, and watchable by descriptor."""
+        watched = {}
+        for wid in targets:
+            transport = self.transports[wid]
+            fds = transport.ack_fds(packet)
+            if fds is not None:
+                watched[wid] = fds
+        return watched
+
+    async def _await_acks(
+        self,
+        watched: dict[int, tuple[int, ...]],
+        packet: Packet,
+        failures: dict[int, WorkerError],
+        done: set[int],
+        spill: Callable[[int], Any] | None,
+    ) -> None:
+        """Gather the acks of ``packet`` from the ``watched`` workers with one
+        waiter over all their descriptors: per ack one wakeup, not a task
+        and a wait per worker (on a machine with few cores, that machinery
+        cost more than a small model's whole send). Each worker's error stays
+        its own, and a dead worker is reported as soon as its pidfd wakes
+        the waiter. A worker that turns out to need :meth:`deliver` (it
+        restarted) is handed to ``spill``, or delivered here after the
+        others when there is none."""
+        waiting = dict(watched)
+        spilled: list[int] = []
+        if self._ready_watch is None:
+            self._ready_watch = ReadyWatch()
+        with self._ready_watch.armed() as watch:
+            for fds in waiting.values():
+                watch.watch(fds)
+            # Look at every worker once before the first wait: on a machine
+            # with few cores the workers woken by the posts run before this
+            # does, and their acks are often in already.
+            news = list(waiting)
+            while True:
+                for wid in news:
+                    try:
+                        got = self.transports[wid].try_ack(packet)
+                    except WorkerError as exc:
+                        failures[wid] = exc
+                        got = True
+                    if got is None:
+                        spilled.append(wid)
+                    if got is not False:
+                        watch.forget(waiting.pop(wid))
+                        if got and wid not in failures:
+                            done.add(wid)
+                if spill is not None:
+                    for wid in spilled:
+                        spill(wid)
+                    spilled.clear()
+                if not waiting:
+                    break
+                await watch.wait()
+                ready = watch.ready()
+                news = [wid for wid, fds in waiting.items() if not ready.isdisjoint(fds)]
+        for wid in spilled:  # only without a task group: rare (a restarted worker)
+            try:
+                await self.transports[wid].deliver(packet)
+                done.add(wid)
+            except WorkerError as exc:
+                failures[wid] = exc
 
     async def add_worker(self, worker_id: int, transport: SenderTransport) -> None:
         """Send to ``transport`` as worker ``worker_id`` from now on. An
@@ -590,3 +679,6 @@ class AsyncWeightSender:
                 await transport.aclose()
             if self.staging is not None:
                 await self.staging.aclose()
+            if self._ready_watch is not None:
+                self._ready_watch.close()
+                self._ready_watch = None

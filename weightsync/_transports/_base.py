@@ -136,6 +136,22 @@ class SenderTransport(Protocol):
         :raises WorkerApplyError: the worker reported a failure.
         """
 
+    def ack_fds(self, packet: Packet) -> tuple[int, ...] | None:
+        """Descriptors of which one turns readable when the worker may have
+        acked ``packet`` (already posted), failed or died: the sender then
+        waits on every worker's at once and calls :meth:`try_ack` for news.
+        None where only :meth:`deliver` can go on (the transport is not
+        watched this way, or the update could not be posted). Never blocks."""
+
+    def try_ack(self, packet: Packet) -> bool | None:
+        """Take what the worker sent, without waiting: True once it acked
+        ``packet``'s version, False while it has not, None where only
+        :meth:`deliver` can go on (the worker restarted and must be told
+        again). Never blocks.
+
+        :raises: as :meth:`deliver`.
+        """
+
     def why_late(self) -> str | None:
         """What the transport knows of why the worker has not acked the
         current send (a chain that broke before it, say), for the error

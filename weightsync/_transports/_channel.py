@@ -22,13 +22,21 @@ import pickle
 import select
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
 import anyio
 
-__all__ = ["LIVENESS_PERIOD", "PipeChannel", "ProcessWatch", "describe_exit", "exit_status", "started_here"]
+__all__ = [
+    "LIVENESS_PERIOD",
+    "PipeChannel",
+    "ProcessWatch",
+    "ReadyWatch",
+    "describe_exit",
+    "exit_status",
+    "started_here",
+]
 
 LIVENESS_PERIOD = 0.2
 # Writes up to this size fit in a free pipe slot, so a write that follows a
@@ -64,6 +72,71 @@ async def _wait_readable_any(fds: list[int], timeout: float | None) -> None:
             timer.cancel()
         for fd in fds:
             loop.remove_reader(fd)
+
+
+class ReadyWatch:
+    """Waits, in the running asyncio loop, until one of a changing set of
+    descriptors is readable, and tells which: a send's gather watches every
+    worker's pipe and pidfd at once, in one waiter.
+
+    The descriptors sit in an epoll set of its own, kept from gather to
+    gather, and only that set's descriptor is registered with the loop, once
+    per gather (:meth:`armed`): the gather wakes once per ack, and on a
+    machine with few cores the loop's own registrations (a waiter per
+    worker, or a reader per descriptor) cost more than the acks.
+    Readiness is level-triggered, so data that came between a poll and the
+    next :meth:`wait` still wakes it.
+    """
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self._fds: set[int] = set()
+        self._woken: asyncio.Future[None] | None = None
+
+    def _wake(self) -> None:
+        if self._woken is not None and not self._woken.done():
+            self._woken.set_result(None)
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[ReadyWatch]:
+        """Registered with the running loop (asyncio only: see
+        ``_offload.require_asyncio``); leaving forgets every descriptor."""
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._epoll.fileno(), self._wake)
+        try:
+            yield self
+        finally:
+            loop.remove_reader(self._epoll.fileno())
+            self.forget(tuple(self._fds))
+
+    def watch(self, fds: tuple[int, ...]) -> None:
+        for fd in fds:
+            if fd not in self._fds:
+                self._epoll.register(fd, select.EPOLLIN)
+                self._fds.add(fd)
+
+    def forget(self, fds: tuple[int, ...]) -> None:
+        for fd in fds:
+            if fd in self._fds:
+                self._fds.discard(fd)
+                with contextlib.suppress(OSError):  # closed meanwhile: the kernel dropped it
+                    self._epoll.unregister(fd)
+
+    def ready(self) -> set[int]:
+        """The watched descriptors readable now (or closed, or in error)."""
+        return {fd for fd, _ in self._epoll.poll(0)}
+
+    async def wait(self) -> None:
+        """Until a watched descriptor is readable (at once if one is). No
+        limit of its own: the caller's cancel scope bounds it."""
+        self._woken = asyncio.get_running_loop().create_future()
+        try:
+            await self._woken
+        finally:
+            self._woken = None
+
+    def close(self) -> None:
+        self._epoll.close()
 
 
 def _now() -> float:
@@ -222,6 +295,13 @@ class PipeChannel:
 
     def peer_alive(self) -> bool:
         return self.peer is None or self.peer.alive()
+
+    def fds(self) -> tuple[int, ...] | None:
+        """The pipe's descriptor and the peer's pidfd: one of them turns
+        readable when a message comes or the peer exits. None without a
+        pidfd (the peer is then polled now and then: :meth:`recv`)."""
+        watch = self.peer.fd if self.peer is not None else None
+        return None if watch is None else (self._fd, watch)
 
     def _closed(self, exc: BaseException) -> Exception:
         return self._lost(f"its pipe is closed ({exc.__class__.__name__}: {exc})")

@@ -279,6 +279,12 @@ class DistributedSenderTransport:
         if self._member is not None and self._staging.liveness.state(self.rank, self._member.nonce) == "gone":
             raise self._lost(f"its connection to the trainer closed (rank {self.rank})")
 
+    def ack_fds(self, packet: Packet) -> tuple[int, ...] | None:
+        return None  # acks come through deliver()
+
+    def try_ack(self, packet: Packet) -> bool | None:
+        return None
+
     def why_late(self) -> str | None:
         return self._staging.why(self.rank)
 

@@ -23,6 +23,12 @@ class NoTransport:
     async def deliver(self, packet: Packet) -> None:
         return None
 
+    def ack_fds(self, packet: Packet) -> tuple[int, ...] | None:
+        return None  # acks come through deliver()
+
+    def try_ack(self, packet: Packet) -> bool | None:
+        return None
+
     def why_late(self) -> str | None:
         return None
 

@@ -69,6 +69,8 @@ class PipeSenderTransport:
         # it tells how the worker ended even after the user joined it.
         self._process: multiprocessing.process.BaseProcess | None = None
         self._posted = 0
+        # The worker re-initialised since the current update was posted.
+        self._resend = False
         self._closed = False
         self._pid = os.getpid()  # (sent with every update: the worker watches it)
         # Why the worker is gone (reason, exit code, signal), once it is.
@@ -162,30 +164,56 @@ class PipeSenderTransport:
     def post(self, packet: Packet) -> bool:
         if self._channel.try_send(self._update(packet)):
             self._posted = packet.version
+            self._resend = False
             return True
         return False
 
     async def deliver(self, packet: Packet) -> None:
-        if self._posted != packet.version:
-            await self._channel.send(self._update(packet))
-            self._posted = packet.version
         while True:
-            message = await self._channel.recv()
-            if message is None:
-                continue
-            kind = self._checked(message)[0]
-            if kind == "ack":
-                self._staging.released(self.worker_id, message[1], message[2])
-                if message[1] == packet.version:
-                    return
-            elif kind == "error" and message[1] == packet.version:
-                raise worker_failed(self.worker_id, self.model_id, packet.version, str(message[2]))
-            elif kind == "hello":
-                # The worker re-initialised: tell it about this update again.
-                self._handle_hello(message)
+            if self._posted != packet.version or self._resend:
+                self._resend = False
                 await self._channel.send(self._update(packet))
-            # Anything else is an ack or error of an older, abandoned send,
-            # or a duplicate: a stale ack never completes this one.
+                self._posted = packet.version
+            message = await self._channel.recv()
+            if message is not None and self._take(message, packet):
+                return
+
+    def ack_fds(self, packet: Packet) -> tuple[int, ...] | None:
+        if self._posted != packet.version or self._resend:
+            return None  # not told yet, or told before it restarted: deliver() tells it
+        return self._channel.fds()
+
+    def try_ack(self, packet: Packet) -> bool | None:
+        if self._posted != packet.version or self._resend:
+            return None
+        while (message := self._channel.poll()) is not None:
+            if self._take(message, packet):
+                return True
+            if self._resend:
+                return None
+        if not self._channel.peer_alive():
+            raise self._lost("its process exited")
+        return False
+
+    def _take(self, message: tuple, packet: Packet) -> bool:
+        """Act on one message from the worker; True if it acks ``packet``.
+
+        :raises WorkerApplyError: it reports that it failed to apply ``packet``.
+        :raises WorkerProtocolError: it is not a message a worker may send.
+        """
+        kind = self._checked(message)[0]
+        if kind == "ack":
+            self._staging.released(self.worker_id, message[1], message[2])
+            return bool(message[1] == packet.version)
+        if kind == "error" and message[1] == packet.version:
+            raise worker_failed(self.worker_id, self.model_id, packet.version, str(message[2]))
+        if kind == "hello":
+            # The worker re-initialised: tell it about this update again.
+            self._handle_hello(message)
+            self._resend = True
+        # Anything else is an ack or error of an older, abandoned send,
+        # or a duplicate: a stale ack never completes this one.
+        return False
 
     def why_late(self) -> str | None:
         return None

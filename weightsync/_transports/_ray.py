@@ -335,6 +335,12 @@ class RaySenderTransport:
         why = self._staging.why(self.worker_id)
         return worker_lost(self.worker_id, self.model_id, f"{reason}; {why}" if why else reason)
 
+    def ack_fds(self, packet: Packet) -> tuple[int, ...] | None:
+        return None  # acks come through deliver()
+
+    def try_ack(self, packet: Packet) -> bool | None:
+        return None
+
     def why_late(self) -> str | None:
         return self._staging.why(self.worker_id)
 
