@@ -5,10 +5,14 @@ end and plays the worker, message by message, over a real pipe."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import threading
+import time
 from collections.abc import Iterator
+from multiprocessing.connection import Connection
 
 import pytest
 from _workers import build_model
@@ -157,3 +161,27 @@ def test_a_blocking_send_completes_on_its_versions_ack_not_a_stale_one(worker: F
     report = worker.sender.send()
     player.join(10)
     assert got == [report.version]
+
+
+def _flood(pipe: Connection) -> None:
+    stale = pickle.dumps(("ack", 0, None))
+    with contextlib.suppress(OSError):
+        while True:
+            pipe.send_bytes(stale)
+
+
+def test_a_worker_flooding_its_pipe_cannot_hold_off_the_deadline(worker: FakeWorker) -> None:
+    """Stale acks without end, from another process, and never the ack of
+    the version sent: the blocking send still ends at its deadline, naming
+    the worker."""
+    flooder = mp.get_context("fork").Process(target=_flood, args=(worker.theirs,), daemon=True)
+    flooder.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ws.AckTimeoutError) as info:
+            worker.sender.send(timeout=0.5)
+        assert time.monotonic() - started < 3
+        assert info.value.worker_ids == (0,)
+    finally:
+        flooder.kill()
+        flooder.join(5)

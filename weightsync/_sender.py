@@ -22,7 +22,7 @@ from ._exceptions import (
     WorkerError,
     combine_worker_errors,
 )
-from ._offload import require_asyncio, run_blocking
+from ._offload import inline_allowed, require_asyncio, run_blocking
 from ._packet import DEFAULT_TIMEOUT, Manifest, Packet, describe_mismatch, signature_of
 from ._strategy import WeightStrategy, flat_weights
 from ._transports._base import EVERY_VERSION, SenderTransport, Staging
@@ -30,6 +30,11 @@ from ._transports._channel import ReadyWatch
 
 # DEFAULT_TIMEOUT: from _packet
 __all__ = ["DEFAULT_TIMEOUT", "AsyncWeightSender", "Keys", "PendingSend", "SendReport"]
+
+# How long a blocked caller's gather waits in one poll before it lets its
+# loop run (Ctrl-C and the deadline cancel it there): the most a Ctrl-C is
+# held back while no ack comes.
+_POLL_SLICE = 0.05
 
 #: Which weights a partial send takes: names, or a test on names.
 Keys = Iterable[str] | Callable[[str], bool]
@@ -581,15 +586,21 @@ class AsyncWeightSender:
         others when there is none."""
         waiting = dict(watched)
         spilled: list[int] = []
+        # A blocked caller's own loop has nothing else to run (no task group
+        # here): the wait then blocks in the poll itself, with no loop
+        # iteration per ack. It comes up for the loop every _POLL_SLICE
+        # seconds, so that Ctrl-C and the deadline still cancel it.
+        blocking = spill is None and inline_allowed()
         if self._ready_watch is None:
             self._ready_watch = ReadyWatch()
-        with self._ready_watch.armed() as watch:
+        with self._ready_watch.armed(in_loop=not blocking) as watch:
             for fds in waiting.values():
                 watch.watch(fds)
             # Look at every worker once before the first wait: on a machine
             # with few cores the workers woken by the posts run before this
             # does, and their acks are often in already.
             news = list(waiting)
+            looked = anyio.current_time()  # when the loop last ran (blocking)
             while True:
                 for wid in news:
                     try:
@@ -609,8 +620,18 @@ class AsyncWeightSender:
                     spilled.clear()
                 if not waiting:
                     break
-                await watch.wait()
-                ready = watch.ready()
+                if blocking:
+                    now = anyio.current_time()
+                    left = anyio.current_effective_deadline() - now
+                    ready = watch.poll(max(min(left, _POLL_SLICE), 0.0))
+                    if not ready or now - looked >= _POLL_SLICE:
+                        # (Also while messages keep coming: a worker that
+                        # floods its pipe cannot hold the deadline off.)
+                        await anyio.lowlevel.checkpoint()
+                        looked = anyio.current_time()
+                else:
+                    await watch.wait()
+                    ready = watch.ready()
                 news = [wid for wid, fds in waiting.items() if not ready.isdisjoint(fds)]
         for wid in spilled:  # only without a task group: rare (a restarted worker)
             try:

@@ -98,15 +98,19 @@ class ReadyWatch:
             self._woken.set_result(None)
 
     @contextlib.contextmanager
-    def armed(self) -> Iterator[ReadyWatch]:
-        """Registered with the running loop (asyncio only: see
-        ``_offload.require_asyncio``); leaving forgets every descriptor."""
-        loop = asyncio.get_running_loop()
-        loop.add_reader(self._epoll.fileno(), self._wake)
+    def armed(self, *, in_loop: bool = True) -> Iterator[ReadyWatch]:
+        """Ready for one gather: registered with the running loop for
+        :meth:`wait` (asyncio only: see ``_offload.require_asyncio``), or,
+        ``in_loop=False``, not, for :meth:`poll`. Leaving forgets every
+        descriptor."""
+        loop = asyncio.get_running_loop() if in_loop else None
+        if loop is not None:
+            loop.add_reader(self._epoll.fileno(), self._wake)
         try:
             yield self
         finally:
-            loop.remove_reader(self._epoll.fileno())
+            if loop is not None:
+                loop.remove_reader(self._epoll.fileno())
             self.forget(tuple(self._fds))
 
     def watch(self, fds: tuple[int, ...]) -> None:
@@ -124,7 +128,12 @@ class ReadyWatch:
 
     def ready(self) -> set[int]:
         """The watched descriptors readable now (or closed, or in error)."""
-        return {fd for fd, _ in self._epoll.poll(0)}
+        return self.poll(0)
+
+    def poll(self, timeout: float) -> set[int]:
+        """Block this thread up to ``timeout`` seconds until a watched
+        descriptor is readable; those that are (empty: none came)."""
+        return {fd for fd, _ in self._epoll.poll(timeout)}
 
     async def wait(self) -> None:
         """Until a watched descriptor is readable (at once if one is). No
