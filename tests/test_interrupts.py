@@ -72,6 +72,7 @@ def test_ctrl_c_during_sends_is_a_keyboard_interrupt_and_the_next_send_is_exact(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 80 rounds of 256 MiB per scheme: about 250 s on 2 cores
 def test_ctrl_c_during_sends_many_times() -> None:
     _interrupt_a_trainer(scheme_names(pipes=True), rounds=80, mib=256, seed=34)
 
