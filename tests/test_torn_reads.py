@@ -118,6 +118,10 @@ def test_workers_never_see_a_mix_of_versions(scheme_name: str, pace: str) -> Non
         assert len(report.versions) > 1  # updates landed while it read
     if pace == "overlapping":
         # Many sends ended before their workers had applied them: 3 in 4 get
-        # a 1 ms deadline, and the shared scheme's workers, which copy
-        # nothing, make about half of those in time on 2 cores.
-        assert timed_out >= sends // 3, (timed_out, sends)
+        # a 1 ms deadline. The shared scheme's workers copy nothing: on 2
+        # cores the posts wake them before the trainer looks for acks, and
+        # they make half to three quarters of those deadlines (a sixth to a
+        # half of all sends time out); the copying schemes' workers make
+        # about a quarter.
+        least = sends // 6 if scheme_name == "shared" else sends // 3
+        assert timed_out >= least, (timed_out, sends)
