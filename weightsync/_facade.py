@@ -47,9 +47,9 @@ class WeightSender:
     def __init__(self, sender: AsyncWeightSender) -> None:
         self._sender = sender
         self._pending: concurrent.futures.Future[SendReport] | None = None
-        # The gather of the pending send_async(), while the loop thread may
-        # not have picked it up yet (see wait_async).
-        self._gather: PendingSend | None = None
+        # The pending send_async()'s send, whose acks the loop thread may
+        # not have started gathering yet (see wait_async).
+        self._unstarted: PendingSend | None = None
         self._closed = False
         RUNTIME.acquire()
 
@@ -153,7 +153,7 @@ class WeightSender:
             return
         try:
             self._pending = RUNTIME.start(pending.wait)
-            self._gather = pending
+            self._unstarted = pending
         except BaseException:
             # Staged and announced: finish it here rather than leave the
             # sender busy with a send nobody waits for.
@@ -173,16 +173,16 @@ class WeightSender:
             raise WeightSyncStateError(
                 "wait_async() with no send_async() pending", model_id=self._sender.model_id
             )
-        future, gather = self._pending, self._gather
-        self._gather = None
-        if timeout is None and gather is not None and future.cancel():
+        future, unstarted = self._pending, self._unstarted
+        self._unstarted = None
+        if timeout is None and unstarted is not None and future.cancel():
             # The loop thread has not started gathering the acks yet (the
             # caller waits at once, as when it has nothing to overlap): this
             # thread, which would only block, gathers them instead. On a
             # machine with few cores, waking the loop thread for it costs
             # about as much as the whole send of a small model.
             self._pending = None
-            return RUNTIME.call(gather.wait)
+            return RUNTIME.call(unstarted.wait)
         try:
             return future.result(timeout)
         finally:

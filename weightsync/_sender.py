@@ -525,7 +525,7 @@ class AsyncWeightSender:
                 failures[wid] = exc
 
         watched = self._watchable(targets, acks_of) if acks_of is not None else {}
-        rest = [w for w in targets if w not in watched and w not in done and w not in failures]
+        rest = [w for w in targets if w not in watched]
         # One cancel scope for the whole fan-out: the deadline is the same for
         # every worker, and a scope per worker costs more than the send itself
         # for small models.
@@ -631,7 +631,7 @@ class AsyncWeightSender:
                         looked = anyio.current_time()
                 else:
                     await watch.wait()
-                    ready = watch.ready()
+                    ready = watch.poll(0)
                 news = [wid for wid, fds in waiting.items() if not ready.isdisjoint(fds)]
         for wid in spilled:  # only without a task group: rare (a restarted worker)
             try:

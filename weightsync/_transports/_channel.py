@@ -126,13 +126,10 @@ class ReadyWatch:
                 with contextlib.suppress(OSError):  # closed meanwhile: the kernel dropped it
                     self._epoll.unregister(fd)
 
-    def ready(self) -> set[int]:
-        """The watched descriptors readable now (or closed, or in error)."""
-        return self.poll(0)
-
     def poll(self, timeout: float) -> set[int]:
         """Block this thread up to ``timeout`` seconds until a watched
-        descriptor is readable; those that are (empty: none came)."""
+        descriptor is readable; those that are (or closed, or in error;
+        empty: none came). ``poll(0)`` after :meth:`wait` says which."""
         return {fd for fd, _ in self._epoll.poll(timeout)}
 
     async def wait(self) -> None:

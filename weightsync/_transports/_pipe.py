@@ -168,9 +168,14 @@ class PipeSenderTransport:
             return True
         return False
 
+    def _untold(self, packet: Packet) -> bool:
+        """Whether the worker has yet to be told of ``packet``: not posted,
+        or posted before the worker re-initialised."""
+        return self._posted != packet.version or self._resend
+
     async def deliver(self, packet: Packet) -> None:
         while True:
-            if self._posted != packet.version or self._resend:
+            if self._untold(packet):
                 self._resend = False
                 await self._channel.send(self._update(packet))
                 self._posted = packet.version
@@ -179,18 +184,16 @@ class PipeSenderTransport:
                 return
 
     def ack_fds(self, packet: Packet) -> tuple[int, ...] | None:
-        if self._posted != packet.version or self._resend:
-            return None  # not told yet, or told before it restarted: deliver() tells it
-        return self._channel.fds()
+        return None if self._untold(packet) else self._channel.fds()  # untold: deliver() tells it
 
     def try_ack(self, packet: Packet) -> bool | None:
-        if self._posted != packet.version or self._resend:
+        if self._untold(packet):
             return None
         while (message := self._channel.poll()) is not None:
             if self._take(message, packet):
                 return True
             if self._resend:
-                return None
+                return None  # it re-initialised: deliver() tells it again
         if not self._channel.peer_alive():
             raise self._lost("its process exited")
         return False

@@ -479,8 +479,7 @@ def apply_on_actor(actor: Any, update: tuple[Any, ...]) -> tuple[Any, ...]:
     model registered under its header's model id. ``update``: (header, byte
     arrays) from the object store, or (header, host copy, [the trainer's
     object]) for an actor fed by its host's relay agent."""
-    header = update[0]
-    model_id, sender, version, layout_id, threads, subset, digests = header
+    model_id, sender, version, layout_id, threads, subset, digests = update[0]
     endpoint = _ENDPOINTS.get(model_id)
     if endpoint is None:
         return (
@@ -488,16 +487,19 @@ def apply_on_actor(actor: Any, update: tuple[Any, ...]) -> tuple[Any, ...]:
             f"no model {model_id!r} is registered in this actor: call "
             f"RayWeightSyncScheme.init_on_worker({model_id!r}, model=...) inside the actor",
         )
+
+    def apply(arrays: Sequence[np.ndarray]) -> tuple[Any, ...]:
+        return endpoint.run(sender, RayUpdate(version, layout_id, arrays, threads, subset, digests))
+
     if len(update) == 2:
-        return endpoint.run(sender, RayUpdate(version, layout_id, update[1], threads, subset, digests))
+        return apply(update[1])
     copy, (fallback,) = update[1], update[2]
     try:
         with endpoint.host.lease(copy) as arrays:
-            return endpoint.run(sender, RayUpdate(version, layout_id, arrays, threads, subset, digests))
+            return apply(arrays)
     except UnmappedError:
         # Not this host's memory after all, or not this user's: the object store.
-        _, arrays = ray.get(fallback)
-        return endpoint.run(sender, RayUpdate(version, layout_id, arrays, threads, subset, digests))
+        return apply(ray.get(fallback)[1])
     except HostCopyError as exc:
         # A late call of an abandoned send: the model is as it was.
         return ("error", version, f"version {version} was not applied: {exc}")
