@@ -277,6 +277,35 @@ def test_a_worker_that_repoints_its_parameters_still_gets_exact_updates(make_clu
     assert c.state(0)["weights"]["out.weight"].shape == (5, 16)
 
 
+def test_a_trainer_that_repoints_its_parameters_sends_what_they_now_hold(cluster: Cluster) -> None:
+    # The sender reuses its last read of a model whose tensors stayed put;
+    # each kind of move below must be seen at the next send.
+    weight = cluster.model.inp.weight
+    cluster.sender.send()
+    with torch.no_grad():
+        weight.data = weight.data.clone().add_(1.0)  # other memory
+    cluster.sender.send()
+    for i in range(3):
+        cluster.assert_has(i, cluster.expected())
+    rows, cols = weight.shape
+    with torch.no_grad():
+        # The same bytes, read in another order: same address, shape and dtype.
+        weight.data = weight.data.as_strided((rows, cols), (1, rows))
+    assert not weight.is_contiguous()
+    cluster.sender.send()
+    for i in range(3):
+        cluster.assert_has(i, cluster.expected())
+    before = cluster.expected()
+    weight.requires_grad_(False)  # (torch refuses integer data under a tensor needing gradients)
+    weight.data = weight.data.contiguous()
+    cluster.sender.send()
+    weight.data = weight.data.view(torch.int32)  # same address and shape, other dtype
+    with pytest.raises(ws.WeightMismatchError):
+        cluster.sender.send()
+    for i in range(3):
+        cluster.assert_has(i, before)
+
+
 def test_a_worker_writing_its_own_buffers_keeps_running_and_touches_no_other(make_cluster) -> None:
     c = make_cluster(["net", "net"])
     c.sender.send()

@@ -192,11 +192,15 @@ class CopyPlan:
         # remember where the destinations' data was.
         self._keep = (list(destinations), list(sources))
         self._where = [t.data_ptr() for t in self._keep[0]]
+        self._from = [t.data_ptr() for t in self._keep[1]]
 
-    def still_valid(self) -> bool:
-        """False if a destination's data moved since the plan was made (e.g.
-        ``param.data = other``): the plan must then be made again."""
-        return [t.data_ptr() for t in self._keep[0]] == self._where
+    def still_valid(self, *, sources: bool = False) -> bool:
+        """False if a destination's data (with ``sources``, also a source's)
+        moved since the plan was made (e.g. ``param.data = other``): the
+        plan must then be made again."""
+        if [t.data_ptr() for t in self._keep[0]] != self._where:
+            return False
+        return not sources or [t.data_ptr() for t in self._keep[1]] == self._from
 
     def run(self, threads: int = 1) -> None:
         """Copy every byte; blocks until done, and an interruption

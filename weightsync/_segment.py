@@ -28,12 +28,12 @@ import os
 import secrets
 import struct
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 
-from ._copy import usable_cores
+from ._copy import CopyPlan, usable_cores
 from ._digest import copy_and_check, copy_out
 from ._exceptions import out_of_resources
 from ._packet import Manifest, Packet
@@ -85,6 +85,10 @@ class Segment:
         # The whole mapping (page-aligned), for mprotect.
         self._span = (whole.data_ptr(), len(mapping))
         self.protected = False
+        # The copy plan of the last write: (views, sources, plan). Both lists
+        # are the writer's cached objects while neither side changes, so
+        # identity (and the tensors' addresses) tells when to plan again.
+        self._plan: tuple[list[torch.Tensor], Sequence[torch.Tensor], CopyPlan] | None = None
 
     @classmethod
     def create(cls, nbytes: int) -> Segment:
@@ -177,9 +181,24 @@ class Segment:
         ``run_blocking``."""
         self.begin_write()
         # Workers read only once this is published: all cores are ours meanwhile.
-        sums = copy_out(views, packet.tensors, digest, usable_cores())
+        if digest:
+            sums = copy_out(views, packet.tensors, True, usable_cores())
+        else:
+            self._plan_for(views, packet.tensors).run(usable_cores())
+            sums = None
         self.publish(packet.version)
         return sums
+
+    def _plan_for(self, views: list[torch.Tensor], sources: Sequence[torch.Tensor]) -> CopyPlan:
+        plan = self._plan
+        if (
+            plan is None
+            or plan[0] is not views
+            or plan[1] is not sources
+            or not plan[2].still_valid(sources=True)
+        ):
+            plan = self._plan = (views, sources, CopyPlan(views, sources))
+        return plan[2]
 
     def write_checked(
         self,
@@ -230,6 +249,7 @@ class Segment:
         A worker whose parameters still point into a slot keeps it mapped.
         """
         self.data = None
+        self._plan = None
         self._mmap = None
         if self.fd >= 0:
             os.close(self.fd)

@@ -24,7 +24,7 @@ from ._exceptions import (
 )
 from ._offload import inline_allowed, require_asyncio, run_blocking
 from ._packet import DEFAULT_TIMEOUT, Manifest, Packet, describe_mismatch, signature_of
-from ._strategy import WeightStrategy, flat_weights
+from ._strategy import ModuleReads, WeightStrategy
 from ._transports._base import EVERY_VERSION, SenderTransport, Staging
 from ._transports._channel import ReadyWatch
 
@@ -155,6 +155,11 @@ class AsyncWeightSender:
         self._busy = False
         self._closed = False
         self._manifests: dict[Any, Manifest] = {}
+        # The model's weights as last read, and what was derived from that
+        # very read (its manifest, its tensors in manifest order): a model
+        # whose tensors stay put is not checked and laid out again each send.
+        self._reads = ModuleReads()
+        self._derived: tuple[dict[str, torch.Tensor], Manifest, list[torch.Tensor]] | None = None
         # Watches the workers' acks of a send (_await_acks); made on first use.
         self._ready_watch: ReadyWatch | None = None
 
@@ -208,12 +213,16 @@ class AsyncWeightSender:
         :raises WeightMismatchError: ``keys`` names something the weights lack.
         :raises ValueError: ``keys`` selects nothing.
         """
-        tensors = flat_weights(weights, context=self.context, model_id=self.model_id)
+        tensors = self._reads.read(weights, context=self.context, model_id=self.model_id)
         if keys is not None:
             tensors = self._select(tensors, keys)
             partial = True
-        manifest = self._manifest(tensors)
-        return Packet(self.version + 1, manifest, manifest.ordered(tensors), fanout, partial)
+        derived = self._derived
+        if derived is None or derived[0] is not tensors:
+            manifest = self._manifest(tensors)
+            # (The same list, send after send, lets the staging keep its copy plan.)
+            derived = self._derived = (tensors, manifest, manifest.ordered(tensors))
+        return Packet(self.version + 1, derived[1], derived[2], fanout, partial)
 
     def _select(self, tensors: dict[str, torch.Tensor], keys: Keys) -> dict[str, torch.Tensor]:
         if callable(keys):

@@ -19,7 +19,7 @@ from torch import nn
 from ._exceptions import InvalidWeightsError
 from ._packet import Manifest
 
-__all__ = ["WeightStrategy", "flat_weights", "materialize", "model_of", "model_tensors"]
+__all__ = ["ModuleReads", "WeightStrategy", "flat_weights", "materialize", "model_of", "model_tensors"]
 
 StrategyName = Literal["state_dict", "tensordict"]
 
@@ -131,6 +131,65 @@ def flat_weights(source: Any, *, context: Any = None, model_id: str | None = Non
             model_id=model_id,
         )
     return out
+
+
+def _whereabouts(tensors: list[Any]) -> list[tuple[Any, ...]] | None:
+    """Where each tensor's bytes are and how they are laid out; None if one
+    is not a tensor that has an address (the full read then says why)."""
+    try:
+        return [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_conj()) for t in tensors]
+    except Exception:
+        return None
+
+
+class ModuleReads:
+    """:func:`flat_weights` for a sender that reads the same module send after
+    send: while the module has the same names, each tensor at the same
+    address with the same shape, strides and dtype, the previous read is
+    handed back (the same dict, the same detached tensors), since it aliases
+    exactly those bytes. The module's ``state_dict`` is still taken each
+    time (its hooks, its persistent buffers); only the checks and the
+    detaching are skipped, and the caller may cache what it derives from
+    the dict by its identity.
+
+    A tensor re-pointed (``param.data = other``), resized, or a name added
+    or removed makes the next read a full one. Other sources are read in
+    full every time.
+    """
+
+    def __init__(self) -> None:
+        # (module, names, whereabouts, the read): the last full read of a module.
+        self._last: tuple[nn.Module, list[str], list[tuple[Any, ...]], dict[str, torch.Tensor]] | None = None
+
+    def read(
+        self, source: Any, *, context: Any = None, model_id: str | None = None
+    ) -> dict[str, torch.Tensor]:
+        """As :func:`flat_weights`; the dict returned must not be changed.
+
+        :raises InvalidWeightsError: as :func:`flat_weights`.
+        """
+        source = _resolve_source(source, context, model_id)
+        if not isinstance(source, nn.Module):
+            return flat_weights(source, model_id=model_id)
+        live = source.state_dict(keep_vars=True)
+        names = list(live)
+        where = _whereabouts(list(live.values()))
+        last = self._last
+        if (
+            last is not None
+            and where is not None
+            and last[0] is source
+            and last[1] == names
+            and last[2] == where
+        ):
+            return last[3]
+        out = {name: _check_tensor(name, value, model_id) for name, value in live.items()}
+        self._last = None if where is None else (source, names, where, out)
+        return out
+
+    def forget(self) -> None:
+        """Drop the last read (and the references it holds)."""
+        self._last = None
 
 
 def model_tensors(model: Any, *, model_id: str | None = None) -> dict[str, torch.Tensor]:
