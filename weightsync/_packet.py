@@ -70,6 +70,12 @@ class Manifest:
     specs: tuple[TensorSpec, ...] = field(repr=False)
     nbytes: int
     layout_id: str
+    #: (shape, dtype) per tensor, in order: what tensors of this layout match.
+    fit: list[tuple[tuple[int, ...], torch.dtype]] = field(repr=False, compare=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.fit:
+            object.__setattr__(self, "fit", [(tuple(s.shape), s.dtype) for s in self.specs])
 
     @classmethod
     def from_signature(cls, signature: Signature) -> Manifest:

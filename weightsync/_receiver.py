@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import torch
@@ -47,8 +46,7 @@ class _Then(enum.Enum):
     TORN = "the copy raced the next version: wait for it and apply it"
 
 
-@dataclass(frozen=True)
-class _Step:
+class _Step(NamedTuple):
     """What one update came to (see ``AsyncWeightReceiver._take``)."""
 
     then: _Then
@@ -60,9 +58,8 @@ class _Step:
 
 def _still_fit(targets: list[torch.Tensor], manifest: Manifest) -> bool:
     """Whether cached targets still have their layout's shapes and dtypes."""
-    return all(
-        t.shape == s.shape and t.dtype == s.dtype for t, s in zip(targets, manifest.specs, strict=True)
-    )
+    # (One comparison of two lists: this runs on every update.)
+    return [(t.shape, t.dtype) for t in targets] == manifest.fit
 
 
 class AsyncWeightReceiver:

@@ -38,7 +38,7 @@ import os
 import signal
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -97,6 +97,7 @@ class _Interruptible:
         self.scope: anyio.CancelScope | None = None
         self.interrupted = False
         self._finished = False
+        self._swapped = False  # SIGINT is ours while installed
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         if self.interrupted:
@@ -107,18 +108,23 @@ class _Interruptible:
         # Before the scope exists, run() cancels it as it opens; after the
         # work finished, call() raises KeyboardInterrupt on its way out.
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        if (
-            threading.current_thread() is not threading.main_thread()
-            or _handlers.getsignal(signal.SIGINT) is not signal.default_int_handler
-        ):
-            yield  # another thread, or the user's own handler: leave SIGINT alone
-            return
-        try:
+    def installed(self) -> _Interruptible:
+        """A context in which SIGINT is handled so (on the main thread, where
+        the user installed no handler of their own)."""
+        return self
+
+    # (A class's context, not a generator's: it wraps every blocking call,
+    # and a receive that finds its update pending is a few dozen µs.)
+    def __enter__(self) -> None:
+        self._swapped = (
+            threading.current_thread() is threading.main_thread()
+            and _handlers.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
+        if self._swapped:  # (else another thread, or the user's own handler: SIGINT is left alone)
             _handlers.signal(signal.SIGINT, self._on_sigint)
-            yield
-        finally:
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._swapped:
             _handlers.signal(signal.SIGINT, signal.default_int_handler)
 
     async def run(self, func: Callable[..., Awaitable[T]], *args: Any) -> T | None:

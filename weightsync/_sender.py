@@ -605,10 +605,11 @@ class AsyncWeightSender:
         with self._ready_watch.armed(in_loop=not blocking) as watch:
             for fds in waiting.values():
                 watch.watch(fds)
-            # Look at every worker once before the first wait: on a machine
-            # with few cores the workers woken by the posts run before this
-            # does, and their acks are often in already.
-            news = list(waiting)
+            # Whatever is in already (on a machine with few cores the workers
+            # woken by the posts may have run before this): one look at the
+            # whole set, not a read attempt per worker.
+            ready = watch.poll(0)
+            news = [wid for wid, fds in waiting.items() if not ready.isdisjoint(fds)]
             looked = anyio.current_time()  # when the loop last ran (blocking)
             while True:
                 for wid in news:

@@ -34,6 +34,7 @@ __all__ = [
     "ProcessWatch",
     "ReadyWatch",
     "describe_exit",
+    "encode",
     "exit_status",
     "started_here",
 ]
@@ -42,6 +43,11 @@ LIVENESS_PERIOD = 0.2
 # Writes up to this size fit in a free pipe slot, so a write that follows a
 # "writable" poll does not block.
 _SMALL = 4096
+
+
+def encode(message: tuple[Any, ...]) -> bytes:
+    """A message as it travels."""
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _readable(fd: int) -> bool:
@@ -326,7 +332,7 @@ class PipeChannel:
 
         :raises: ``lost(...)`` if the peer closed its end or died.
         """
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        data = encode(message)
         try:
             while not select.select([], [self._fd], [], 0)[1]:
                 with anyio.move_on_after(LIVENESS_PERIOD):
@@ -345,7 +351,10 @@ class PipeChannel:
 
         :raises: ``lost(...)`` if the peer closed its end.
         """
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        return self.try_send_encoded(encode(message))
+
+    def try_send_encoded(self, data: bytes) -> bool:
+        """:meth:`try_send` for a message already encoded (:func:`encode`)."""
         if len(data) > _SMALL:
             return False
         try:

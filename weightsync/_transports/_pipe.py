@@ -33,7 +33,7 @@ from .._copy import usable_cores
 from .._exceptions import SenderClosedError, SenderLostError, WorkerLostError, WorkerProtocolError
 from .._packet import Manifest, Packet, Signature
 from ._base import EVERY_VERSION, Staging, StagingReader, worker_failed, worker_lost
-from ._channel import PipeChannel, describe_exit, exit_status, started_here
+from ._channel import PipeChannel, describe_exit, encode, exit_status, started_here
 
 __all__ = ["PipeEndpoint", "PipeSenderTransport", "PipeUpdate"]
 
@@ -42,6 +42,11 @@ __all__ = ["PipeEndpoint", "PipeSenderTransport", "PipeUpdate"]
 
 # What a worker may send: kind -> length of the tuple.
 _WORKER_MESSAGES = {"hello": 4, "ack": 3, "error": 3}
+
+# The last update message encoded, and its bytes: the workers of one send are
+# told the same thing (the staging's descriptor is one for all of them), so
+# it is encoded once per send, not once per worker.
+_last_encoded: tuple[tuple[Any, ...], bytes] = ((), b"")
 
 
 class PipeSenderTransport:
@@ -162,7 +167,12 @@ class PipeSenderTransport:
         )
 
     def post(self, packet: Packet) -> bool:
-        if self._channel.try_send(self._update(packet)):
+        global _last_encoded
+        message = self._update(packet)
+        last = _last_encoded  # (one read: another thread may replace it)
+        if last[0] != message:
+            last = _last_encoded = (message, encode(message))
+        if self._channel.try_send_encoded(last[1]):
             self._posted = packet.version
             self._resend = False
             return True
