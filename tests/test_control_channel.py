@@ -9,6 +9,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -145,9 +146,20 @@ def test_a_worker_that_announces_itself_again_mid_send_is_told_the_update_again(
     _a_good_send_works(worker)
 
 
-def test_a_blocking_send_completes_on_its_versions_ack_not_a_stale_one(worker: FakeWorker) -> None:
+def _connect(worker: FakeWorker, connected: bool) -> None:
+    """With ``connected``, one send first: the sender has read the worker's
+    announcement, and a blocking send() then runs without an event loop."""
+    if connected:
+        _a_good_send_works(worker)
+
+
+@pytest.mark.parametrize("connected", [False, True], ids=["first-send", "later-send"])
+def test_a_blocking_send_completes_on_its_versions_ack_not_a_stale_one(
+    worker: FakeWorker, connected: bool
+) -> None:
     """send() on this thread, the worker's replies from another: the ack
     of the version posted completes it, a stale ack before it does not."""
+    _connect(worker, connected)
     got: list[int] = []
 
     def play() -> None:
@@ -170,10 +182,12 @@ def _flood(pipe: Connection) -> None:
             pipe.send_bytes(stale)
 
 
-def test_a_worker_flooding_its_pipe_cannot_hold_off_the_deadline(worker: FakeWorker) -> None:
+@pytest.mark.parametrize("connected", [False, True], ids=["first-send", "later-send"])
+def test_a_worker_flooding_its_pipe_cannot_hold_off_the_deadline(worker: FakeWorker, connected: bool) -> None:
     """Stale acks without end, from another process, and never the ack of
     the version sent: the blocking send still ends at its deadline, naming
     the worker."""
+    _connect(worker, connected)
     flooder = mp.get_context("fork").Process(target=_flood, args=(worker.theirs,), daemon=True)
     flooder.start()
     started = time.monotonic()
@@ -185,3 +199,41 @@ def test_a_worker_flooding_its_pipe_cannot_hold_off_the_deadline(worker: FakeWor
     finally:
         flooder.kill()
         flooder.join(5)
+
+
+def test_a_blocking_send_to_a_worker_announcing_itself_again_tells_it_again(worker: FakeWorker) -> None:
+    """send() (no event loop once connected) meets a new hello instead of
+    the ack: the update is posted again, and the ack of that completes it."""
+    _connect(worker, True)
+    signature = ws.Manifest.of(worker.model.state_dict()).signature
+    told: list[int] = []
+
+    def play() -> None:
+        version = worker.next_update()
+        worker.theirs.send(("hello", "policy", os.getpid(), signature))
+        told.extend([version, worker.next_update()])
+        worker.theirs.send(("ack", version, None))
+
+    player = threading.Thread(target=play)
+    player.start()
+    report = worker.sender.send()
+    player.join(10)
+    assert told == [report.version, report.version]
+    _a_good_send_works(worker)
+
+
+def test_ctrl_c_ends_a_blocking_send_waiting_for_an_ack(worker: FakeWorker) -> None:
+    """Ctrl-C while send() waits for an ack that never comes: it raises
+    KeyboardInterrupt within a poll slice, and the next send works."""
+    _connect(worker, True)
+    timer = threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    started = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            worker.sender.send(timeout=30)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - started < 2
+    worker.next_update()  # the abandoned update
+    _a_good_send_works(worker)

@@ -105,6 +105,20 @@ class WeightSender:
         :raises RuntimeError: a ``send_async()`` is pending.
         """
         self._check("send()")
+        # Over pipes, on this thread with no event loop where nothing needs one.
+        got = RUNTIME.run_waiting(
+            self._sender.send_now,
+            weights,
+            worker_ids,
+            timeout=timeout,
+            keys=keys,
+            partial=partial,
+            verify=verify,
+        )
+        if isinstance(got, SendReport):
+            return got
+        if isinstance(got, PendingSend):
+            return RUNTIME.call(got.wait)  # posted; an ack needs the loop after all
         return RUNTIME.call(
             lambda: self._sender.send(
                 weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify

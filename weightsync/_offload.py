@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -28,9 +29,19 @@ import anyio
 
 from ._exceptions import WeightSyncStateError
 
-__all__ = ["caller_blocked", "inline_allowed", "require_asyncio", "run_blocking"]
+__all__ = ["NEEDS_LOOP", "NeedsLoop", "caller_blocked", "inline_allowed", "require_asyncio", "run_blocking"]
 
 T = TypeVar("T")
+
+
+class NeedsLoop(enum.Enum):
+    NEEDS_LOOP = "needs the event loop"
+
+
+#: Returned by a step tried on the calling thread without an event loop (a
+#: receive whose update is pending, a blocking send over pipes) where the
+#: coroutine must run instead; the step changed nothing.
+NEEDS_LOOP = NeedsLoop.NEEDS_LOOP
 
 # Below this size a step runs inline even on a shared loop: a thread hop
 # would cost more than the step.

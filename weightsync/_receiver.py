@@ -18,7 +18,7 @@ from ._exceptions import (
     WeightMismatchError,
     WeightSyncStateError,
 )
-from ._offload import require_asyncio
+from ._offload import NEEDS_LOOP, NeedsLoop, require_asyncio
 from ._packet import DEFAULT_TIMEOUT, Manifest, Signature
 from ._strategy import materialize, model_tensors
 from ._transports._base import Applier, Incoming, WorkerEndpoint
@@ -29,15 +29,6 @@ __all__ = ["NEEDS_LOOP", "AsyncWeightReceiver"]
 # deadline can see that), the receiver waits this long for the newer version
 # before giving up, so it never returns with a mix of two versions.
 _RECOVERY_TIMEOUT = 60.0
-
-
-class _NeedsLoop(enum.Enum):
-    NEEDS_LOOP = "needs the event loop"
-
-
-#: Returned by :meth:`AsyncWeightReceiver.receive_ready` where the coroutine
-#: must run instead.
-NEEDS_LOOP = _NeedsLoop.NEEDS_LOOP
 
 
 class _Then(enum.Enum):
@@ -308,7 +299,7 @@ class AsyncWeightReceiver:
                 continue
             return await self._finish(step)
 
-    def receive_ready(self) -> int | _NeedsLoop | None:
+    def receive_ready(self) -> int | NeedsLoop | None:
         """What :meth:`receive` with no wait returns, done on the calling
         thread without an event loop where nothing has to wait: an update
         is pending and its ack fits in the channel. Returns

@@ -46,7 +46,7 @@ import anyio
 from anyio.from_thread import BlockingPortal
 
 from ._exceptions import WeightSyncStateError, out_of_resources
-from ._offload import caller_blocked
+from ._offload import NEEDS_LOOP, NeedsLoop, caller_blocked
 
 __all__ = ["RUNTIME", "LOOP_THREAD_NAME", "Runtime"]
 
@@ -107,6 +107,9 @@ class _Interruptible:
             self.loop.call_soon_threadsafe(self.scope.cancel)
         # Before the scope exists, run() cancels it as it opens; after the
         # work finished, call() raises KeyboardInterrupt on its way out.
+
+    def was_interrupted(self) -> bool:
+        return self.interrupted
 
     def installed(self) -> _Interruptible:
         """A context in which SIGINT is handled so (on the main thread, where
@@ -286,7 +289,9 @@ class Runtime:
             raise KeyboardInterrupt
         return result  # type: ignore[return-value]
 
-    def run_now(self, func: Callable[..., T], *args: Any) -> T:
+    def run_now(
+        self, func: Callable[..., T], *args: Any, guard: _Interruptible | None = None, **kwargs: Any
+    ) -> T:
         """Run the plain function ``func(*args)`` on the calling thread, for
         a step that never waits (an update already pending, copied in and
         acked): entering an event loop would cost more than the step.
@@ -297,10 +302,10 @@ class Runtime:
 
         :raises KeyboardInterrupt: Ctrl-C, once ``func`` returned.
         """
-        guard = _Interruptible(None)
+        guard = guard or _Interruptible(None)
         with guard.installed():
             try:
-                result = func(*args)
+                result = func(*args, **kwargs)
             except BaseException as exc:
                 if guard.interrupted and not isinstance(exc, KeyboardInterrupt):
                     raise KeyboardInterrupt from exc
@@ -308,6 +313,23 @@ class Runtime:
         if guard.interrupted:
             raise KeyboardInterrupt
         return result
+
+    def run_waiting(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T | NeedsLoop:
+        """Run ``func(*args, **kwargs, interrupted=...)`` on the calling thread, for a
+        step that blocks without an event loop (a send's acks awaited in a
+        poll): ``interrupted()`` says whether Ctrl-C came, and ``func`` must
+        look at it while it waits, then stop. Returns :data:`NEEDS_LOOP`
+        without calling ``func`` on a thread that runs an event loop (a
+        blocking call there goes through :meth:`call`).
+
+        :raises WeightSyncStateError: called from the loop thread itself.
+        :raises KeyboardInterrupt: Ctrl-C, once ``func`` returned or stopped.
+        """
+        self._check_not_loop_thread()
+        if _thread_runs_a_loop():
+            return NEEDS_LOOP
+        guard = _Interruptible(None)
+        return self.run_now(func, *args, guard=guard, interrupted=guard.was_interrupted, **kwargs)
 
     def close_thread_loop(self) -> None:
         """Close the calling thread's private loop, if it has one (a thread

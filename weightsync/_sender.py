@@ -22,7 +22,7 @@ from ._exceptions import (
     WorkerError,
     combine_worker_errors,
 )
-from ._offload import inline_allowed, require_asyncio, run_blocking
+from ._offload import NEEDS_LOOP, NeedsLoop, inline_allowed, require_asyncio, run_blocking
 from ._packet import DEFAULT_TIMEOUT, Manifest, Packet, describe_mismatch, signature_of
 from ._strategy import ModuleReads, WeightStrategy
 from ._transports._base import EVERY_VERSION, SenderTransport, Staging
@@ -86,6 +86,10 @@ class PendingSend:
         # The sends of a per-worker update that went before this one.
         self.earlier: tuple[SendReport, ...] = ()
         self._waited = False
+        #: Whether the reachable workers were told (``send_now`` tells them
+        #: before it hands the send over to a loop), and those that acked.
+        self.posted = False
+        self.done: set[int] = set()
 
     @property
     def version(self) -> int:
@@ -427,20 +431,7 @@ class AsyncWeightSender:
             await self._fan_out(
                 pending, lambda t: t.connect(), deadline, failures, "announce itself", packet.version
             )
-        reachable = [w for w in targets if w not in failures]
-        check = packet.manifest.check_within if packet.partial else packet.manifest.check_matches
-        for wid in reachable:
-            layout = self.transports[wid].layout
-            if layout is not None:
-                check(layout, model_id=self.model_id, where=f"the model of worker {wid}")
-        behind = [w for w in reachable if w not in self._whole] if packet.partial else []
-        if behind:
-            raise WeightSyncStateError(
-                f"a partial update of model {self.model_id!r} cannot go to worker(s) {behind}: they "
-                "have not applied a whole update, or missed a send since; send them the whole model first",
-                model_id=self.model_id,
-            )
-
+        reachable = self._check_layouts(packet, [w for w in targets if w not in failures])
         if reachable:
             verifying = self.verify if verify is None else verify
             sums: tuple[int, ...] | None = None
@@ -462,6 +453,200 @@ class AsyncWeightSender:
         staged = time.perf_counter() - started
         return PendingSend(self, packet, targets, reachable, failures, deadline, started, staged)
 
+    def _check_layouts(self, packet: Packet, reachable: list[int]) -> list[int]:
+        """``reachable``, once ``packet`` fits the model of each of them.
+
+        :raises WeightMismatchError: it does not fit one (nothing was sent).
+        :raises WeightSyncStateError: a partial update, to a worker that has
+            not applied a whole one (nothing was sent).
+        """
+        check = packet.manifest.check_within if packet.partial else packet.manifest.check_matches
+        for wid in reachable:
+            layout = self.transports[wid].layout
+            if layout is not None:
+                check(layout, model_id=self.model_id, where=f"the model of worker {wid}")
+        behind = [w for w in reachable if w not in self._whole] if packet.partial else []
+        if behind:
+            raise WeightSyncStateError(
+                f"a partial update of model {self.model_id!r} cannot go to worker(s) {behind}: they "
+                "have not applied a whole update, or missed a send since; send them the whole model first",
+                model_id=self.model_id,
+            )
+        return reachable
+
+    def send_now(
+        self,
+        weights: Any = None,
+        worker_ids: int | Iterable[int] | None = None,
+        *,
+        timeout: float | None = None,
+        keys: Keys | None = None,
+        partial: bool = False,
+        verify: bool | None = None,
+        interrupted: Callable[[], bool] = lambda: False,
+    ) -> SendReport | PendingSend | NeedsLoop:
+        """:meth:`send`, on the calling thread with no event loop, for a caller
+        that blocks on it anyway (the sync facade's ``send()``): on a machine
+        with few cores a loop's machinery costs a small send about as much
+        as its copy, and holds up the workers it would notify.
+
+        It runs where no step needs a loop: the staging stages on the calling
+        thread (a shared segment, or slots), every target has announced its
+        layout, the weights are the same for every target, with no wire
+        dtype and no digests, and every target's acks can be watched by
+        descriptor. Returns
+        :data:`NEEDS_LOOP`, having changed nothing, where one of these does
+        not hold (run :meth:`send` instead); the report once every target
+        acked; or the send itself, staged and posted, where an ack needs the
+        loop after all (a worker restarted mid-send, a full pipe): finish it
+        with ``await pending.wait()``.
+
+        Blocks until the acks are in or the deadline passes. Looks at
+        ``interrupted()`` at least every 50 ms; once it is true, the send is
+        abandoned as a cancelled one is, and KeyboardInterrupt raised.
+        Raises what :meth:`send` raises.
+        """
+        stage_now = getattr(self.staging, "stage_now", None)
+        verifying = self.verify if verify is None else verify
+        if self._closed or self._busy or self._wire is not None or verifying or stage_now is None:
+            return NEEDS_LOOP
+        # Taken at once, as start_send() takes it: a send that another thread
+        # starts meanwhile is refused.
+        self._busy = True
+        try:
+            targets = self._targets(worker_ids)
+            unannounced = any(self.transports[w].layout is None for w in targets)  # (announcing waits)
+            if unannounced or self._per_worker(weights, worker_ids) is not None:
+                self._busy = False
+                return NEEDS_LOOP
+            started = time.perf_counter()
+            # (The loop's clock is this one: a send finished in a loop keeps its deadline.)
+            deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+            packet = self.prepare(weights, fanout=len(targets), keys=keys, partial=partial)
+            reachable = self._check_layouts(packet, targets)
+            if reachable:
+                stage_now(packet)
+                self.version = packet.version  # bytes moved: the version is used
+                packet = dataclasses.replace(packet, tensors=())
+            staged = time.perf_counter() - started
+            pending = PendingSend(self, packet, targets, reachable, {}, deadline, started, staged)
+            self._post(pending)
+            rest = [w for w in reachable if w not in pending.failures]
+            watched = self._watchable(rest, packet)
+            if len(watched) < len(rest):
+                return pending  # (no ack is taken yet: the loop gathers them all)
+            done = pending.done
+            spilled = self._await_acks_now(watched, packet, pending.failures, done, deadline, interrupted)
+            if spilled:
+                return pending  # (the loop tells them again and gathers the rest)
+            self._late(rest, done, pending.failures, f"ack version {packet.version}", packet.version)
+            self._record(pending)
+        except BaseException:
+            self._busy = False
+            raise
+        self._busy = False
+        return self._report(pending)
+
+    def _await_acks_now(
+        self,
+        watched: dict[int, tuple[int, ...]],
+        packet: Packet,
+        failures: dict[int, WorkerError],
+        done: set[int],
+        deadline: float,
+        interrupted: Callable[[], bool],
+    ) -> list[int]:
+        """:meth:`_await_acks` on the calling thread: waits in the poll
+        itself until every watched worker acked or failed, the deadline
+        (``time.monotonic()``) passes, or ``interrupted()`` (looked at at
+        least every _POLL_SLICE seconds, and after every wakeup: a flooding
+        worker cannot hold it off). Returns the workers that need
+        :meth:`SenderTransport.deliver` after all.
+
+        :raises KeyboardInterrupt: ``interrupted()`` turned true.
+        """
+        waiting = dict(watched)
+        spilled: list[int] = []
+        if self._ready_watch is None:
+            self._ready_watch = ReadyWatch()
+        with self._ready_watch.armed(in_loop=False) as watch:
+            for fds in waiting.values():
+                watch.watch(fds)
+            ready = watch.poll(0)
+            while True:
+                news = [wid for wid, fds in waiting.items() if not ready.isdisjoint(fds)]
+                self._take_acks(news, waiting, packet, failures, done, spilled, watch)
+                left = deadline - time.monotonic()
+                if not waiting or left <= 0:
+                    return spilled
+                if interrupted():
+                    raise KeyboardInterrupt
+                ready = watch.poll(min(left, _POLL_SLICE))
+
+    def _take_acks(
+        self,
+        news: list[int],
+        waiting: dict[int, tuple[int, ...]],
+        packet: Packet,
+        failures: dict[int, WorkerError],
+        done: set[int],
+        spilled: list[int],
+        watch: ReadyWatch,
+    ) -> None:
+        """Read what each of the ``news`` workers sent; one that acked
+        ``packet`` goes to ``done``, one that failed to ``failures``, one
+        that needs :meth:`SenderTransport.deliver` to ``spilled``, and
+        either way it leaves ``waiting`` (and ``watch``)."""
+        for wid in news:
+            try:
+                got = self.transports[wid].try_ack(packet)
+            except WorkerError as exc:
+                failures[wid] = exc
+                got = True
+            if got is None:
+                spilled.append(wid)
+            if got is not False:
+                watch.forget(waiting.pop(wid))
+                if got and wid not in failures:
+                    done.add(wid)
+
+    def _post(self, pending: PendingSend) -> None:
+        """Tell every reachable worker of the staged update, without waiting;
+        one whose pipe is full is told by :meth:`SenderTransport.deliver`."""
+        for wid in pending.reachable:
+            try:
+                self.transports[wid].post(pending.packet)
+            except WorkerError as exc:
+                pending.failures[wid] = exc
+        pending.posted = True
+
+    def _record(self, pending: PendingSend) -> None:
+        """Remember which workers acked ``pending``'s version."""
+        packet = pending.packet
+        for wid in pending.reachable:
+            if wid in pending.failures:
+                self._whole.discard(wid)
+            else:
+                self._acked[wid] = packet.version
+                if not packet.partial:
+                    self._whole.add(wid)
+
+    def _report(self, pending: PendingSend) -> SendReport:
+        """The report of a gathered send.
+
+        :raises WorkerError: a worker failed (see :meth:`send`).
+        """
+        packet = pending.packet
+        if pending.failures:
+            raise combine_worker_errors(pending.failures, model_id=self.model_id, version=packet.version)
+        return SendReport(
+            packet.version,
+            pending.worker_ids,
+            packet.nbytes + sum(r.nbytes for r in pending.earlier),
+            time.perf_counter() - pending.started,
+            pending.staged_seconds,
+        )
+
     async def _gather(self, pending: PendingSend, *, keep_busy: bool = False) -> SendReport:
         packet, failures, reachable = pending.packet, pending.failures, pending.reachable
         try:
@@ -471,13 +656,10 @@ class AsyncWeightSender:
                 # (Not before the caller got its weights back: on a machine
                 # with few cores, the workers this wakes would hold the
                 # caller up.)
-                for wid in reachable:
-                    try:
-                        self.transports[wid].post(packet)
-                    except WorkerError as exc:
-                        failures[wid] = exc
+                if not pending.posted:
+                    self._post(pending)
                 await self._fan_out(
-                    [w for w in reachable if w not in failures],
+                    [w for w in reachable if w not in failures and w not in pending.done],
                     lambda t: t.deliver(packet),
                     pending.deadline,
                     failures,
@@ -485,25 +667,11 @@ class AsyncWeightSender:
                     packet.version,
                     acks_of=packet,
                 )
-                for wid in reachable:
-                    if wid in failures:
-                        self._whole.discard(wid)
-                    else:
-                        self._acked[wid] = packet.version
-                        if not packet.partial:
-                            self._whole.add(wid)
+                self._record(pending)
         finally:
             if not keep_busy:
                 self._busy = False
-        if failures:
-            raise combine_worker_errors(failures, model_id=self.model_id, version=packet.version)
-        return SendReport(
-            packet.version,
-            pending.worker_ids,
-            packet.nbytes + sum(r.nbytes for r in pending.earlier),
-            time.perf_counter() - pending.started,
-            pending.staged_seconds,
-        )
+        return self._report(pending)
 
     async def _fan_out(
         self,
@@ -554,6 +722,17 @@ class AsyncWeightSender:
                             group.start_soon(one, wid)
 
                         group.start_soon(self._await_acks, watched, acks_of, failures, done, spill)
+        self._late(targets, done, failures, what, version)
+
+    def _late(
+        self,
+        targets: list[int],
+        done: set[int],
+        failures: dict[int, WorkerError],
+        what: str,
+        version: int | None,
+    ) -> None:
+        """An AckTimeoutError for each target that neither finished nor failed."""
         for wid in targets:
             if wid not in done and wid not in failures:
                 # (Only a send has a chain that may have broken before the worker.)
@@ -612,18 +791,7 @@ class AsyncWeightSender:
             news = [wid for wid, fds in waiting.items() if not ready.isdisjoint(fds)]
             looked = anyio.current_time()  # when the loop last ran (blocking)
             while True:
-                for wid in news:
-                    try:
-                        got = self.transports[wid].try_ack(packet)
-                    except WorkerError as exc:
-                        failures[wid] = exc
-                        got = True
-                    if got is None:
-                        spilled.append(wid)
-                    if got is not False:
-                        watch.forget(waiting.pop(wid))
-                        if got and wid not in failures:
-                            done.add(wid)
+                self._take_acks(news, waiting, packet, failures, done, spilled, watch)
                 if spill is not None:
                     for wid in spilled:
                         spill(wid)

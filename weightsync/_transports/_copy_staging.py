@@ -45,6 +45,11 @@ class SegmentStaging:
         segment, views = self._ensure(packet.manifest)
         return await run_blocking(packet.nbytes, segment.write, views, packet, digest)
 
+    def stage_now(self, packet: Packet) -> None:
+        """:meth:`stage` with no digests, on the calling thread (it blocks for the copy)."""
+        segment, views = self._ensure(packet.manifest)
+        segment.write(views, packet, False)
+
     def descriptor(self, worker_id: int) -> SegmentRef:
         assert self.segment is not None, "stage() comes first"
         return self.segment.ref()

@@ -86,13 +86,7 @@ class SlotStaging:
         :raises InvalidWeightsError: a block of the slot differs from its
             source (the slot is not published; nothing was sent).
         """
-        slot = self._choose(packet.manifest)
-        key = (slot.token, packet.manifest.layout_id)
-        views = self._views.get(key)
-        if views is None:
-            assert slot.data is not None
-            views = self._views[key] = packet.manifest.views(slot.data)
-        self._settled(slot).protect(writable=True)  # (most often made so once free: released())
+        slot, views = self._writable_slot(packet.manifest)
         sums: tuple[int, ...] | None = None
         if digest:
             sums, bad = await run_blocking(packet.nbytes, slot.write_checked, views, packet, self.after_copy)
@@ -108,6 +102,23 @@ class SlotStaging:
             await run_blocking(packet.nbytes, slot.write, views, packet, False)
         self.current, self._version = slot, packet.version
         return sums
+
+    def stage_now(self, packet: Packet) -> None:
+        """:meth:`stage` with no digests, on the calling thread (it blocks for the copy)."""
+        slot, views = self._writable_slot(packet.manifest)
+        slot.write(views, packet, False)
+        self.current, self._version = slot, packet.version
+
+    def _writable_slot(self, manifest: Manifest) -> tuple[Segment, list[torch.Tensor]]:
+        """A free slot for ``manifest``, writable, and its views."""
+        slot = self._choose(manifest)
+        key = (slot.token, manifest.layout_id)
+        views = self._views.get(key)
+        if views is None:
+            assert slot.data is not None
+            views = self._views[key] = manifest.views(slot.data)
+        self._settled(slot).protect(writable=True)  # (most often made so once free: released())
+        return slot, views
 
     def descriptor(self, worker_id: int) -> SegmentRef:
         assert self.current is not None, "stage() comes first"
