@@ -514,11 +514,13 @@ class AsyncWeightSender:
         # starts meanwhile is refused.
         self._busy = True
         try:
-            targets = self._targets(worker_ids)
-            unannounced = any(self.transports[w].layout is None for w in targets)  # (announcing waits)
-            if unannounced or self._per_worker(weights, worker_ids) is not None:
+            if self._per_worker(weights, worker_ids) is not None:
                 self._busy = False
                 return NEEDS_LOOP
+            targets = self._targets(worker_ids)
+            if any(self.transports[w].layout is None for w in targets):
+                self._busy = False
+                return NEEDS_LOOP  # (announcing waits)
             started = time.perf_counter()
             # (The loop's clock is this one: a send finished in a loop keeps its deadline.)
             deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
