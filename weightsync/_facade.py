@@ -154,9 +154,19 @@ class WeightSender:
         """
         self._check("send_async()")
         try:
-            pending = RUNTIME.call(
-                lambda: self._sender.start_send(
+            # Staged on this thread with no event loop where nothing needs one.
+            staged = RUNTIME.run_waiting(
+                lambda interrupted: self._sender.start_send_now(  # (only the copy blocks)
                     weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
+                )
+            )
+            pending = (
+                staged
+                if isinstance(staged, PendingSend)
+                else RUNTIME.call(
+                    lambda: self._sender.start_send(
+                        weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
+                    )
                 )
             )
         except Exception as exc:
@@ -196,7 +206,7 @@ class WeightSender:
             # machine with few cores, waking the loop thread for it costs
             # about as much as the whole send of a small model.
             self._pending = None
-            return RUNTIME.call(unstarted.wait)
+            return self._finish(unstarted)
         try:
             return future.result(timeout)
         finally:
@@ -204,6 +214,15 @@ class WeightSender:
             # failed (even with a TimeoutError of its own) is over.
             if future.done():
                 self._pending = None
+
+    def _finish(self, pending: PendingSend) -> SendReport:
+        """Tell the workers of a staged send and gather their acks, blocking:
+        over pipes on this thread with no event loop, else (or where an
+        ack needs it after all) on this thread's private loop."""
+        got = RUNTIME.run_waiting(self._sender.finish_now, pending)
+        if isinstance(got, SendReport):
+            return got
+        return RUNTIME.call((got if isinstance(got, PendingSend) else pending).wait)
 
     def add_worker(self, worker_id: int, transport: Any) -> None:
         """See :meth:`AsyncWeightSender.add_worker` (schemes call it)."""

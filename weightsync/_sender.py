@@ -489,22 +489,35 @@ class AsyncWeightSender:
         that blocks on it anyway (the sync facade's ``send()``): on a machine
         with few cores a loop's machinery costs a small send about as much
         as its copy, and holds up the workers it would notify.
+        :meth:`start_send_now`, then :meth:`finish_now`; returns what they
+        return (:data:`NEEDS_LOOP`, having changed nothing: run :meth:`send`
+        instead). Raises what :meth:`send` raises.
+        """
+        pending = self.start_send_now(
+            weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
+        )
+        if pending is NEEDS_LOOP:
+            return NEEDS_LOOP
+        return self.finish_now(pending, interrupted=interrupted)
 
-        It runs where no step needs a loop: the staging stages on the calling
-        thread (a shared segment, or slots), every target has announced its
-        layout, the weights are the same for every target, with no wire
-        dtype and no digests, and every target's acks can be watched by
-        descriptor. Returns
-        :data:`NEEDS_LOOP`, having changed nothing, where one of these does
-        not hold (run :meth:`send` instead); the report once every target
-        acked; or the send itself, staged and posted, where an ack needs the
-        loop after all (a worker restarted mid-send, a full pipe): finish it
-        with ``await pending.wait()``.
+    def start_send_now(
+        self,
+        weights: Any = None,
+        worker_ids: int | Iterable[int] | None = None,
+        *,
+        timeout: float | None = None,
+        keys: Keys | None = None,
+        partial: bool = False,
+        verify: bool | None = None,
+    ) -> PendingSend | NeedsLoop:
+        """:meth:`start_send` on the calling thread with no event loop, where
+        no step needs one: the staging stages on the calling thread (a
+        shared segment, or slots), every target has announced its layout,
+        the weights are the same for every target, with no wire dtype and no
+        digests. Returns :data:`NEEDS_LOOP`, having changed nothing, where
+        one of these does not hold (run :meth:`start_send` instead).
 
-        Blocks until the acks are in or the deadline passes. Looks at
-        ``interrupted()`` at least every 50 ms; once it is true, the send is
-        abandoned as a cancelled one is, and KeyboardInterrupt raised.
-        Raises what :meth:`send` raises.
+        Blocks for the copy. Raises what :meth:`start_send` raises.
         """
         stage_now = getattr(self.staging, "stage_now", None)
         verifying = self.verify if verify is None else verify
@@ -530,15 +543,43 @@ class AsyncWeightSender:
                 stage_now(packet)
                 self.version = packet.version  # bytes moved: the version is used
                 packet = dataclasses.replace(packet, tensors=())
-            staged = time.perf_counter() - started
-            pending = PendingSend(self, packet, targets, reachable, {}, deadline, started, staged)
+        except BaseException:
+            self._busy = False
+            raise
+        staged = time.perf_counter() - started
+        return PendingSend(self, packet, targets, reachable, {}, deadline, started, staged)
+
+    def finish_now(
+        self, pending: PendingSend, *, interrupted: Callable[[], bool] = lambda: False
+    ) -> SendReport | PendingSend | NeedsLoop:
+        """``await pending.wait()`` on the calling thread with no event loop:
+        tells the workers and waits for their acks in one poll, for a caller
+        that blocks on it anyway. Returns the report once every target
+        acked; :data:`NEEDS_LOOP`, having changed nothing, where the
+        sender's staging is not one that stages on the calling thread (run
+        ``pending.wait()`` instead); or ``pending`` itself, its workers
+        told, where an ack needs the loop after all (a worker without a
+        pidfd, or restarted mid-send, a full pipe): finish it with
+        ``await pending.wait()``.
+
+        Blocks until the acks are in or the deadline passes. Looks at
+        ``interrupted()`` at least every 50 ms; once it is true, the send is
+        abandoned as a cancelled one is, and KeyboardInterrupt raised.
+        Raises what :meth:`PendingSend.wait` raises.
+        """
+        if getattr(self.staging, "stage_now", None) is None or pending.posted or pending._waited:
+            return NEEDS_LOOP
+        packet = pending.packet
+        try:
             self._post(pending)
-            rest = [w for w in reachable if w not in pending.failures]
+            rest = [w for w in pending.reachable if w not in pending.failures]
             watched = self._watchable(rest, packet)
             if len(watched) < len(rest):
                 return pending  # (no ack is taken yet: the loop gathers them all)
             done = pending.done
-            spilled = self._await_acks_now(watched, packet, pending.failures, done, deadline, interrupted)
+            spilled = self._await_acks_now(
+                watched, packet, pending.failures, done, pending.deadline, interrupted
+            )
             if spilled:
                 return pending  # (the loop tells them again and gathers the rest)
             self._late(rest, done, pending.failures, f"ack version {packet.version}", packet.version)
@@ -547,6 +588,7 @@ class AsyncWeightSender:
             self._busy = False
             raise
         self._busy = False
+        pending._waited = True
         return self._report(pending)
 
     def _await_acks_now(
