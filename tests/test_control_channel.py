@@ -237,3 +237,19 @@ def test_ctrl_c_ends_a_blocking_send_waiting_for_an_ack(worker: FakeWorker) -> N
     assert time.monotonic() - started < 2
     worker.next_update()  # the abandoned update
     _a_good_send_works(worker)
+
+
+@pytest.mark.parametrize("connected", [False, True], ids=["first-send", "later-send"])
+def test_ctrl_c_while_send_async_stages_leaves_the_sender_free(worker: FakeWorker, connected: bool) -> None:
+    """Ctrl-C that lands while send_async() reads and stages the weights:
+    it raises KeyboardInterrupt, no worker is told, and the next send works."""
+    _connect(worker, connected)
+    hook = worker.model.register_state_dict_pre_hook(lambda *args: signal.raise_signal(signal.SIGINT))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            worker.sender.send_async()
+    finally:
+        hook.remove()
+    assert not worker.sender.pending
+    assert not worker.theirs.poll(0.2)  # nothing was posted
+    _a_good_send_works(worker)

@@ -156,19 +156,35 @@ class WeightSender:
         try:
             # Staged on this thread with no event loop where nothing needs one.
             staged = RUNTIME.run_waiting(
-                lambda interrupted: self._sender.start_send_now(  # (only the copy blocks)
-                    weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
-                )
+                self._sender.start_send_now,
+                weights,
+                worker_ids,
+                timeout=timeout,
+                keys=keys,
+                partial=partial,
+                verify=verify,
             )
-            pending = (
-                staged
-                if isinstance(staged, PendingSend)
-                else RUNTIME.call(
-                    lambda: self._sender.start_send(
-                        weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
+            if isinstance(staged, PendingSend):
+                pending = staged
+            else:
+                made: list[PendingSend] = []
+
+                async def stage() -> PendingSend:
+                    made.append(
+                        await self._sender.start_send(
+                            weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
+                        )
                     )
-                )
-            )
+                    return made[0]
+
+                try:
+                    pending = RUNTIME.call(stage)
+                except KeyboardInterrupt:
+                    # Ctrl-C once the weights were staged: nobody will wait
+                    # for this send, which no worker has been told of.
+                    if made:
+                        made[0].abandon()
+                    raise
         except Exception as exc:
             # As torchrl's send_async: the send's errors come from wait_async().
             failed: concurrent.futures.Future[SendReport] = concurrent.futures.Future()

@@ -96,6 +96,13 @@ class PendingSend:
         """The version this send carries."""
         return self.packet.version
 
+    def abandon(self) -> None:
+        """Give up a send that no worker was told of (before :meth:`wait`):
+        the sender may run the next one."""
+        assert not self.posted and not self._waited, "only a send not yet told or waited for"
+        self._waited = True
+        self._sender._busy = False
+
     async def wait(self) -> SendReport:
         """Block until every targeted worker acked this version, or the
         send's deadline passed; its report.
@@ -494,7 +501,13 @@ class AsyncWeightSender:
         instead). Raises what :meth:`send` raises.
         """
         pending = self.start_send_now(
-            weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
+            weights,
+            worker_ids,
+            timeout=timeout,
+            keys=keys,
+            partial=partial,
+            verify=verify,
+            interrupted=interrupted,
         )
         if pending is NEEDS_LOOP:
             return NEEDS_LOOP
@@ -509,6 +522,7 @@ class AsyncWeightSender:
         keys: Keys | None = None,
         partial: bool = False,
         verify: bool | None = None,
+        interrupted: Callable[[], bool] = lambda: False,
     ) -> PendingSend | NeedsLoop:
         """:meth:`start_send` on the calling thread with no event loop, where
         no step needs one: the staging stages on the calling thread (a
@@ -517,7 +531,9 @@ class AsyncWeightSender:
         digests. Returns :data:`NEEDS_LOOP`, having changed nothing, where
         one of these does not hold (run :meth:`start_send` instead).
 
-        Blocks for the copy. Raises what :meth:`start_send` raises.
+        Blocks for the copy. Where ``interrupted()`` is true once the copy is
+        done, the send is abandoned before any worker is told, and
+        KeyboardInterrupt raised. Raises what :meth:`start_send` raises.
         """
         stage_now = getattr(self.staging, "stage_now", None)
         verifying = self.verify if verify is None else verify
@@ -543,6 +559,8 @@ class AsyncWeightSender:
                 stage_now(packet)
                 self.version = packet.version  # bytes moved: the version is used
                 packet = dataclasses.replace(packet, tensors=())
+            if interrupted():
+                raise KeyboardInterrupt  # (nobody would wait for the send)
         except BaseException:
             self._busy = False
             raise
