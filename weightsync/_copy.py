@@ -28,6 +28,7 @@ from ._exceptions import WeightMismatchError
 __all__ = [
     "PARALLEL_COPY_BYTES",
     "CopyPlan",
+    "PlanCache",
     "WireCast",
     "byte_view",
     "check_same_layout",
@@ -214,6 +215,35 @@ class CopyPlan:
         if self.slow_dst:
             with torch.inference_mode():
                 torch._foreach_copy_(self.slow_dst, self.slow_src)
+
+
+class PlanCache:
+    """The copy plan of the last (destinations, sources) pair, made again
+    when either list is another object, or a tensor's data moved
+    (``param.data = other``; with ``sources_move``, a source's too).
+
+    Callers pass the same list objects for as long as neither side changes
+    (a reader's views of a segment, a worker's targets, a sender's last read
+    of its model), so identity tells when to plan again; the cache holds
+    both lists, so that identity cannot be a new list's."""
+
+    def __init__(self, *, sources_move: bool = False) -> None:
+        self._sources_move = sources_move
+        self._last: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], CopyPlan] | None = None
+
+    def plan(self, destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> CopyPlan:
+        last = self._last
+        if (
+            last is None
+            or last[0] is not destinations
+            or last[1] is not sources
+            or not last[2].still_valid(sources=self._sources_move)
+        ):
+            last = self._last = (destinations, sources, CopyPlan(destinations, sources))
+        return last[2]
+
+    def clear(self) -> None:
+        self._last = None
 
 
 def copy_tensors(

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._exceptions import (
@@ -23,8 +23,9 @@ from ._exceptions import (
     WeightSyncStateError,
     out_of_resources,
 )
+from ._offload import NEEDS_LOOP, NeedsLoop
 from ._packet import DEFAULT_TIMEOUT
-from ._receiver import NEEDS_LOOP, AsyncWeightReceiver
+from ._receiver import AsyncWeightReceiver
 from ._runtime import RUNTIME
 from ._sender import AsyncWeightSender, Keys, PendingSend, SendReport
 from ._stepguard import StepGuard
@@ -105,25 +106,25 @@ class WeightSender:
         :raises RuntimeError: a ``send_async()`` is pending.
         """
         self._check("send()")
-        # Over pipes, on this thread with no event loop where nothing needs one.
-        got = RUNTIME.run_waiting(
-            self._sender.send_now,
-            weights,
-            worker_ids,
-            timeout=timeout,
-            keys=keys,
-            partial=partial,
-            verify=verify,
-        )
+        options: dict[str, Any] = {"timeout": timeout, "keys": keys, "partial": partial, "verify": verify}
+        # Staged and gathered under one Ctrl-C guard: no moment between the
+        # two where an interruption would leave a staged send to nobody.
+        got = RUNTIME.run_waiting(self._send_now, weights, worker_ids, options)
         if isinstance(got, SendReport):
             return got
         if isinstance(got, PendingSend):
-            return RUNTIME.call(got.wait)  # posted; an ack needs the loop after all
-        return RUNTIME.call(
-            lambda: self._sender.send(
-                weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
-            )
-        )
+            return RUNTIME.call(got.wait)  # told; an ack needs the loop after all
+        return RUNTIME.call(lambda: self._sender.send(weights, worker_ids, **options))
+
+    def _send_now(
+        self, weights: Any, worker_ids: Any, options: dict[str, Any], *, interrupted: Callable[[], bool]
+    ) -> SendReport | PendingSend | NeedsLoop:
+        """``send()`` over pipes on this thread with no event loop (see
+        ``AsyncWeightSender.start_send_now`` and ``finish_now``)."""
+        staged = self._sender.start_send_now(weights, worker_ids, interrupted=interrupted, **options)
+        if isinstance(staged, PendingSend):
+            return self._sender.finish_now(staged, interrupted=interrupted)
+        return staged
 
     def send_async(
         self,
@@ -154,37 +155,9 @@ class WeightSender:
         """
         self._check("send_async()")
         try:
-            # Staged on this thread with no event loop where nothing needs one.
-            staged = RUNTIME.run_waiting(
-                self._sender.start_send_now,
-                weights,
-                worker_ids,
-                timeout=timeout,
-                keys=keys,
-                partial=partial,
-                verify=verify,
+            pending = self._stage(
+                weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
             )
-            if isinstance(staged, PendingSend):
-                pending = staged
-            else:
-                made: list[PendingSend] = []
-
-                async def stage() -> PendingSend:
-                    made.append(
-                        await self._sender.start_send(
-                            weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
-                        )
-                    )
-                    return made[0]
-
-                try:
-                    pending = RUNTIME.call(stage)
-                except KeyboardInterrupt:
-                    # Ctrl-C once the weights were staged: nobody will wait
-                    # for this send, which no worker has been told of.
-                    if made:
-                        made[0].abandon()
-                    raise
         except Exception as exc:
             # As torchrl's send_async: the send's errors come from wait_async().
             failed: concurrent.futures.Future[SendReport] = concurrent.futures.Future()
@@ -230,6 +203,30 @@ class WeightSender:
             # failed (even with a TimeoutError of its own) is over.
             if future.done():
                 self._pending = None
+
+    def _stage(self, weights: Any, worker_ids: int | Iterable[int] | None, **options: Any) -> PendingSend:
+        """Stage a send (``AsyncWeightSender.start_send``), blocking: over
+        pipes on this thread with no event loop, else on this thread's
+        private loop. A Ctrl-C that lands once the weights are staged
+        abandons the send (no worker was told of it), so the sender is free
+        for the next one."""
+        staged = RUNTIME.run_waiting(self._sender.start_send_now, weights, worker_ids, **options)
+        if isinstance(staged, PendingSend):
+            return staged
+        made: list[PendingSend] = []
+
+        async def stage() -> PendingSend:
+            made.append(await self._sender.start_send(weights, worker_ids, **options))
+            return made[0]
+
+        try:
+            return RUNTIME.call(stage)
+        except KeyboardInterrupt:
+            # (The coroutine ended before the cancel reached it: its send
+            # came back to nobody.)
+            if made:
+                made[0].abandon()
+            raise
 
     def _finish(self, pending: PendingSend) -> SendReport:
         """Tell the workers of a staged send and gather their acks, blocking:

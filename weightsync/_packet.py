@@ -9,6 +9,7 @@ routine send carries only the version and the bytes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,12 +71,11 @@ class Manifest:
     specs: tuple[TensorSpec, ...] = field(repr=False)
     nbytes: int
     layout_id: str
-    #: (shape, dtype) per tensor, in order: what tensors of this layout match.
-    fit: list[tuple[tuple[int, ...], torch.dtype]] = field(repr=False, compare=False, default_factory=list)
 
-    def __post_init__(self) -> None:
-        if not self.fit:
-            object.__setattr__(self, "fit", [(tuple(s.shape), s.dtype) for s in self.specs])
+    @functools.cached_property
+    def fit(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) per tensor, in order: what tensors of this layout match."""
+        return [(tuple(s.shape), s.dtype) for s in self.specs]
 
     @classmethod
     def from_signature(cls, signature: Signature) -> Manifest:

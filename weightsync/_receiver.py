@@ -23,7 +23,7 @@ from ._packet import DEFAULT_TIMEOUT, Manifest, Signature
 from ._strategy import materialize, model_tensors
 from ._transports._base import Applier, Incoming, WorkerEndpoint
 
-__all__ = ["NEEDS_LOOP", "AsyncWeightReceiver"]
+__all__ = ["AsyncWeightReceiver"]
 
 # After a copy raced with the sender's next write (only a worker that missed a
 # deadline can see that), the receiver waits this long for the newer version

@@ -85,6 +85,21 @@ def _thread_runs_a_loop() -> bool:
     return True
 
 
+def _run_guarded(guard: _Interruptible, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``func(*args, **kwargs)`` with ``guard`` installed; KeyboardInterrupt
+    once it returned (or raised) if Ctrl-C came meanwhile."""
+    with guard:
+        try:
+            result = func(*args, **kwargs)
+        except BaseException as exc:
+            if guard.interrupted and not isinstance(exc, KeyboardInterrupt):
+                raise KeyboardInterrupt from exc
+            raise
+    if guard.interrupted:
+        raise KeyboardInterrupt
+    return result
+
+
 class _Interruptible:
     """While installed on the main thread, SIGINT cancels the cancel scope of
     one blocking call instead of raising wherever the main thread happens to
@@ -111,13 +126,10 @@ class _Interruptible:
     def was_interrupted(self) -> bool:
         return self.interrupted
 
-    def installed(self) -> _Interruptible:
-        """A context in which SIGINT is handled so (on the main thread, where
-        the user installed no handler of their own)."""
-        return self
-
-    # (A class's context, not a generator's: it wraps every blocking call,
-    # and a receive that finds its update pending is a few dozen µs.)
+    # Installed as a context (``with guard:``), where SIGINT is handled so on
+    # the main thread if the user installed no handler of their own. (A
+    # class's context, not a generator's: it wraps every blocking call, and
+    # a receive that finds its update pending is a few dozen µs.)
     def __enter__(self) -> None:
         self._swapped = (
             threading.current_thread() is threading.main_thread()
@@ -268,7 +280,7 @@ class Runtime:
             return self.portal().call(func, *args)
         loop = self._private_loop()
         guard = _Interruptible(loop)
-        with caller_blocked(), guard.installed():
+        with caller_blocked(), guard:
             task = loop.create_task(guard.run(func, *args))
             try:
                 result = loop.run_until_complete(task)
@@ -289,9 +301,7 @@ class Runtime:
             raise KeyboardInterrupt
         return result  # type: ignore[return-value]
 
-    def run_now(
-        self, func: Callable[..., T], *args: Any, guard: _Interruptible | None = None, **kwargs: Any
-    ) -> T:
+    def run_now(self, func: Callable[..., T], *args: Any) -> T:
         """Run the plain function ``func(*args)`` on the calling thread, for
         a step that never waits (an update already pending, copied in and
         acked): entering an event loop would cost more than the step.
@@ -302,25 +312,15 @@ class Runtime:
 
         :raises KeyboardInterrupt: Ctrl-C, once ``func`` returned.
         """
-        guard = guard or _Interruptible(None)
-        with guard.installed():
-            try:
-                result = func(*args, **kwargs)
-            except BaseException as exc:
-                if guard.interrupted and not isinstance(exc, KeyboardInterrupt):
-                    raise KeyboardInterrupt from exc
-                raise
-        if guard.interrupted:
-            raise KeyboardInterrupt
-        return result
+        return _run_guarded(_Interruptible(None), func, *args)
 
     def run_waiting(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T | NeedsLoop:
-        """Run ``func(*args, **kwargs, interrupted=...)`` on the calling thread, for a
-        step that blocks without an event loop (a send's acks awaited in a
-        poll): ``interrupted()`` says whether Ctrl-C came, and ``func`` must
-        look at it while it waits, then stop. Returns :data:`NEEDS_LOOP`
-        without calling ``func`` on a thread that runs an event loop (a
-        blocking call there goes through :meth:`call`).
+        """Run ``func(*args, **kwargs, interrupted=...)`` on the calling
+        thread, for a step that blocks without an event loop (a send's acks
+        awaited in a poll): ``interrupted()`` says whether Ctrl-C came, and
+        ``func`` must look at it while it waits, then stop. Returns
+        :data:`NEEDS_LOOP` without calling ``func`` on a thread that runs an
+        event loop (a blocking call there goes through :meth:`call`).
 
         :raises WeightSyncStateError: called from the loop thread itself.
         :raises KeyboardInterrupt: Ctrl-C, once ``func`` returned or stopped.
@@ -329,7 +329,7 @@ class Runtime:
         if _thread_runs_a_loop():
             return NEEDS_LOOP
         guard = _Interruptible(None)
-        return self.run_now(func, *args, guard=guard, interrupted=guard.was_interrupted, **kwargs)
+        return _run_guarded(guard, func, *args, interrupted=guard.was_interrupted, **kwargs)
 
     def close_thread_loop(self) -> None:
         """Close the calling thread's private loop, if it has one (a thread

@@ -28,12 +28,12 @@ import os
 import secrets
 import struct
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from ._copy import CopyPlan, usable_cores
+from ._copy import PlanCache, usable_cores
 from ._digest import copy_and_check, copy_out
 from ._exceptions import out_of_resources
 from ._packet import Manifest, Packet
@@ -85,10 +85,9 @@ class Segment:
         # The whole mapping (page-aligned), for mprotect.
         self._span = (whole.data_ptr(), len(mapping))
         self.protected = False
-        # The copy plan of the last write: (views, sources, plan). Both lists
-        # are the writer's cached objects while neither side changes, so
-        # identity (and the tensors' addresses) tells when to plan again.
-        self._plan: tuple[list[torch.Tensor], Sequence[torch.Tensor], CopyPlan] | None = None
+        # The copy plan of the last write (the writer's views, and the
+        # sender's last read of its model, whose tensors it does not own).
+        self._plans = PlanCache(sources_move=True)
 
     @classmethod
     def create(cls, nbytes: int) -> Segment:
@@ -184,21 +183,10 @@ class Segment:
         if digest:
             sums = copy_out(views, packet.tensors, True, usable_cores())
         else:
-            self._plan_for(views, packet.tensors).run(usable_cores())
+            self._plans.plan(views, packet.tensors).run(usable_cores())
             sums = None
         self.publish(packet.version)
         return sums
-
-    def _plan_for(self, views: list[torch.Tensor], sources: Sequence[torch.Tensor]) -> CopyPlan:
-        plan = self._plan
-        if (
-            plan is None
-            or plan[0] is not views
-            or plan[1] is not sources
-            or not plan[2].still_valid(sources=True)
-        ):
-            plan = self._plan = (views, sources, CopyPlan(views, sources))
-        return plan[2]
 
     def write_checked(
         self,
@@ -249,7 +237,7 @@ class Segment:
         A worker whose parameters still point into a slot keeps it mapped.
         """
         self.data = None
-        self._plan = None
+        self._plans.clear()
         self._mmap = None
         if self.fd >= 0:
             os.close(self.fd)

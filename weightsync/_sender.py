@@ -86,7 +86,7 @@ class PendingSend:
         # The sends of a per-worker update that went before this one.
         self.earlier: tuple[SendReport, ...] = ()
         self._waited = False
-        #: Whether the reachable workers were told (``send_now`` tells them
+        #: Whether the reachable workers were told (``finish_now`` tells them
         #: before it hands the send over to a loop), and those that acked.
         self.posted = False
         self.done: set[int] = set()
@@ -481,38 +481,6 @@ class AsyncWeightSender:
             )
         return reachable
 
-    def send_now(
-        self,
-        weights: Any = None,
-        worker_ids: int | Iterable[int] | None = None,
-        *,
-        timeout: float | None = None,
-        keys: Keys | None = None,
-        partial: bool = False,
-        verify: bool | None = None,
-        interrupted: Callable[[], bool] = lambda: False,
-    ) -> SendReport | PendingSend | NeedsLoop:
-        """:meth:`send`, on the calling thread with no event loop, for a caller
-        that blocks on it anyway (the sync facade's ``send()``): on a machine
-        with few cores a loop's machinery costs a small send about as much
-        as its copy, and holds up the workers it would notify.
-        :meth:`start_send_now`, then :meth:`finish_now`; returns what they
-        return (:data:`NEEDS_LOOP`, having changed nothing: run :meth:`send`
-        instead). Raises what :meth:`send` raises.
-        """
-        pending = self.start_send_now(
-            weights,
-            worker_ids,
-            timeout=timeout,
-            keys=keys,
-            partial=partial,
-            verify=verify,
-            interrupted=interrupted,
-        )
-        if pending is NEEDS_LOOP:
-            return NEEDS_LOOP
-        return self.finish_now(pending, interrupted=interrupted)
-
     def start_send_now(
         self,
         weights: Any = None,
@@ -535,21 +503,19 @@ class AsyncWeightSender:
         done, the send is abandoned before any worker is told, and
         KeyboardInterrupt raised. Raises what :meth:`start_send` raises.
         """
-        stage_now = getattr(self.staging, "stage_now", None)
+        stage_now = self._stage_now()
         verifying = self.verify if verify is None else verify
         if self._closed or self._busy or self._wire is not None or verifying or stage_now is None:
             return NEEDS_LOOP
-        # Taken at once, as start_send() takes it: a send that another thread
-        # starts meanwhile is refused.
+        if self._per_worker(weights, worker_ids) is not None:
+            return NEEDS_LOOP
+        targets = self._targets(worker_ids)
+        if any(self.transports[w].layout is None for w in targets):
+            return NEEDS_LOOP  # (announcing waits)
+        # Taken as start_send() takes it: a send that another thread starts
+        # meanwhile is refused.
         self._busy = True
         try:
-            if self._per_worker(weights, worker_ids) is not None:
-                self._busy = False
-                return NEEDS_LOOP
-            targets = self._targets(worker_ids)
-            if any(self.transports[w].layout is None for w in targets):
-                self._busy = False
-                return NEEDS_LOOP  # (announcing waits)
             started = time.perf_counter()
             # (The loop's clock is this one: a send finished in a loop keeps its deadline.)
             deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -566,6 +532,12 @@ class AsyncWeightSender:
             raise
         staged = time.perf_counter() - started
         return PendingSend(self, packet, targets, reachable, {}, deadline, started, staged)
+
+    def _stage_now(self) -> Callable[[Packet], None] | None:
+        """The staging's way to stage on the calling thread, if it has one:
+        the pipe schemes' (a shared segment, or slots), whose transports'
+        posts and acks need no loop either."""
+        return getattr(self.staging, "stage_now", None)
 
     def finish_now(
         self, pending: PendingSend, *, interrupted: Callable[[], bool] = lambda: False
@@ -585,7 +557,7 @@ class AsyncWeightSender:
         abandoned as a cancelled one is, and KeyboardInterrupt raised.
         Raises what :meth:`PendingSend.wait` raises.
         """
-        if getattr(self.staging, "stage_now", None) is None or pending.posted or pending._waited:
+        if self._stage_now() is None or pending.posted or pending._waited:
             return NEEDS_LOOP
         packet = pending.packet
         try:

@@ -88,6 +88,11 @@ def _check_tensor(name: str, value: Any, model_id: str | None) -> torch.Tensor:
     return value.detach()
 
 
+def _checked(live: Mapping[str, Any], model_id: str | None) -> dict[str, torch.Tensor]:
+    """A module's ``state_dict(keep_vars=True)``, each value checked and detached."""
+    return {name: _check_tensor(name, value, model_id) for name, value in live.items()}
+
+
 def _flatten_mapping(
     mapping: Mapping[Any, Any],
     prefix: str,
@@ -117,9 +122,8 @@ def flat_weights(source: Any, *, context: Any = None, model_id: str | None = Non
     source = _resolve_source(source, context, model_id)
     out: dict[str, torch.Tensor] = {}
     if isinstance(source, nn.Module):
-        for name, value in source.state_dict(keep_vars=True).items():
-            out[name] = _check_tensor(name, value, model_id)
-    elif isinstance(source, TensorDictBase):
+        return _checked(source.state_dict(keep_vars=True), model_id)
+    if isinstance(source, TensorDictBase):
         for name, value in source.flatten_keys(".").items():
             out[name] = _check_tensor(str(name), value, model_id)
     elif isinstance(source, Mapping):
@@ -183,13 +187,9 @@ class ModuleReads:
             and last[2] == where
         ):
             return last[3]
-        out = {name: _check_tensor(name, value, model_id) for name, value in live.items()}
+        out = _checked(live, model_id)
         self._last = None if where is None else (source, names, where, out)
         return out
-
-    def forget(self) -> None:
-        """Drop the last read (and the references it holds)."""
-        self._last = None
 
 
 def model_tensors(model: Any, *, model_id: str | None = None) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .._copy import CopyPlan
+from .._copy import PlanCache
 from .._offload import run_blocking
 from .._packet import Manifest, Packet
 from .._segment import AttachedSegments, Segment, SegmentRef
@@ -74,9 +74,10 @@ class CopyReader:
 
     def __init__(self) -> None:
         self._segments = AttachedSegments(keep=1)
-        # The copy plan of the current (model tensors, source views) pair;
-        # both lists are cached objects, so identity tells when to redo it.
-        self._plan: tuple[list[torch.Tensor], list[torch.Tensor], CopyPlan] | None = None
+        # The copy plan of the current (model tensors, source views) pair: made
+        # again for new sources, or a tensor of the model re-pointed
+        # (``param.data = ...``) to memory of the same shape.
+        self._plans = PlanCache()
 
     def is_current(self, descriptor: SegmentRef, version: int) -> bool:
         return self._segments.holds(descriptor, version)
@@ -95,17 +96,11 @@ class CopyReader:
         manifest: Manifest,
         threads: int,
     ) -> None:
-        sources = self._segments.views(descriptor, manifest)
-        plan = self._plan
-        if plan is None or plan[0] is not targets or plan[1] is not sources or not plan[2].still_valid():
-            # New sources, or a tensor of the model was re-pointed
-            # (``param.data = ...``) to memory of the same shape: plan again.
-            plan = self._plan = (targets, sources, CopyPlan(targets, sources))
-        plan[2].run(threads)
+        self._plans.plan(targets, self._segments.views(descriptor, manifest)).run(threads)
 
     def holding(self) -> None:
         return None
 
     def close(self) -> None:
-        self._plan = None
+        self._plans.clear()
         self._segments.close()
