@@ -274,9 +274,19 @@ class RayStaging:
         ``ray.get`` for all the actors cost far less than one asyncio future
         per actor, and a dead actor's call returns at once, so deaths are
         still seen promptly.
+
+        Returns at once while a relayed actor's call is not yet made: that
+        call is made by its own ``deliver`` on this loop when its node's
+        copy arrives, and blocking the loop here would hold it back until
+        every call made so far returned (measured, 64 MiB relayed to 5
+        hosts: each host's apply began only after the previous host's
+        ended, about 20 ms each). The last ``deliver`` to make its call
+        waits for them all.
         """
         if self.deferred:
             self._start_routes()  # the chain runs while the other actors' calls are waited for
+            if not self.deferred <= self.calls.keys():
+                return
         pending = [w for w in self.calls if w not in self.replies and w not in self.failed]
         if not pending:
             return
