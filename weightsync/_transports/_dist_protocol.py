@@ -10,14 +10,18 @@ Keys under ``weightsync/<model>/<session>/`` (:class:`SessionKeys`)::
     lead/<rank>                  host leader: a :class:`Lead` (where its followers copy from)
     joining/<generation>/<i>     group rank i of a chain: it is joining that group
     got/<generation>/<v>/<rank>  worker:  a chain ``Report`` of version v (and ``.../count``)
-    reply/<rank>/<v>             worker:  None (applied: the ack) or the reason it did not
+    replies/<v>                  workers: appended, one pickled (rank, None or the reason
+                                 it did not apply) per worker of version v (its ack)
 
 Each side polls with ``check()`` (tens of microseconds on a store of the
-same host), never ``wait()``, so every wait has the caller's deadline.
+same host), never ``wait()``, so every wait has the caller's deadline. The
+trainer reads all the replies of a send with one look (one key), however
+many workers it has.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 import time
 from dataclasses import dataclass
@@ -38,7 +42,9 @@ __all__ = [
     "UpdateNotice",
     "decode",
     "decode_notice",
+    "decode_replies",
     "encode",
+    "encode_reply",
     "get_now",
     "session_key",
     "session_prefix",
@@ -80,8 +86,8 @@ class SessionKeys:
     def got(self, generation: str, version: int, rank: int | str) -> str:
         return f"{self.prefix}got/{generation}/{version}/{rank}"
 
-    def reply(self, rank: int, version: int) -> str:
-        return f"{self.prefix}reply/{rank}/{version}"
+    def replies(self, version: int) -> str:
+        return f"{self.prefix}replies/{version}"
 
 
 def encode(record: Any) -> bytes:
@@ -98,6 +104,21 @@ def decode(data: bytes, kind: type[T]) -> T:
     if not isinstance(record, kind):
         raise TypeError(f"expected a {kind.__name__} in the store, found {type(record).__name__}")
     return record
+
+
+def encode_reply(rank: int, error: str | None) -> bytes:
+    """A worker's reply to one version, appended to that version's ``replies`` key."""
+    return pickle.dumps((rank, error))
+
+
+def decode_replies(data: bytes) -> list[tuple[int, str | None]]:
+    """The replies appended in ``data`` (see :func:`encode_reply`), in order."""
+    stream = io.BytesIO(data)
+    replies = []
+    while stream.tell() < len(data):
+        rank, error = pickle.load(stream)
+        replies.append((int(rank), None if error is None else str(error)))
+    return replies
 
 
 def get_now(store: Any, key: str) -> bytes | None:

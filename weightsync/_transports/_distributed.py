@@ -26,6 +26,7 @@ import pickle
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -47,7 +48,9 @@ from ._dist_protocol import (
     SendInfo,
     SessionKeys,
     decode,
+    decode_replies,
     encode,
+    encode_reply,
     get_now,
     session_key,
     session_prefix,
@@ -69,7 +72,8 @@ __all__ = [
 
 # Poll intervals (seconds): the first, and the longest (they double).
 _POLL = (0.0005, 0.005)
-_IDLE_POLL = (0.001, 0.01)
+# How often a worker's waiter for its reply checks that the worker is alive (seconds).
+_ALIVE_EVERY = 0.05
 
 
 @dataclasses.dataclass
@@ -119,6 +123,14 @@ class ChainStaging:
         self._send: _Send | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        # The replies read so far (by rank), of send version _replies_of;
+        # the bytes of its replies key read; the waiter that polls it, and
+        # the event that wakes the others when a reply came.
+        self._replies_of: int | None = None
+        self._replies: dict[int, str | None] = {}
+        self._replies_read = 0
+        self._looker: int | None = None
+        self._came = anyio.Event()
 
     @property
     def last_routes(self) -> list[tuple[tuple[int, ...], dict[int, tuple[int, ...]]]]:
@@ -164,8 +176,17 @@ class ChainStaging:
         info = SendInfo(packet.version, manifest.layout_id, packet.subset, None, threads, manifest.nbytes, "")
         self._manifest = manifest
         self._send = _Send(info, [])
+        self._forget_replies()
         self.driver.forget()
         return sums
+
+    def _forget_replies(self) -> None:
+        """Drop the last send's replies (and its key, for a late one's sake:
+        no reader is left for it)."""
+        if self._replies_of is not None and self.store is not None:
+            with contextlib.suppress(RuntimeError):
+                self.store.delete_key(self.keys.replies(self._replies_of))
+        self._replies_of, self._replies, self._replies_read = None, {}, 0
 
     def descriptor(self, worker_id: int) -> None:
         """Nothing: each worker is told where its bytes come from by its notice."""
@@ -208,6 +229,64 @@ class ChainStaging:
             name=f"weightsync-chain-{self.model_id}",
         )  # fmt: skip
         self._thread.start()
+
+    # -- replies -----------------------------------------------------------------
+    async def reply_of(self, rank: int, version: int, check_alive: Callable[[], None]) -> str | None:
+        """Worker ``rank``'s reply to ``version``: None (it applied it) or
+        why it did not. Waits for it, under the caller's cancel scope.
+
+        The replies of a send are read together: one waiter at a time (the
+        looker) polls the send's one ``replies`` key and wakes the others
+        when one comes, so a send to many workers costs the store one look
+        per poll, not one per worker (and the loop one wakeup). Every
+        waiter calls ``check_alive`` at least every
+        :data:`_ALIVE_EVERY` seconds, which raises for a worker that is gone.
+        """
+        delay = _POLL[0]
+        try:
+            while True:
+                if rank in self._replies:
+                    return self._replies[rank]
+                check_alive()
+                if self._looker is None:
+                    self._looker = rank
+                if self._looker == rank:
+                    if self._look(version):
+                        delay = _POLL[0]
+                        continue
+                    await anyio.sleep(delay)
+                    delay = min(delay * 2, _POLL[1])
+                else:
+                    with anyio.move_on_after(_ALIVE_EVERY):
+                        await self._came.wait()
+        finally:
+            if self._looker == rank:
+                # Another waiter looks from now on.
+                self._looker = None
+                self._wake()
+
+    def _look(self, version: int) -> bool:
+        """Read the replies to ``version`` that came since the last look;
+        whether any did (the waiters are then woken)."""
+        store = self.store
+        if store is None:
+            return False
+        if self._replies_of != version:
+            self._replies_of, self._replies, self._replies_read = version, {}, 0
+        key = self.keys.replies(version)
+        if not store.check([key]):
+            return False
+        data = bytes(store.get(key))
+        if len(data) <= self._replies_read:
+            return False
+        self._replies.update(decode_replies(data[self._replies_read :]))
+        self._replies_read = len(data)
+        self._wake()
+        return True
+
+    def _wake(self) -> None:
+        self._came.set()
+        self._came = anyio.Event()
 
     def acked(self, rank: int, version: int) -> None:
         """Worker ``rank`` applied ``version`` (its ack came)."""
@@ -323,20 +402,10 @@ class DistributedSenderTransport:
         deadline = anyio.current_effective_deadline()
         left = 3600.0 if deadline == float("inf") else deadline - anyio.current_time()
         self._staging.start(time.monotonic() + left)
-        key = self._staging.keys.reply(self.rank, packet.version)
-        delay = _POLL[0]
-        while True:
-            value = get_now(self._staging.store, key)
-            if value is not None:
-                self._staging.store.delete_key(key)
-                error = pickle.loads(value)
-                if error is None:
-                    self._staging.acked(self.rank, packet.version)
-                    return
-                raise worker_failed(self.worker_id, self.model_id, packet.version, str(error))
-            self._check_alive()
-            await anyio.sleep(delay)
-            delay = min(delay * 2, _POLL[1])
+        error = await self._staging.reply_of(self.rank, packet.version, self._check_alive)
+        if error is not None:
+            raise worker_failed(self.worker_id, self.model_id, packet.version, error)
+        self._staging.acked(self.rank, packet.version)
 
     async def aclose(self) -> None:
         """Tell the worker the trainer shut down (a clean close). Idempotent."""
@@ -429,7 +498,7 @@ class ChainEndpoint:
 
     async def reply(self, version: int, error: str | None = None) -> None:
         try:
-            self._store.set(self.keys.reply(self.rank, version), pickle.dumps(error))
+            self._store.append(self.keys.replies(version), encode_reply(self.rank, error))
         except RuntimeError as exc:
             raise self.lost(f"its store failed ({short_message(exc)})") from exc
 
