@@ -280,3 +280,34 @@ def test_the_scheme_pickles_as_configuration_with_its_store() -> None:
             copy.init_on_worker("policy", model=dw.build_model(SHAPES), worker_idx=0)
     finally:
         scheme.shutdown()
+
+
+def test_the_liveness_connection_rings_an_idle_worker_and_still_tells_a_clean_shutdown() -> None:
+    """The trainer's bells (one per notice) wake a worker's wait on its
+    liveness connection and are read by its next look; the closing byte
+    after them still says the trainer shut down, not died."""
+    import select
+
+    from weightsync._transports._liveness import Liveness, TrainerLink
+
+    liveness = Liveness("127.0.0.1")
+    link = TrainerLink(liveness.address, 3, 42, timeout=5.0)
+    try:
+        deadline = time.monotonic() + 5.0
+        while liveness.state(3, 42) != "alive":  # accepted on the trainer's first look
+            assert time.monotonic() < deadline, "the trainer never saw the worker connect"
+            time.sleep(0.01)
+        assert select.select([link.fileno()], [], [], 0.0)[0] == []
+        for _ in range(3):
+            liveness.ring(3, 42)
+        assert select.select([link.fileno()], [], [], 5.0)[0] == [link.fileno()]
+        assert link.state() == "alive"
+        # Read: quiet again until the next bell.
+        assert select.select([link.fileno()], [], [], 0.0)[0] == []
+        liveness.ring(3, 42)
+        liveness.ring(3, 99)  # another worker's nonce: not this connection
+        liveness.close()
+        assert link.state(wait=5.0) == "closed"
+    finally:
+        liveness.close()
+        link.close()

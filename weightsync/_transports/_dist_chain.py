@@ -75,6 +75,9 @@ class WorkerChain:
         self.notices[rank] = n
         key = self.keys.notice(rank, n)
         self.group_store().set(key, encode(notice))
+        member = self.members.get(rank)
+        if member is not None:
+            self.liveness.ring(rank, member.nonce)
         return key
 
     def close(self) -> None:

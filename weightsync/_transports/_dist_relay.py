@@ -45,8 +45,13 @@ __all__ = ["ChainUpdate", "WorkerRelay"]
 #: segment if shared, the buffer holding a delta's base) -> the report.
 Fill = Callable[[torch.Tensor, Segment | None, torch.Tensor | None], Report]
 
-# Polls of the store for the next notice (seconds): the first, and the longest (they double).
-_IDLE_POLL = (0.001, 0.01)
+# An idle relay thread waits for the trainer's bell (``_liveness``), and
+# looks at the store for its next notice this often all the same (seconds).
+# Not a wait in the store: on torch 2.13's TCPStore, once a ``wait()`` timed
+# out, a later ``set`` of its key leaves a stale answer on the connection,
+# which the client's next call on that key reads (a probe: ``check()``
+# said False for a key that was there in 46 of 200 tries).
+_IDLE_LOOK = 1.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -107,6 +112,8 @@ class WorkerRelay:
         self._taken: int | None = None
         self._ended: Exception | None = None
         self._stop = threading.Event()
+        # Readable once stop() is asked: wakes the thread's idle wait.
+        self._stop_r, self._stop_w = socket.socketpair()
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"weightsync-relay-{model_id}")
         self._thread.start()
 
@@ -153,6 +160,8 @@ class WorkerRelay:
     def stop(self) -> None:
         """Ask the thread to end (within a stall limit, at most 5 s, if a chain runs)."""
         self._stop.set()
+        with contextlib.suppress(OSError):
+            self._stop_w.send(b"x")
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -165,6 +174,8 @@ class WorkerRelay:
         self._pending = None
         self._wake_r.close()
         self._wake_w.close()
+        self._stop_r.close()
+        self._stop_w.close()
         self._store = None
 
     # -- the thread ----------------------------------------------------------------
@@ -181,23 +192,25 @@ class WorkerRelay:
     def _loop(self) -> None:
         store = self._store
         n = 0
-        delay = _IDLE_POLL[0]
         try:
             while not self._stop.is_set():
                 key = self.keys.notice(self.rank, n + 1)
+                # The bells are read before the store is: one rung after
+                # this look wakes the wait below.
+                state = self._live.state()
+                if state == "closed":
+                    self._end(self._closed_error())
+                    return
+                if state == "gone":
+                    self._end(self.lost("its connection to this worker closed"))
+                    return
                 value = get_now(store, key)
                 if value is None:
-                    state = self._live.state()
-                    if state == "closed":
-                        self._end(self._closed_error())
-                        return
-                    if state == "gone":
-                        self._end(self.lost("its connection to this worker closed"))
-                        return
-                    self._stop.wait(delay)
-                    delay = min(delay * 2, _IDLE_POLL[1])
+                    # Until the trainer rings (or ends), or stop(): no CPU
+                    # here or in the trainer's store while idle. The store
+                    # is looked at again after a while all the same.
+                    select.select([self._live.fileno(), self._stop_r.fileno()], [], [], _IDLE_LOOK)
                     continue
-                delay = _IDLE_POLL[0]
                 n += 1
                 store.delete_key(key)
                 notice = decode_notice(value)

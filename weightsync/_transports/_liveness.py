@@ -2,12 +2,17 @@
 worker to a listening socket of the trainer, held open for the worker's
 life.
 
-Nothing is written on it but the worker's rank and nonce at first and, at
-a clean shutdown, one byte from the trainer. The kernel closes it when
-either process ends, however it ends, so the trainer names a dead worker
-at once and a worker tells a trainer that died (its end closes bare) from
-one that shut down (the byte first); a stopped process keeps it open, and
-is reported at the deadline, as under the other schemes.
+Nothing is written on it but the worker's rank and nonce at first and,
+from the trainer, a *bell* byte each time it leaves the worker a notice in
+the store and, at a clean shutdown, one closing byte. The kernel closes it
+when either process ends, however it ends, so the trainer names a dead
+worker at once and a worker tells a trainer that died (its end closes
+bare) from one that shut down (the closing byte first); a stopped process
+keeps it open, and is reported at the deadline, as under the other
+schemes. An idle worker waits on this connection for the bell, not in
+the store: polled, every idle worker would cost the trainer's store CPU
+all the time (and the store's ``wait()`` with a timeout is not safe: see
+``_dist_relay``).
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ import select
 import socket
 import struct
 import threading
+import time
 
 __all__ = ["Liveness", "TrainerLink"]
 
 _HELLO = struct.Struct("!4sIQ")
 _MAGIC = b"WSL1"
 _CLOSING = b"C"
+_BELL = b"N"
 
 
 class Liveness:
@@ -97,6 +104,22 @@ class Liveness:
                 return "gone"
             return "alive" if data else "gone"
 
+    def ring(self, rank: int, nonce: int) -> None:
+        """Tell worker ``rank`` a notice waits for it in the store (a bell);
+        never blocks. A connection that is gone, or full (of bells not yet
+        read: the worker is busy and reads the store anyway), is not told."""
+        with self._lock:
+            if self._closed:
+                return
+            conn = self._known.get((rank, nonce))
+            if conn is None:
+                self._accept()
+                conn = self._known.get((rank, nonce))
+                if conn is None:
+                    return
+            with contextlib.suppress(OSError):
+                conn.send(_BELL)
+
     def close(self) -> None:
         """Close every connection: each worker hears the trainer gone. Idempotent."""
         with self._lock:
@@ -127,19 +150,39 @@ class TrainerLink:
         self._sock.setblocking(False)
         #: The address the trainer reaches this host by.
         self.local_address: str = self._sock.getsockname()[0]
+        # What the trainer said so far: "alive", "closed" or "gone".
+        self._heard = "alive"
+
+    def fileno(self) -> int:
+        """Readable when the trainer rang, shut down or died (see :meth:`state`)."""
+        return self._sock.fileno()
+
+    def _drain(self) -> None:
+        """Read what the trainer wrote: bells, its closing byte, its end."""
+        while self._heard == "alive":
+            try:
+                data = self._sock.recv(4096)
+            except BlockingIOError:
+                return
+            except OSError:
+                self._heard = "gone"
+                return
+            if not data:
+                self._heard = "gone"
+            elif _CLOSING in data:
+                self._heard = "closed"
 
     def state(self, wait: float = 0.0) -> str:
         """``"alive"``, ``"closed"`` (it shut down cleanly) or ``"gone"``
-        (it died); waits up to ``wait`` seconds for it to tell."""
-        if wait > 0:
-            select.select([self._sock], [], [], wait)
-        try:
-            data = self._sock.recv(1, socket.MSG_PEEK)
-        except BlockingIOError:
-            return "alive"
-        except OSError:
-            return "gone"
-        return "closed" if data == _CLOSING else "gone" if not data else "alive"
+        (it died); waits up to ``wait`` seconds for it to tell. Reads the
+        bells that came: one rung after this call makes the connection
+        readable again."""
+        deadline = time.monotonic() + wait
+        self._drain()
+        while self._heard == "alive" and (left := deadline - time.monotonic()) > 0:
+            select.select([self._sock], [], [], left)
+            self._drain()
+        return self._heard
 
     def close(self) -> None:
         self._sock.close()
