@@ -9,11 +9,18 @@ schemes do narrows them by their flags, e.g.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from harness import TEST_TIMEOUT, Cluster, RayRuntime, new_cluster, schemes
+
+# A shell starts a background job (``pytest &``, nohup included) with SIGINT
+# ignored, and Python then installs no KeyboardInterrupt handler: the Ctrl-C
+# tests, and the trainers they start, need Python's own.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
