@@ -176,17 +176,17 @@ class ChainStaging:
         info = SendInfo(packet.version, manifest.layout_id, packet.subset, None, threads, manifest.nbytes, "")
         self._manifest = manifest
         self._send = _Send(info, [])
-        self._forget_replies()
+        self._forget_replies(packet.version)
         self.driver.forget()
         return sums
 
-    def _forget_replies(self) -> None:
+    def _forget_replies(self, version: int) -> None:
         """Drop the last send's replies (and its key, for a late one's sake:
-        no reader is left for it)."""
+        no reader is left for it); ``version``'s are read from now on."""
         if self._replies_of is not None and self.store is not None:
             with contextlib.suppress(RuntimeError):
                 self.store.delete_key(self.keys.replies(self._replies_of))
-        self._replies_of, self._replies, self._replies_read = None, {}, 0
+        self._replies_of, self._replies, self._replies_read = version, {}, 0
 
     def descriptor(self, worker_id: int) -> None:
         """Nothing: each worker is told where its bytes come from by its notice."""
@@ -242,6 +242,7 @@ class ChainStaging:
         waiter calls ``check_alive`` at least every
         :data:`_ALIVE_EVERY` seconds, which raises for a worker that is gone.
         """
+        assert version == self._replies_of, "stage() of this version comes first"
         delay = _POLL[0]
         try:
             while True:
@@ -251,7 +252,7 @@ class ChainStaging:
                 if self._looker is None:
                     self._looker = rank
                 if self._looker == rank:
-                    if self._look(version):
+                    if self._look():
                         delay = _POLL[0]
                         continue
                     await anyio.sleep(delay)
@@ -265,14 +266,12 @@ class ChainStaging:
                 self._looker = None
                 self._wake()
 
-    def _look(self, version: int) -> bool:
-        """Read the replies to ``version`` that came since the last look;
-        whether any did (the waiters are then woken)."""
-        store = self.store
-        if store is None:
+    def _look(self) -> bool:
+        """Read the replies to the current send that came since the last
+        look; whether any did (the waiters are then woken)."""
+        store, version = self.store, self._replies_of
+        if store is None or version is None:
             return False
-        if self._replies_of != version:
-            self._replies_of, self._replies, self._replies_read = version, {}, 0
         key = self.keys.replies(version)
         if not store.check([key]):
             return False

@@ -84,18 +84,24 @@ class Liveness:
             self._known[(rank, nonce)] = conn
         self._unread = still
 
+    def _conn(self, rank: int, nonce: int) -> socket.socket | None:
+        """Worker ``rank``'s connection (accepting those that came), or None
+        while it has not connected, or once closed. Under the lock."""
+        if self._closed:
+            return None
+        conn = self._known.get((rank, nonce))
+        if conn is None:
+            self._accept()
+            conn = self._known.get((rank, nonce))
+        return conn
+
     def state(self, rank: int, nonce: int) -> str:
         """``"alive"``, ``"gone"`` (its connection closed: the worker ended),
         or ``"unknown"`` (not connected yet)."""
         with self._lock:
-            if self._closed:
-                return "unknown"
-            conn = self._known.get((rank, nonce))
+            conn = self._conn(rank, nonce)
             if conn is None:
-                self._accept()
-                conn = self._known.get((rank, nonce))
-                if conn is None:
-                    return "unknown"
+                return "unknown"
             try:
                 data = conn.recv(1, socket.MSG_PEEK)
             except BlockingIOError:
@@ -109,16 +115,10 @@ class Liveness:
         never blocks. A connection that is gone, or full (of bells not yet
         read: the worker is busy and reads the store anyway), is not told."""
         with self._lock:
-            if self._closed:
-                return
-            conn = self._known.get((rank, nonce))
-            if conn is None:
-                self._accept()
-                conn = self._known.get((rank, nonce))
-                if conn is None:
-                    return
-            with contextlib.suppress(OSError):
-                conn.send(_BELL)
+            conn = self._conn(rank, nonce)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.send(_BELL)
 
     def close(self) -> None:
         """Close every connection: each worker hears the trainer gone. Idempotent."""
