@@ -74,6 +74,8 @@ __all__ = [
 _POLL = (0.0005, 0.005)
 # How often a worker's waiter for its reply checks that the worker is alive (seconds).
 _ALIVE_EVERY = 0.05
+# How long a send whose workers all replied waits for its chain thread to end (seconds).
+_CHAIN_END_WAIT = 0.05
 
 
 @dataclasses.dataclass
@@ -247,6 +249,7 @@ class ChainStaging:
         try:
             while True:
                 if rank in self._replies:
+                    await self._chain_ending()
                     return self._replies[rank]
                 check_alive()
                 if self._looker is None:
@@ -265,6 +268,18 @@ class ChainStaging:
                 # Another waiter looks from now on.
                 self._looker = None
                 self._wake()
+
+    async def _chain_ending(self) -> None:
+        """Once every worker of the send replied, wait (up to
+        :data:`_CHAIN_END_WAIT` s) for the send's chain thread to end: each
+        reported its chain before it applied, so the thread ends at its
+        next poll, and no thread of a send then outlives the send."""
+        send, thread = self._send, self._thread
+        if send is None or thread is None or not set(send.enlisted) <= self._replies.keys():
+            return
+        with anyio.move_on_after(_CHAIN_END_WAIT):
+            while thread.is_alive():
+                await anyio.sleep(0.001)
 
     def _look(self) -> bool:
         """Read the replies to the current send that came since the last
