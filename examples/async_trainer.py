@@ -43,20 +43,26 @@ def worker(scheme: ws.MultiProcessWeightSyncScheme, pipe: Connection, idx: int) 
 
 
 async def train(scheme: ws.MultiProcessWeightSyncScheme, policy: nn.Module, steps: int) -> None:
-    sender = scheme.get_async_sender()
-    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
-    for step in range(steps):
-        loss = policy(torch.randn(64, 16)).pow(2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        report = await sender.send()  # returns when every worker applied it
-        if step % 5 == 0:
-            print(
-                f"step {step}: version {report.version} on workers {report.worker_ids} "
-                f"in {report.seconds * 1e3:.2f} ms",
-                flush=True,
-            )
+    # Leaving the block closes the sender's side (aclose()): every worker's
+    # next receive() raises SenderClosedError, and the workers exit.
+    async with scheme.get_async_sender() as sender:
+        # The workers are starting (each imports torch): wait for them here,
+        # so that the first send is not taken up by their start.
+        started = await sender.wait_for_workers(timeout=120)
+        print(f"{len(started)} workers ready after {max(started.values()):.1f} s", flush=True)
+        optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
+        for step in range(steps):
+            loss = policy(torch.randn(64, 16)).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            report = await sender.send()  # returns when every worker applied it
+            if step % 5 == 0:
+                print(
+                    f"step {step}: version {report.version} on workers {report.worker_ids} "
+                    f"in {report.seconds * 1e3:.2f} ms",
+                    flush=True,
+                )
 
 
 def main() -> None:
@@ -81,7 +87,9 @@ def main() -> None:
     try:
         anyio.run(train, scheme, policy, args.steps)
     finally:
-        scheme.shutdown()  # workers see SenderClosedError and exit
+        # Nothing left to close after train() returned; this covers a
+        # train() that failed before its async with block.
+        scheme.shutdown()
         for proc in procs:
             proc.join(30)
     print("done", flush=True)

@@ -257,6 +257,15 @@ def worker_main(
         ctrl.send(("bye", leftovers(tensors_of(model).values(), fds_before)))
 
 
+def late_worker(
+    scheme: ws.WeightSyncScheme, model_id: str, pipe: Connection, ctrl: Connection, kind: str, delay: float
+) -> None:
+    """:func:`worker_main`, after ``delay`` seconds: a worker that takes its
+    time to start (a real one spends seconds importing torch)."""
+    time.sleep(delay)
+    worker_main(scheme, model_id, pipe, ctrl, kind)
+
+
 def trainer_then_die(scheme: ws.WeightSyncScheme, model_id: str, pipe: Connection, sends: int) -> None:
     """A trainer that sends ``sends`` times, then kills itself with SIGKILL."""
     import signal

@@ -80,13 +80,21 @@ class WeightSender:
                 model_id=self._sender.model_id,
             )
 
-    def connect(self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None) -> None:
-        """Block until the workers (default: all) announced themselves.
+    def wait_for_workers(
+        self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None
+    ) -> dict[int, float]:
+        """Block until the workers (default: all) have announced themselves;
+        the seconds each took. See :meth:`AsyncWeightSender.wait_for_workers`
+        (what it logs while it waits, and what it raises).
 
-        :raises WorkerError: naming every worker that died or did not show up in time.
+        :raises RuntimeError: a ``send_async()`` is pending.
         """
-        self._check("connect()")
-        RUNTIME.call(lambda: self._sender.connect(worker_ids, timeout=timeout))
+        self._check("wait_for_workers()")
+        return RUNTIME.call(lambda: self._sender.wait_for_workers(worker_ids, timeout=timeout))
+
+    def connect(self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None) -> None:
+        """:meth:`wait_for_workers`, returning nothing."""
+        self.wait_for_workers(worker_ids, timeout=timeout)
 
     def send(
         self,

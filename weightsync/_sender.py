@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -10,7 +11,6 @@ from typing import Any
 
 import anyio
 import torch
-from tensordict import TensorDictBase
 
 from ._copy import WireCast, usable_cores
 from ._digest import digests
@@ -24,7 +24,7 @@ from ._exceptions import (
 )
 from ._offload import NEEDS_LOOP, NeedsLoop, inline_allowed, require_asyncio, run_blocking
 from ._packet import DEFAULT_TIMEOUT, Manifest, Packet, describe_mismatch, signature_of
-from ._strategy import ModuleReads, WeightStrategy
+from ._strategy import ModuleReads, WeightStrategy, is_tensordict
 from ._transports._base import EVERY_VERSION, SenderTransport, Staging
 from ._transports._channel import ReadyWatch
 
@@ -35,6 +35,9 @@ __all__ = ["DEFAULT_TIMEOUT", "AsyncWeightSender", "Keys", "PendingSend", "SendR
 # loop run (Ctrl-C and the deadline cancel it there): the most a Ctrl-C is
 # held back while no ack comes.
 _POLL_SLICE = 0.05
+# How often a wait for workers to announce themselves logs who it waits for.
+_PROGRESS_EVERY = 5.0
+_log = logging.getLogger("weightsync")
 
 #: Which weights a partial send takes: names, or a test on names.
 Keys = Iterable[str] | Callable[[str], bool]
@@ -49,9 +52,15 @@ class SendReport:
     nbytes: int
     #: From the call until every targeted worker acked.
     seconds: float
-    #: From the call until the weights were staged: how long the caller's
-    #: weights were needed (a ``send_async()`` returns then).
+    #: Reading and staging the weights: from the moment every targeted
+    #: worker had announced itself until the weights were staged (a
+    #: ``send_async()`` returns then).
     staged_seconds: float = 0.0
+    #: Waiting for targeted workers to announce themselves (a send to workers
+    #: that are still starting; 0 once they all have, see
+    #: :meth:`AsyncWeightSender.wait_for_workers`). Not part of the send's
+    #: ``timeout``, which starts once they have.
+    announce_seconds: float = 0.0
 
 
 class PendingSend:
@@ -72,6 +81,7 @@ class PendingSend:
         deadline: float,
         started: float,
         staged_seconds: float,
+        announce_seconds: float = 0.0,
     ) -> None:
         self._sender = sender
         self.packet = packet
@@ -81,8 +91,10 @@ class PendingSend:
         self.failures = failures
         self.deadline = deadline
         self.started = started
-        #: From the call until the weights were staged.
+        #: Reading and staging the weights (see :class:`SendReport`).
         self.staged_seconds = staged_seconds
+        #: Waiting for the targets to announce themselves.
+        self.announce_seconds = announce_seconds
         # The sends of a per-worker update that went before this one.
         self.earlier: tuple[SendReport, ...] = ()
         self._waited = False
@@ -251,20 +263,88 @@ class AsyncWeightSender:
             raise ValueError(f"keys= selects no weight of model {self.model_id!r}: nothing to send")
         return chosen
 
-    async def connect(
+    async def wait_for_workers(
         self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None
-    ) -> None:
-        """Wait until the targeted workers have announced themselves.
+    ) -> dict[int, float]:
+        """Wait until the targeted workers (default: all) have announced
+        themselves: started, called ``init_on_worker``, and told their model's
+        layout. Returns, per worker id, the seconds from this call until it
+        had (0.0 for one that already had).
 
-        :raises WorkerError: naming every worker that died or did not show up in time.
+        Call it once the workers are started, before the first send: a send
+        to workers that have not announced themselves waits for them first
+        (up to the scheme's timeout, not counted in the send's ``timeout``),
+        which makes the first send look slow. While it waits, it logs to the
+        ``weightsync`` logger (INFO) every few seconds which workers have
+        announced themselves and which it still waits for.
+
+        Waits at most ``timeout`` seconds (default: the scheme's timeout).
+
+        :raises WorkerLostError: a worker died before it announced itself.
+        :raises AckTimeoutError: a worker did not announce itself in time
+            (also a TimeoutError); every worker that failed is named.
+        :raises UnknownWorkerError: a worker id is unknown.
+        :raises WeightSyncStateError: the sender is shut down.
         """
         self._check_open()
         targets = self._targets(worker_ids)
+        return await self._announced(targets, self.timeout if timeout is None else timeout)
+
+    async def connect(
+        self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None
+    ) -> None:
+        """:meth:`wait_for_workers`, returning nothing (the name torchrl's
+        sender uses)."""
+        await self.wait_for_workers(worker_ids, timeout=timeout)
+
+    async def _announced(
+        self, targets: list[int], timeout: float, version: int | None = None
+    ) -> dict[int, float]:
+        """Wait for every target's announcement; their times (see
+        :meth:`wait_for_workers`), logging who is still awaited every
+        _PROGRESS_EVERY seconds.
+
+        :raises WorkerError: naming every target that died or was late.
+        """
+        started = time.perf_counter()
+        times = {w: 0.0 for w in targets if self.transports[w].layout is not None}
+        waiting = [w for w in targets if w not in times]
+        if not waiting:
+            return times
         failures: dict[int, WorkerError] = {}
-        deadline = anyio.current_time() + (self.timeout if timeout is None else timeout)
-        await self._fan_out(targets, lambda t: t.connect(), deadline, failures, "announce itself")
+
+        async def announce(transport: SenderTransport) -> None:
+            await transport.connect()
+            times[transport.worker_id] = time.perf_counter() - started
+
+        deadline = anyio.current_time() + timeout
+        async with anyio.create_task_group() as group:
+            group.start_soon(self._log_progress, targets, times, timeout, started)
+            await self._fan_out(waiting, announce, deadline, failures, "announce itself", version)
+            group.cancel_scope.cancel()
         if failures:
-            raise combine_worker_errors(failures, model_id=self.model_id, version=None)
+            raise combine_worker_errors(failures, model_id=self.model_id, version=version)
+        return times
+
+    async def _log_progress(
+        self, targets: list[int], times: dict[int, float], timeout: float, started: float
+    ) -> None:
+        """Every _PROGRESS_EVERY seconds, until cancelled: which of
+        ``targets`` announced themselves (``times``) and which not yet."""
+        while True:
+            await anyio.sleep(_PROGRESS_EVERY)
+            waited = time.perf_counter() - started
+            missing = [w for w in targets if w not in times]
+            _log.info(
+                "weightsync: model %r: %d of %d workers announced themselves after %.0f s "
+                "(of at most %.0f s); still waiting for worker(s) %s",
+                self.model_id,
+                len(targets) - len(missing),
+                len(targets),
+                waited,
+                timeout,
+                ", ".join(map(str, missing)),
+            )
 
     async def send(
         self,
@@ -368,7 +448,7 @@ class AsyncWeightSender:
             or along with ``worker_ids``, or empty.
         :raises UnknownWorkerError: it names a worker that is not one.
         """
-        if isinstance(weights, TensorDictBase) or not isinstance(weights, Mapping):
+        if is_tensordict(weights) or not isinstance(weights, Mapping):
             return None
         ids = list(weights.keys())
         if not ids or not all(isinstance(k, int) and not isinstance(k, bool) for k in ids):
@@ -426,18 +506,24 @@ class AsyncWeightSender:
         verify: bool | None = None,
     ) -> PendingSend:
         started = time.perf_counter()
-        deadline = anyio.current_time() + (self.timeout if timeout is None else timeout)
+        timeout = self.timeout if timeout is None else timeout
         targets = self._targets(worker_ids)
-        packet = self.prepare(weights, fanout=len(targets), keys=keys, partial=partial)
         failures: dict[int, WorkerError] = {}
-
         # Every target's layout must be known before anything is staged, so a
-        # mismatch is rejected with no worker touched.
-        pending = [w for w in targets if self.transports[w].layout is None]
-        if pending:
-            await self._fan_out(
-                pending, lambda t: t.connect(), deadline, failures, "announce itself", packet.version
-            )
+        # mismatch is rejected with no worker touched. Workers still starting
+        # are waited for first, up to the scheme's timeout, and the send's
+        # deadline starts after that: a slow start is not taken for a slow
+        # send.
+        announce_seconds = 0.0
+        if any(self.transports[w].layout is None for w in targets):
+            try:
+                await self._announced(targets, self.timeout, self.version + 1)
+            except WorkerError as exc:
+                failures.update(exc.failures)
+            announce_seconds = time.perf_counter() - started
+        staging_started = time.perf_counter()
+        deadline = anyio.current_time() + timeout
+        packet = self.prepare(weights, fanout=len(targets), keys=keys, partial=partial)
         reachable = self._check_layouts(packet, [w for w in targets if w not in failures])
         if reachable:
             verifying = self.verify if verify is None else verify
@@ -457,8 +543,10 @@ class AsyncWeightSender:
             # Staged: nothing below reads the caller's tensors again (each
             # worker reads the staging), so the packet lets go of them.
             packet = dataclasses.replace(packet, tensors=())
-        staged = time.perf_counter() - started
-        return PendingSend(self, packet, targets, reachable, failures, deadline, started, staged)
+        staged = time.perf_counter() - staging_started
+        return PendingSend(
+            self, packet, targets, reachable, failures, deadline, started, staged, announce_seconds
+        )
 
     def _check_layouts(self, packet: Packet, reachable: list[int]) -> list[int]:
         """``reachable``, once ``packet`` fits the model of each of them.
@@ -679,6 +767,7 @@ class AsyncWeightSender:
             packet.nbytes + sum(r.nbytes for r in pending.earlier),
             time.perf_counter() - pending.started,
             pending.staged_seconds,
+            pending.announce_seconds,
         )
 
     async def _gather(self, pending: PendingSend, *, keep_busy: bool = False) -> SendReport:
@@ -902,8 +991,21 @@ class AsyncWeightSender:
                 f"the sender of model {self.model_id!r} is shut down", model_id=self.model_id
             )
 
+    async def __aenter__(self) -> AsyncWeightSender:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
     async def aclose(self) -> None:
-        """Close every channel and release the staging memory. Idempotent."""
+        """Close every channel and release the staging memory: the workers'
+        next ``receive()`` raises :class:`SenderClosedError`. Idempotent.
+
+        This is how an async trainer ends its side, inside its event loop
+        (or ``async with scheme.get_async_sender() as sender:``); a later
+        ``scheme.shutdown()`` then has nothing left to do. Sync code calls
+        ``scheme.shutdown()``, which closes the sender the same way.
+        """
         if self._closed:
             return
         self._closed = True

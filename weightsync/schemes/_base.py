@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from .._copy import WireCast
+from .._digest import require_xxh3
 from .._exceptions import WeightSyncStateError
 from .._facade import WeightReceiver, WeightSender
 from .._receiver import AsyncWeightReceiver
@@ -155,7 +156,11 @@ class WeightSyncScheme:
         per_worker_weights: bool = False,
         wire_dtype: torch.dtype | None = None,
     ) -> None:
-        """:raises ValueError: ``wire_dtype`` is not a floating dtype narrower than float32."""
+        """:raises ValueError: ``wire_dtype`` is not a floating dtype narrower than float32.
+        :raises MissingExtraError: ``verify=True`` without the ``verify`` extra
+            installed (the message names it)."""
+        if verify:
+            require_xxh3()  # refused here rather than at the first send
         self.strategy = WeightStrategy(strategy or self.default_strategy)
         self.timeout = timeout
         self.verify = verify
@@ -514,6 +519,27 @@ class WeightSyncScheme:
             if background:
                 receiver.start_applier()
         return None
+
+    def wait_for_workers(
+        self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None
+    ) -> dict[int, float]:
+        """Sender: block until the workers (default: all) have announced
+        themselves; the seconds each took. Sends nothing (unlike
+        :meth:`connect`). An async trainer awaits
+        ``get_async_sender().wait_for_workers()`` instead. See
+        :meth:`AsyncWeightSender.wait_for_workers` for what it logs while it
+        waits.
+
+        :raises RuntimeError: called before ``init_on_sender`` (on a worker too).
+        :raises WorkerError: naming every worker that died or did not
+            announce itself within ``timeout`` (default: the scheme's).
+        """
+        if self._async_sender is None:
+            raise WeightSyncStateError(
+                f"{self!r}: wait_for_workers() is the sender's, after init_on_sender()",
+                model_id=self._model_id,
+            )
+        return self.get_sender().wait_for_workers(worker_ids, timeout=timeout)
 
     def _loop_is_a_collectors(self) -> bool:
         """Whether this worker runs inside a loop that is not the user's: its
