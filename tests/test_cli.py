@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from harness import shm_entries
 
-from weightsync.bench import MIB, main, mlp_shapes, model_nbytes
+from weightsync.bench import LOCAL_SCHEMES, MIB, main, mlp_shapes, model_nbytes
 
 # End-to-end runs of weightsync bench (about a minute in all): not in the
 # default run; CI runs them as a step of their own (pytest -m cli).
@@ -25,26 +25,25 @@ def test_bench_prints_table_and_writes_json(
     # Without --json, the results go to bench-<time>.json in the current directory.
     monkeypatch.chdir(tmp_path)
     shm_before = shm_entries()
-    args = ["--size", "0.25", "--workers", "1", "2", "--repeats", "3", "--warmup", "1"]
-    code = main(["bench", *args])
+    args = ["--scheme", "multiprocess", "--size", "0.25", "--workers", "1", "2", "--repeats", "3"]
+    code = main(["bench", *args, "--warmup", "1"])
     printed = capsys.readouterr()
     assert code == 0, printed.err
     lines = printed.out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("scheme"))
-    columns = ("median ms", "stall ms", "x ref", "p90 ms", "x floor")
+    columns = ("median ms", "stall ms", "x ref", "p90 ms", "floor ms", "x floor")
     for column in columns:
         assert column in lines[header]
     # The default table fits a terminal; --wide has the rest.
-    assert len(lines[header]) <= 110 and "memcpy ms" not in lines[header]
+    assert len(lines[header]) <= 100 and "memcpy ms" not in lines[header]
+    # One tensor count: said once above the table, not in a column of its own.
+    assert "tensors" not in lines[header] and "8 float32 tensors" in printed.out
     # A legend under the table says what each column means, x ref's target included.
     legend = " ".join(" ".join(lines[header + 4 :]).split())
     assert "x floor" in legend and "1.15x target is for models of 128 MiB" in legend
     (out,) = tmp_path.glob("bench-*.json")
     rows = [line.split() for line in lines[header + 2 : header + 4]]
-    assert [(row[0], row[2], row[3]) for row in rows] == [
-        ("multiprocess", "1", "8"),
-        ("multiprocess", "2", "8"),
-    ]
+    assert [(row[0], row[2]) for row in rows] == [("multiprocess", "1"), ("multiprocess", "2")]
 
     report = json.loads(out.read_text())
     assert {"cpu_model", "cpu_count", "memory_bytes", "python", "torch"} <= set(report["machine"])
@@ -67,18 +66,70 @@ def test_bench_prints_table_and_writes_json(
     assert shm_entries() <= shm_before
 
 
+def _check_default_output(text: str, schemes: list[str]) -> None:
+    """What a run without options must print: a row for each of ``schemes``
+    at every size and worker count asked, a start-up line for each, the
+    floor's column and what it means, every line within 100 columns."""
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    header = next(i for i, line in enumerate(lines) if line.startswith("scheme"))
+    assert "floor ms" in lines[header] and "x floor" in lines[header]
+    rows = [line.split() for line in lines[header + 2 :] if line.split(" ", 1)[0] in LOCAL_SCHEMES]
+    assert sorted({row[0] for row in rows}) == sorted(schemes)
+    assert len(rows) == 2 * len(schemes)  # two worker counts each
+    for name in schemes:
+        (startup,) = [line for line in lines if line.startswith(f"  {name} ") and "connect()" in line]
+        assert " up in " in startup, startup
+    # The floor's meaning is stated under the table, the shared scheme's case included.
+    note = " ".join(" ".join(lines).split())
+    assert "floor: (workers + 1) memcpys of the same bytes" in note
+    assert "private copy" in note
+    assert "The shared scheme can beat it (x floor below 1): its workers view the staged bytes" in note
+
+
+def test_bench_without_options_runs_every_local_scheme(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The defaults but the sizes and repeats (kept small here); without ray,
+    # the Ray scheme is left out with a note (with it: the test below).
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    assert LOCAL_SCHEMES == ("multiprocess", "shared", "ray")
+    monkeypatch.chdir(tmp_path)  # the results file goes there, as bench-<time>.json
+    code = main(["bench", "--size", "0.25", "--repeats", "2"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    _check_default_output(printed.out + printed.err, ["multiprocess", "shared"])
+    assert "skipped ray: ray is not importable" in printed.out
+    (out,) = tmp_path.glob("bench-*.json")
+    report = json.loads(out.read_text())
+    assert report["config"]["schemes"] == ["multiprocess", "shared"]
+    assert report["config"]["workers"] == [1, 4]
+    (startup,) = report["worker_startup"]
+    assert startup["kind"] == "processes" and startup["workers"] == 4 and startup["seconds"] > 0
+    assert all(case["connect_ms"] > 0 for case in report["cases"])
+
+
+def test_bench_without_options_runs_ray_where_installed() -> None:
+    pytest.importorskip("ray")
+    proc = _bench_subprocess("--size", "0.25", "--repeats", "2", "--no-json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _check_default_output(proc.stdout + proc.stderr, ["multiprocess", "shared", "ray"])
+    assert "ray.init()" in proc.stdout
+
+
 def test_bench_partial_and_verified_sends(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     args = ["--size", "0.25", "--workers", "2", "--tensors", "20", "--partial", "0.1", "1", "--verify"]
-    code = main(["bench", *args, "--repeats", "2", "--warmup", "0", "--json", str(out)])
+    args += ["--scheme", "multiprocess", "--repeats", "2", "--warmup", "0", "--json", str(out)]
+    code = main(["bench", *args])
     printed = capsys.readouterr()
     assert code == 0, printed.err
     lines = printed.out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("scheme"))
     assert "sent" in lines[header] and "verify" in lines[header]
     rows = [line.split() for line in lines[header + 2 : header + 6]]
-    assert [row[5] for row in rows] == ["no", "yes", "no", "yes"]
-    sent = [row[4] for row in rows]
+    assert [row[4] for row in rows] == ["no", "yes", "no", "yes"]
+    sent = [row[3] for row in rows]
     assert sent[2:] == ["all", "all"] and sent[0] == sent[1] and 5 <= int(sent[0].rstrip("%")) <= 20
     cases = json.loads(out.read_text())["cases"]
     assert [(case["partial"], case["verify"]) for case in cases] == [
@@ -99,6 +150,8 @@ def test_bench_fails_when_a_worker_holds_other_weights() -> None:
             "-m",
             "weightsync",
             "bench",
+            "--scheme",
+            "multiprocess",
             "--size",
             "0.25",
             "--workers",
@@ -227,6 +280,8 @@ def test_bench_bfloat16_with_torch_mp_and_progress(
 ) -> None:
     out = tmp_path / "bench.json"
     args = [
+        "--scheme",
+        "multiprocess",
         "--size",
         "0.25",
         "--workers",

@@ -37,6 +37,7 @@ from ._table import format_row, format_table, table_header
 from ._types import (
     ALTERNATIVES,
     DTYPES,
+    LOCAL_SCHEMES,
     MEMORY_METHOD,
     MIB,
     SCHEMES,
@@ -49,6 +50,7 @@ from ._types import (
     PeakMemory,
     SchemeInfo,
     VerificationError,
+    WorkerStartup,
     itemsize,
     labels,
     pool_of,
@@ -57,6 +59,7 @@ from ._types import (
 __all__ = [
     "ALTERNATIVES",
     "DTYPES",
+    "LOCAL_SCHEMES",
     "MEMORY_METHOD",
     "MIB",
     "SCHEMES",
@@ -71,6 +74,7 @@ __all__ = [
     "PlotUnavailableError",
     "SchemeInfo",
     "VerificationError",
+    "WorkerStartup",
     "describe_machine",
     "floor_seconds",
     "format_row",

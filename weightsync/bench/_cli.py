@@ -8,6 +8,7 @@ import argparse
 import io
 import json
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 
@@ -16,11 +17,12 @@ from ._machine import describe_machine, machine_facts
 from ._plot import PlotUnavailableError, require_matplotlib, write_plot
 from ._progress import Progress
 from ._run import run_bench
-from ._table import columns_for, format_row, legend, table_header
+from ._table import FLOOR_NOTE, WIDTH, columns_for, format_row, legend, startup_lines, table_header
 from ._trajectories import TRAJECTORIES
 from ._types import (
     ALTERNATIVES,
     DTYPES,
+    LOCAL_SCHEMES,
     MEMORY_METHOD,
     SCHEMES,
     BenchConfig,
@@ -71,10 +73,11 @@ def _parser() -> argparse.ArgumentParser:
         "--scheme",
         nargs="+",
         choices=[*sorted(SCHEMES), "all"],
-        default=list(_DEFAULTS.schemes),
+        default=None,
         metavar="NAME",
-        help=f"schemes to run, or all (default: %(default)s; known: {', '.join(sorted(SCHEMES))}; "
-        "all skips one that cannot run here, with a note)",
+        help=f"schemes to run, or all (default: the local ones, {' '.join(LOCAL_SCHEMES)}; known: "
+        f"{', '.join(sorted(SCHEMES))}; all, or the default, skips one that cannot run here (ray "
+        "without the ray extra), with a note)",
     )
     bench.add_argument(
         "--compare",
@@ -281,7 +284,7 @@ def _across_hosts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     args.link_rate = args.link_rate or "1gbit"
 
     sizes = tuple(args.size) if args.size != list(_DEFAULTS.sizes_mib) else (64.0, 256.0)
-    if "distributed" in args.scheme:
+    if args.scheme is not None and "distributed" in args.scheme:
         return _distributed_across_hosts(args, parser, sizes)
     print(describe_machine(machine_facts()), flush=True)
     if args.emulate_hosts is not None:
@@ -365,7 +368,7 @@ def _delta(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ._delta_bench import delta_legend, emulate_delta, format_delta_table, target_lines
     from ._netns import unavailable_reason
 
-    if args.cluster or args.scheme not in (["distributed"], list(_DEFAULTS.schemes)):
+    if args.cluster or args.scheme not in (["distributed"], None):
         parser.error("--delta runs the distributed scheme (--scheme distributed), on one or emulated hosts")
     if args.steps < 1:
         parser.error("--steps must be at least 1")
@@ -419,10 +422,16 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except PlotUnavailableError as exc:
             print(f"weightsync bench: {exc}", file=sys.stderr)
             return 2
-    every = "all" in args.scheme
+    # Without --scheme, or with all, a scheme that cannot run here is left
+    # out with a note; one named on the command line must run.
+    every = args.scheme is None or "all" in args.scheme
+    if args.scheme is None:
+        names: list[str] = list(LOCAL_SCHEMES)
+    else:
+        names = sorted(SCHEMES) if "all" in args.scheme else list(dict.fromkeys(args.scheme))
     schemes: list[str] = []
     skipped: dict[str, str] = {}
-    for name in sorted(SCHEMES) if every else dict.fromkeys(args.scheme):
+    for name in names:
         why = SCHEMES[name].unavailable()
         if why is None:
             schemes.append(name)
@@ -453,13 +462,18 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     except ValueError as exc:
         parser.error(str(exc))
-    print(describe_machine(machine_facts()), flush=True)
-    print(
-        f"dtype {config.dtype}; {config.repeats} timed sends per case after {config.warmup} untimed; "
-        "copy: private = own copy per worker, shared = one shared buffer (compare like with like)",
-        flush=True,
+    tensors = "" if len(config.tensors) > 1 else f"{config.tensors[0]} "
+    _say(
+        describe_machine(machine_facts()),
+        f"{tensors}{config.dtype} tensors; {config.repeats} timed sends per case after {config.warmup} "
+        "untimed; copy: private = own copy per worker, shared = one shared buffer (compare like with like)",
     )
-    shown = columns_for(any(p < 1.0 for p in config.partials), True in config.verify, wide=args.wide)
+    shown = columns_for(
+        any(p < 1.0 for p in config.partials),
+        True in config.verify,
+        wide=args.wide,
+        several_tensor_counts=len(config.tensors) > 1,
+    )
     print(table_header(shown), flush=True)
     progress = Progress(sys.stderr, config.cases(), config) if args.progress or sys.stderr.isatty() else None
 
@@ -492,7 +506,10 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     run.skipped = skipped
     print(f"{len(run.results)} cases in {time.perf_counter() - started:.1f} s", flush=True)
     for name, why in skipped.items():
-        print(f"skipped {name}: {why}")
+        _say(f"skipped {name}: {why}")
+    print("\n".join(startup_lines(run.startup, run.results)))
+    if "floor ms" in shown or "x floor" in shown:
+        _say(FLOOR_NOTE)
     print(legend(shown))
     results_file = None if args.no_json else args.json or time.strftime("bench-%Y%m%d-%H%M%S.json")
     if results_file:
@@ -510,6 +527,12 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 1
         print(f"plot: {args.plot}")
     return 0
+
+
+def _say(*paragraphs: str) -> None:
+    """Print each paragraph wrapped within :data:`WIDTH` columns."""
+    for paragraph in paragraphs:
+        print(textwrap.fill(paragraph, WIDTH, subsequent_indent="  "), flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

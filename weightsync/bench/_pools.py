@@ -46,6 +46,7 @@ from ._types import (
     BenchError,
     Case,
     CaseResult,
+    WorkerStartup,
     pool_of,
 )
 
@@ -91,6 +92,8 @@ class Pool(ABC):
         self.corrupt_worker = corrupt_worker
         self._mine = [i for i, case in enumerate(self.cases) if pool_of(case.scheme) == self.kind]
         self.size = max((self.cases[i].workers for i in self._mine), default=0)
+        # Set by start(): how long the workers took to start (None: none started).
+        self.startup: WorkerStartup | None = None
 
     @property
     def startup_timeout(self) -> float:
@@ -298,6 +301,9 @@ class WorkerPool(Pool):
 
         :raises BenchError: a worker died or did not start in time.
         """
+        if self.size == 0:
+            return
+        started = time.perf_counter()
         theirs: list[dict[int, Connection]] = [{} for _ in range(self.size)]
         for index in self._mine:
             ours = []
@@ -329,6 +335,7 @@ class WorkerPool(Pool):
         deadline = time.monotonic() + self.startup_timeout
         for slot in range(self.size):
             self._expect(slot, "up", deadline)
+        self.startup = WorkerStartup(self.kind, self.size, time.perf_counter() - started)
 
     def pipes(self, index: int) -> list[Connection]:
         """The trainer's ends of case ``index``'s pipes, one per worker."""

@@ -29,7 +29,9 @@ and name, so they need weightsync importable, as the trainer does.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,7 +43,7 @@ import weightsync as ws
 
 from ._model import GeneratedMLP, corrupt_model, tensor_checksums
 from ._pools import Pool
-from ._types import MODEL_ID, BenchError, Case
+from ._types import MODEL_ID, BenchError, Case, WorkerStartup
 
 __all__ = ["BenchActor", "RayActorPool", "actor_applier"]
 
@@ -205,17 +207,26 @@ class RayActorPool(Pool):
             return
         import ray
 
+        ray_init_s = None
         if not ray.is_initialized():
             # "local": without it ray.init joins the newest Ray instance of
             # this machine (RAY_ADDRESS, `ray start`, a test cluster), which
             # refuses num_cpus, and the bench would run on another's Ray.
+            started = time.perf_counter()
             try:
                 ray.init(
-                    address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False
+                    address="local",
+                    num_cpus=os.cpu_count(),
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    # Ray's start-up notices would break into the bench's table.
+                    logging_level=logging.ERROR,
                 )
             except (RuntimeError, ValueError, OSError) as exc:
                 raise BenchError(f"could not start Ray: {exc}") from exc
+            ray_init_s = time.perf_counter() - started
             self._started_ray = True
+        started = time.perf_counter()
         # No CPU reserved per actor: a case may have more actors than cores.
         actor_class = ray.remote(num_cpus=0)(BenchActor)
         self._actors = [actor_class.remote(self.worker_threads) for _ in range(self.size)]
@@ -225,6 +236,7 @@ class RayActorPool(Pool):
             "start",
             self.startup_timeout,
         )
+        self.startup = WorkerStartup(self.kind, self.size, time.perf_counter() - started, ray_init_s)
         here = ray.get_runtime_context().get_node_id()
         # The memory probe reads /proc: a pid on another node is not this machine's.
         self._pids = [pid if node == here else None for pid, node in places]

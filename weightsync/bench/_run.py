@@ -60,6 +60,7 @@ from ._types import (
     BenchRun,
     Case,
     CaseResult,
+    WorkerStartup,
     itemsize,
     pool_of,
 )
@@ -112,10 +113,12 @@ def _run_scheme(
     tensors = list(named.values()) if keys is None else [named[k] for k in keys]
     scheme = SCHEMES[case.scheme].factory(config.timeout)
     try:
+        connecting = time.perf_counter()
         scheme.init_on_sender(MODEL_ID, model=model, **pool.sender_args(index))
         pool.start_case(index, scheme, shapes)
         sender = scheme.get_sender()
         sender.connect(timeout=config.timeout)
+        result.connect_s = time.perf_counter() - connecting
         if keys is not None:
             report = sender.send()  # a partial update goes to workers that hold the whole model
             pool.verify(report.version, names, tensor_checksums(named))
@@ -191,6 +194,7 @@ def run_bench(
     *,
     on_result: Callable[[CaseResult], None] | None = None,
     on_start: Callable[[int, Case], None] | None = None,
+    on_startup: Callable[[WorkerStartup], None] | None = None,
     corrupt_worker: int | None = None,
 ) -> BenchRun:
     """Run every case of ``config`` with one pool of worker processes and,
@@ -199,8 +203,9 @@ def run_bench(
     whole run; every worker is joined and every scheme shut down before it
     returns or raises (Ctrl-C included).
 
-    ``on_start`` is called with its index before each case, ``on_result``
-    after it. ``corrupt_worker`` is a testing
+    ``on_startup`` is called once the workers are up, for each pool that
+    started some (:class:`WorkerStartup`); ``on_start`` is called with its
+    index before each case, ``on_result`` after it. ``corrupt_worker`` is a testing
     hook: that worker changes its model after each update it applies, so
     verification must fail.
 
@@ -217,6 +222,10 @@ def run_bench(
         RayActorPool(cases, timeout=timeout, worker_threads=threads, corrupt_worker=corrupt) as actors,
     ):
         pools: dict[str, Pool] = {pool.kind: pool for pool in (processes, actors)}
+        run.startup = [pool.startup for pool in (processes, actors) if pool.startup is not None]
+        if on_startup is not None:
+            for startup in run.startup:
+                on_startup(startup)
         for index in range(len(cases)):
             if on_start is not None:
                 on_start(index, cases[index])

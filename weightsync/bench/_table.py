@@ -1,28 +1,36 @@
 """The table ``weightsync bench`` prints: one row per case, the medians of
-its samples and their ratios to the memcpy references, and the legend
-printed under it.
+its samples and their ratios to the memcpy references, and what is printed
+under it: the workers' start-up times, the meaning of the floor and a
+legend of the columns.
 
-The default table keeps to the columns a reader compares (about 100
-characters wide); ``--wide`` prints every column. The ``--json`` file
-always holds everything.
+The default table keeps to the columns a reader compares (within 100
+characters); ``--wide`` prints every column. The ``--json`` file always
+holds everything.
 """
 
 from __future__ import annotations
 
+import statistics
 import textwrap
 from collections.abc import Sequence
 
-from ._types import MIB, CaseResult, PeakMemory, labels
+from ._types import MIB, CaseResult, PeakMemory, WorkerStartup, labels, pool_of
 
 __all__ = [
     "ALL_COLUMNS",
     "DEFAULT_COLUMNS",
+    "FLOOR_NOTE",
+    "WIDTH",
     "columns_for",
     "format_row",
     "format_table",
     "legend",
+    "startup_lines",
     "table_header",
 ]
+
+#: The widest line of the default output.
+WIDTH = 100
 
 _COLUMNS = (
     ("scheme", 14, "s"),
@@ -35,7 +43,7 @@ _COLUMNS = (
     ("torn", 4, "s"),
     ("median ms", 9, ".3f"),
     ("stall ms", 8, "s"),
-    ("x ref", 5, "s"),
+    ("x ref", 6, "s"),
     ("p10 ms", 8, ".3f"),
     ("p90 ms", 8, ".3f"),
     ("max ms", 8, ".3f"),
@@ -51,10 +59,11 @@ _COLUMNS = (
 
 #: Every column, in order (``--wide``).
 ALL_COLUMNS: tuple[str, ...] = tuple(name for name, _, _ in _COLUMNS)
-#: The columns of the default table; ``sent`` and ``verify`` join them when
-#: a run has partial or verified cases (see :func:`columns_for`).
+#: The columns of the default table; ``tensors``, ``sent`` and ``verify``
+#: join them when a run has several tensor counts, partial or verified cases
+#: (see :func:`columns_for`).
 DEFAULT_COLUMNS: tuple[str, ...] = (
-    "scheme", "MiB", "workers", "tensors", "copy", "median ms", "p90 ms", "stall ms", "x ref", "x floor",
+    "scheme", "MiB", "workers", "copy", "median ms", "p90 ms", "stall ms", "x ref", "floor ms", "x floor",
 )  # fmt: skip
 
 _MEANING = {
@@ -78,19 +87,35 @@ _MEANING = {
     "GB/s all": "workers x bytes / median",
     "memcpy ms": "one single-threaded memcpy of the same bytes, measured in the same run",
     "x memcpy": "median / memcpy ms",
-    "floor ms": "the floor: (workers + 1) memcpys of the same bytes on all cores, measured in the same "
-    "run (the trainer's copy out and each worker's copy in)",
-    "x floor": "median / floor ms",
+    "floor ms": "the floor: (workers + 1) memcpys of the same bytes in the trainer's process, on one "
+    "or two threads, measured in the same run (see the note above)",
+    "x floor": "median / floor ms; below 1 only where workers share one buffer (copy: shared)",
     "+MiB T/W": "peak extra memory of the trainer / of the worker that grew most, in MiB",
 }
 
 
-def columns_for(results_have_partial: bool, results_have_verify: bool, wide: bool = False) -> tuple[str, ...]:
+#: What the floor is, printed under every table that shows it.
+FLOOR_NOTE = (
+    "floor: (workers + 1) memcpys of the same bytes, the copies of a send whose every worker keeps a "
+    "private copy (the trainer's copy into the staging, each worker's copy out of it), timed in the "
+    "trainer's process on one or two threads (the faster) in the same run. The shared scheme can beat "
+    "it (x floor below 1): its workers view the staged bytes in shared memory instead of copying them."
+)
+
+
+def columns_for(
+    results_have_partial: bool,
+    results_have_verify: bool,
+    wide: bool = False,
+    several_tensor_counts: bool = False,
+) -> tuple[str, ...]:
     """The columns to print: every one if ``wide``, else the default ones,
-    with ``sent`` / ``verify`` when the run has such cases."""
+    with ``tensors`` / ``sent`` / ``verify`` when the run has such cases."""
     if wide:
         return ALL_COLUMNS
     chosen = set(DEFAULT_COLUMNS)
+    if several_tensor_counts:
+        chosen.add("tensors")
     if results_have_partial:
         chosen.add("sent")
     if results_have_verify:
@@ -99,13 +124,45 @@ def columns_for(results_have_partial: bool, results_have_verify: bool, wide: boo
 
 
 def legend(columns: Sequence[str] = DEFAULT_COLUMNS) -> str:
-    """What each of ``columns`` means, one line each."""
+    """What each of ``columns`` means, one line each (wrapped within :data:`WIDTH`)."""
     width = max(len(name) for name in columns)
     indent = " " * (width + 4)
     return "\n".join(
-        textwrap.fill(_MEANING[name], 100, initial_indent=f"  {name:<{width}}  ", subsequent_indent=indent)
+        textwrap.fill(_MEANING[name], WIDTH, initial_indent=f"  {name:<{width}}  ", subsequent_indent=indent)
         for name in columns
     )
+
+
+def startup_lines(startups: Sequence[WorkerStartup], results: Sequence[CaseResult]) -> list[str]:
+    """How long each scheme's workers took to start, within :data:`WIDTH`:
+    the pool's workers from their start until every one announced itself
+    (once per run, shared by the schemes of a pool), then the median of the
+    scheme's cases from ``init_on_sender()`` until ``connect()`` returned."""
+    pools = {startup.kind: startup for startup in startups}
+    connects: dict[str, list[float]] = {}
+    for result in results:
+        if result.connect_s is not None:
+            connects.setdefault(result.case.scheme, []).append(result.connect_s)
+    if not connects:
+        return []
+    width = max(len(name) for name in connects)
+    lines = [
+        "worker start-up: the workers from their start until every one announced itself (each",
+        "imports torch and weightsync; once per run), then each case's init_on_sender() until the",
+        "sender's connect() returned (its workers initialised the scheme and hold the first weights):",
+    ]
+    for name, seconds in connects.items():
+        startup = pools.get(pool_of(name))
+        if startup is None:
+            started = "workers already running"
+        elif startup.kind == "ray":
+            started = (
+                "" if startup.ray_init_s is None else f"ray.init() {startup.ray_init_s:.2f} s, then "
+            ) + f"{startup.workers} Ray actors up in {startup.seconds:.2f} s"
+        else:
+            started = f"{startup.workers} processes up in {startup.seconds:.2f} s"
+        lines.append(f"  {name:<{width}}  {started}; connect() {statistics.median(seconds) * 1e3:.1f} ms")
+    return lines
 
 
 # Number columns given as text (they may read "-"): right-aligned.

@@ -26,6 +26,7 @@ import weightsync as ws
 __all__ = [
     "ALTERNATIVES",
     "DTYPES",
+    "LOCAL_SCHEMES",
     "MEMORY_METHOD",
     "MIB",
     "MODEL_ID",
@@ -41,6 +42,7 @@ __all__ = [
     "PeakMemory",
     "SchemeInfo",
     "VerificationError",
+    "WorkerStartup",
     "itemsize",
     "labels",
     "pool_of",
@@ -155,6 +157,12 @@ SCHEMES: dict[str, SchemeInfo] = {
         requires="ray",
     ),
 }
+
+
+# What ``weightsync bench`` runs when no ``--scheme`` is given: every scheme
+# whose workers run on this machine without a launcher (each one whose
+# package is missing is left out, with a note).
+LOCAL_SCHEMES: tuple[str, ...] = ("multiprocess", "shared", "ray")
 
 
 # Element types of the generated model (``--dtype``); checksums are over raw bytes.
@@ -312,12 +320,12 @@ class BenchConfig:
     (:data:`ALTERNATIVES`) run like the schemes.
     """
 
-    schemes: tuple[str, ...] = ("multiprocess",)
+    schemes: tuple[str, ...] = ("multiprocess", "shared")
     sizes_mib: tuple[float, ...] = (1.0, 16.0, 128.0)
-    workers: tuple[int, ...] = (1, 2, 4)
+    workers: tuple[int, ...] = (1, 4)
     tensors: tuple[int, ...] = (8,)
-    repeats: int = 10
-    warmup: int = 2
+    repeats: int = 8
+    warmup: int = 1
     timeout: float = 60.0
     worker_threads: int | None = 1
     dtype: str = "float32"
@@ -418,6 +426,10 @@ class CaseResult:
     floor_serial_s: list[float] = field(default_factory=list)  # workers + 1 copies, one thread
     floor_split_s: list[float] = field(default_factory=list)  # the same, split across two threads
     memory: PeakMemory | None = None  # peak extra memory during the case
+    # A scheme's case: from init_on_sender until the sender's connect()
+    # returned (the workers initialised the scheme, announced themselves and
+    # hold the initial weights), on workers already started.
+    connect_s: float | None = None
 
     @property
     def kind(self) -> str:
@@ -518,6 +530,7 @@ class CaseResult:
             "stall_reference_ms": (statistics.median(self.put_s) if self.put_s else self.memcpy_median_s)
             * 1e3,
             "stall_vs_reference": self.stall_vs_reference,
+            "connect_ms": None if self.connect_s is None else self.connect_s * 1e3,
             "memcpy_ms": self.memcpy_median_s * 1e3,
             "floor_ms": self.floor_median_s * 1e3,
             "vs_memcpy": self.vs_memcpy,
@@ -525,15 +538,31 @@ class CaseResult:
         }
 
 
+@dataclass(frozen=True)
+class WorkerStartup:
+    """How long a pool's workers took to start: ``seconds`` from starting
+    ``workers`` processes (``kind`` ``"processes"``) or Ray actors
+    (``"ray"``) until every one announced itself, having imported torch and
+    weightsync; for Ray, ``ray_init_s`` is the ``ray.init()`` before them
+    (None: Ray was already running)."""
+
+    kind: str
+    workers: int
+    seconds: float
+    ray_init_s: float | None = None
+
+
 @dataclass
 class BenchRun:
-    """A whole run: the configuration, the machine, and one result per case."""
+    """A whole run: the configuration, the machine, how long its workers
+    took to start, and one result per case."""
 
     config: BenchConfig
     machine: dict[str, Any]
     results: list[CaseResult] = field(default_factory=list)
     seconds: float = 0.0
     skipped: dict[str, str] = field(default_factory=dict)  # scheme or alternative -> why it did not run
+    startup: list[WorkerStartup] = field(default_factory=list)  # one per pool that started workers
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -541,6 +570,7 @@ class BenchRun:
             "machine": self.machine,
             "seconds": self.seconds,
             "skipped": self.skipped,
+            "worker_startup": [asdict(s) for s in self.startup],
             "peak_memory_method": MEMORY_METHOD,
             "cases": [
                 {**asdict(r.case), "nbytes": r.nbytes, "packet_nbytes": r.packet_nbytes}
