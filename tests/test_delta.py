@@ -25,7 +25,7 @@ from weightsync._delta import (
     read_header,
     version_digest,
 )
-from weightsync._exceptions import DeltaFrameError, WeightSyncStateError
+from weightsync._exceptions import DeltaFrameError, MissingExtraError
 from weightsync.bench._trajectories import TRAJECTORIES, update_trajectory
 
 pytest.importorskip("blosc2")
@@ -274,9 +274,9 @@ def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     # An entry of None in sys.modules makes ``import blosc2`` fail as if it
     # were not installed.
     monkeypatch.setitem(sys.modules, "blosc2", None)
-    with pytest.raises(WeightSyncStateError, match=r"blosc2.*pip install 'weightsync\[delta\]'"):
+    with pytest.raises(MissingExtraError, match=r"blosc2.*pip install 'weightsync\[delta\]'"):
         DeltaEncoder(10, 2)
-    with pytest.raises(WeightSyncStateError, match=r"pip install 'weightsync\[delta\]'"):
+    with pytest.raises(MissingExtraError, match=r"pip install 'weightsync\[delta\]'"):
         decode_frame(b"", np.zeros(0, dtype=np.uint8))
 
 

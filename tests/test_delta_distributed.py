@@ -182,5 +182,5 @@ def test_delta_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> No
     import sys
 
     monkeypatch.setitem(sys.modules, "blosc2", None)
-    with pytest.raises(ws.WeightSyncStateError, match=r"pip install 'weightsync\[delta\]'"):
+    with pytest.raises(ws.MissingExtraError, match=r"pip install 'weightsync\[delta\]'"):
         ws.DistributedWeightSyncScheme(delta=True)

@@ -226,7 +226,7 @@ def test_delta_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> No
     # An entry of None in sys.modules makes ``import blosc2`` fail as if it
     # were not installed: refused at construction, before anything moves.
     monkeypatch.setitem(sys.modules, "blosc2", None)
-    with pytest.raises(ws.WeightSyncStateError, match=r"pip install 'weightsync\[delta\]'"):
+    with pytest.raises(ws.MissingExtraError, match=r"pip install 'weightsync\[delta\]'"):
         ws.RayWeightSyncScheme(delta=True)
 
 

@@ -72,13 +72,15 @@ import enum
 import struct
 from collections import deque
 from collections.abc import Generator, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-import numpy as np
 import torch
 
 from ._digest import digests
-from ._exceptions import DeltaFrameError, WeightSyncStateError
+from ._exceptions import DeltaFrameError, import_extra
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
     "CHUNK_BYTES",
@@ -127,7 +129,9 @@ PROBE_BYTES = 64 << 10
 #: that outrun zstd (see ``benchmarks/delta_codec.py``).
 Compressor = Literal["zstd", "lz4"]
 _MASK_LENGTH = struct.Struct("<I")
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+# numpy's names of the unsigned dtypes, so that numpy (part of the delta
+# extra) is imported only by the functions that use it.
+_UINT = {1: "u1", 2: "u2", 4: "u4", 8: "u8"}
 
 
 class Mode(enum.IntEnum):
@@ -157,19 +161,20 @@ class FrameHeader(NamedTuple):
 
 
 def require_codec() -> tuple[Any, Any]:
-    """The blosc2 module and XXH3-64 function, imported on first use.
+    """The blosc2 module and XXH3-64 function, imported on first use (with
+    numpy, which the rest of this module imports where it uses it).
 
-    :raises WeightSyncStateError: blosc2 or xxhash is not installed; the
+    :raises MissingExtraError: blosc2, xxhash or numpy is not installed; the
         message names the extra to install.
     """
-    try:
+    try:  # plain imports first: this runs once per chunk
         import blosc2
+        import numpy  # noqa: F401
         import xxhash
-    except ImportError as exc:
-        raise WeightSyncStateError(
-            f"delta encoding needs the blosc2 and xxhash packages ({exc.name} is missing): "
-            "pip install 'weightsync[delta]'"
-        ) from exc
+    except ImportError:
+        for module in ("blosc2", "xxhash", "numpy"):
+            import_extra(module, extra="delta", needed_by="delta encoding (delta=True)")
+        raise
     return blosc2, xxhash.xxh3_64_intdigest
 
 
@@ -194,6 +199,8 @@ def _flat_bytes(buffer: Any) -> np.ndarray:
     decoder writes through it).
 
     :raises ValueError: not contiguous, or not on the CPU."""
+    import numpy as np
+
     if isinstance(buffer, torch.Tensor):
         if not (buffer.is_cpu and buffer.is_contiguous()):
             raise ValueError("delta frames need a contiguous CPU tensor")
@@ -242,9 +249,11 @@ def encode_frame(
     bytes. ``scratch``, at least as long as ``current``, spares an
     allocation. Blocks the calling thread; touches neither input.
 
-    :raises WeightSyncStateError: the delta extra is not installed.
+    :raises MissingExtraError: the delta extra is not installed.
     """
     blosc2, xxh3 = require_codec()
+    import numpy as np
+
     size = current.nbytes
     digest = xxh3(current)
     # A tail that is not a multiple of the element size is split by bytes.
@@ -343,6 +352,8 @@ def decode_frame(frame: Any, out: np.ndarray) -> FrameHeader:
         ``out`` are undefined: the base is lost.
     """
     blosc2, xxh3 = require_codec()
+    import numpy as np
+
     view = memoryview(frame).cast("B")
     head = read_header(view)
     if head.raw_length != out.nbytes:
@@ -367,6 +378,8 @@ def decode_frame(frame: Any, out: np.ndarray) -> FrameHeader:
 
 
 def _apply_sparse(blosc2: Any, payload: memoryview, elements: np.ndarray) -> None:
+    import numpy as np
+
     if len(payload) < _MASK_LENGTH.size:
         raise DeltaFrameError("sparse frame too short")
     (mask_length,) = _MASK_LENGTH.unpack_from(payload)
@@ -402,7 +415,7 @@ class DeltaEncoder:
         threads: int = 1,
         compressor: Compressor = "zstd",
     ) -> None:
-        """:raises WeightSyncStateError: the delta extra is not installed.
+        """:raises MissingExtraError: the delta extra is not installed.
         :raises ValueError: a size that is not positive."""
         require_codec()
         self.nbytes = nbytes
@@ -433,6 +446,8 @@ class DeltaEncoder:
         data = _flat_bytes(current)
         if data.nbytes != self.nbytes:
             raise ValueError(f"{data.nbytes} bytes staged for an encoder of {self.nbytes}")
+        import numpy as np
+
         base = None if full else self._base
         size = self.spans[0][1] if self.spans else 0
 
@@ -474,6 +489,8 @@ class DeltaEncoder:
         if data.nbytes != self.nbytes:
             raise ValueError(f"{data.nbytes} bytes staged for an encoder of {self.nbytes}")
         if self._base is None:
+            import numpy as np
+
             self._base = np.empty(self.nbytes, dtype=np.uint8)
         self._base[:] = data
         self.base_version = version
@@ -513,7 +530,7 @@ class DeltaDecoder:
         (read only; each chunk a frame needs it for is copied into
         ``buffer`` first), when ``buffer`` does not hold it itself.
 
-        :raises WeightSyncStateError: the delta extra is not installed.
+        :raises MissingExtraError: the delta extra is not installed.
         :raises ValueError: ``base`` is not as long as ``buffer``.
         """
         require_codec()
@@ -571,7 +588,7 @@ def version_digest(buffer: Any, threads: int = 1) -> tuple[int, ...]:
     trainer sends it with a delta; a receiver compares it with that of what
     it rebuilt. Blocks the calling thread (about 16 GB/s a thread).
 
-    :raises WeightSyncStateError: xxhash is not installed.
+    :raises MissingExtraError: xxhash or numpy is not installed.
     """
     data = _flat_bytes(buffer)
     return digests([torch.from_numpy(data)], threads)

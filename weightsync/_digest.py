@@ -26,9 +26,17 @@ from typing import Any
 import torch
 
 from ._copy import byte_view, check_same_layout, copy_tensors, plain, run_on_threads, split_evenly
-from ._exceptions import WeightSyncStateError
+from ._exceptions import import_extra
 
-__all__ = ["BLOCK", "copy_and_check", "copy_out", "copy_with_digests", "digests", "mismatched"]
+__all__ = [
+    "BLOCK",
+    "copy_and_check",
+    "copy_out",
+    "copy_with_digests",
+    "digests",
+    "mismatched",
+    "require_xxh3",
+]
 
 #: Bytes per digested block: small enough that a block just copied is still
 #: in the core's cache when it is digested.
@@ -37,13 +45,17 @@ BLOCK = 1 << 20
 Block = tuple[int, int, int]  # (tensor index, first byte, bytes)
 
 
-def _xxh3() -> Callable[[Any], int]:
-    try:
+def require_xxh3() -> Callable[[Any], int]:
+    """XXH3-64 of a buffer, from xxhash (imported on first use).
+
+    :raises MissingExtraError: xxhash is not installed; the message names
+        the ``verify`` extra.
+    """
+    try:  # a plain import first: this runs once per digested block list
         import xxhash
-    except ImportError as exc:  # pragma: no cover - the verify extra is in every test run
-        raise WeightSyncStateError(
-            "verify=True needs the xxhash package: pip install 'weightsync[verify]'"
-        ) from exc
+    except ImportError:
+        import_extra("xxhash", extra="verify", needed_by="verify=True")
+        raise
     return xxhash.xxh3_64_intdigest
 
 
@@ -73,7 +85,7 @@ def digests(tensors: Sequence[torch.Tensor], threads: int = 1) -> tuple[int, ...
 
 def _digested(tensors: Sequence[torch.Tensor], threads: int) -> tuple[list[Block], tuple[int, ...]]:
     """The blocks of ``tensors`` and their digests."""
-    digest = _xxh3()
+    digest = require_xxh3()
     views = [byte_view(t) for t in tensors]
     blocks = _blocks([v.nbytes for v in views])
     out = [0] * len(blocks)
@@ -102,7 +114,7 @@ def copy_with_digests(
         return digests(destinations, threads)
     for dst, src in zip(destinations, sources, strict=True):
         check_same_layout(dst, src)
-    digest = _xxh3()
+    digest = require_xxh3()
     views = [byte_view(s) for s in sources]
     targets = [d.data_ptr() for d in destinations]
     origins = [s.data_ptr() for s in sources]
@@ -155,7 +167,7 @@ def copy_and_check(
         return sums, sorted({blocks[k][0] for k, (a, b) in enumerate(zip(got, sums, strict=True)) if a != b})
     for dst, src in zip(destinations, sources, strict=True):
         check_same_layout(dst, src)
-    digest = _xxh3()
+    digest = require_xxh3()
     views = [byte_view(s) for s in sources]
     copies = [byte_view(d) for d in destinations]
     targets = [d.data_ptr() for d in destinations]

@@ -21,6 +21,8 @@ The tree::
     │   ├── WaitTimeoutError (TimeoutError)  (worker side) an awaited update did not come
     │   ├── DeltaFrameError (ValueError)     (worker side) a delta frame that is damaged, or
     │   │                                    rebuilds other bytes than the trainer's
+    │   ├── MissingExtraError (ImportError)  an optional extra that a feature needs is not
+    │   │                                    installed (``extra`` names it)
     │   └── WeightSyncStateError (RuntimeError)
     │                                        lifecycle misuse: use before init, after
     │                                        shutdown, a send while one is pending
@@ -36,12 +38,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
 from collections.abc import Iterator, Mapping
+from types import ModuleType
 
 __all__ = [
     "AckTimeoutError",
     "DeltaFrameError",
     "InvalidWeightsError",
+    "MissingExtraError",
     "ResourceExhaustedError",
     "SenderClosedError",
     "SenderLostError",
@@ -113,6 +118,19 @@ class DeltaFrameError(WeightSyncError, ValueError):
     """A delta frame is damaged, or what it rebuilds is not the trainer's
     version (the receiver did not hold the base it was taken against). The
     receiver's copy is no longer a base; it needs the full bytes."""
+
+
+class MissingExtraError(WeightSyncError, ImportError):
+    """A feature needs an optional extra that is not installed: ``extra`` is
+    its name (``pip install 'weightsync[<extra>]'`` installs it) and ``name``
+    the module that could not be imported. Raised when the feature is asked
+    for (the scheme is created, or the first call that needs it), before
+    anything is sent."""
+
+    def __init__(self, message: str, *, extra: str, module: str, model_id: str | None = None) -> None:
+        super().__init__(message, model_id=model_id)
+        self.extra = extra
+        self.name = module
 
 
 class WaitTimeoutError(WeightSyncError, TimeoutError):
@@ -261,4 +279,23 @@ def out_of_resources(what: str) -> Iterator[None]:
             raise
         raise ResourceExhaustedError(
             f"cannot {what}: this process is out of {resource} ({exc.strerror})", resource=resource
+        ) from exc
+
+
+def import_extra(module: str, *, extra: str, needed_by: str, model_id: str | None = None) -> ModuleType:
+    """``import module``, a module of the optional extra ``extra`` that
+    ``needed_by`` (e.g. "delta=True") needs.
+
+    :raises MissingExtraError: the module cannot be imported; the message
+        says how to install the extra.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingExtraError(
+            f"{needed_by} needs the {extra!r} extra, and {module} cannot be imported ({exc}): "
+            f"pip install 'weightsync[{extra}]'",
+            extra=extra,
+            module=module,
+            model_id=model_id,
         ) from exc

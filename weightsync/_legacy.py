@@ -20,10 +20,9 @@ at a point of its choosing, and acknowledges, use a scheme
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
-from tensordict import TensorDictBase
 from torch import nn
 
 from ._copy import check_writable_in_place
@@ -31,9 +30,13 @@ from ._exceptions import InvalidWeightsError, UnknownWorkerError, WeightSyncStat
 from ._packet import Manifest
 from ._strategy import flat_weights, model_tensors
 
+if TYPE_CHECKING:
+    from tensordict import TensorDictBase
+
 __all__ = ["MultiProcessedRemoteWeightUpdate", "RemoteWeightUpdaterBase"]
 
-Weights = TensorDictBase | nn.Module | Mapping[str, Any]
+# A string, so that tensordict is imported only by whoever builds a TensorDict.
+Weights: TypeAlias = "TensorDictBase | nn.Module | Mapping[str, Any]"
 """What weights (and the workers' buffers) may be: a TensorDict, a module, or
 a (nested) dict of tensors."""
 

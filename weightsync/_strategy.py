@@ -9,19 +9,41 @@ the other; they differ only in the form handed back to the user.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from ._exceptions import InvalidWeightsError
 from ._packet import Manifest
 
-__all__ = ["ModuleReads", "WeightStrategy", "flat_weights", "materialize", "model_of", "model_tensors"]
+if TYPE_CHECKING:
+    from tensordict import TensorDictBase
+
+__all__ = [
+    "ModuleReads",
+    "WeightStrategy",
+    "flat_weights",
+    "is_tensordict",
+    "materialize",
+    "model_of",
+    "model_tensors",
+]
 
 StrategyName = Literal["state_dict", "tensordict"]
+
+
+def is_tensordict(obj: Any) -> bool:
+    """Whether ``obj`` is a ``TensorDict`` (any ``TensorDictBase``).
+
+    tensordict is imported only by whoever builds a TensorDict (it costs
+    seconds, as it imports ``torch._dynamo``), so where it was never imported
+    nothing can be one, and the check imports nothing.
+    """
+    tensordict = sys.modules.get("tensordict")
+    return tensordict is not None and isinstance(obj, tensordict.TensorDictBase)
 
 
 def _attribute_path(context: Any, path: str) -> Any | None:
@@ -104,7 +126,7 @@ def _flatten_mapping(
     for key, value in mapping.items():
         name = f"{prefix}{key}"
         # Tensors first: the common case, and a cheaper check than the ABCs.
-        if not isinstance(value, torch.Tensor) and isinstance(value, Mapping | TensorDictBase):
+        if not isinstance(value, torch.Tensor) and (isinstance(value, Mapping) or is_tensordict(value)):
             _flatten_mapping(value, name + ".", out, model_id, detach=detach)
         else:
             checked = _check_tensor(name, value, model_id)
@@ -123,7 +145,7 @@ def flat_weights(source: Any, *, context: Any = None, model_id: str | None = Non
     out: dict[str, torch.Tensor] = {}
     if isinstance(source, nn.Module):
         return _checked(source.state_dict(keep_vars=True), model_id)
-    if isinstance(source, TensorDictBase):
+    if is_tensordict(source):
         for name, value in source.flatten_keys(".").items():
             out[name] = _check_tensor(str(name), value, model_id)
     elif isinstance(source, Mapping):
@@ -200,7 +222,7 @@ def model_tensors(model: Any, *, model_id: str | None = None) -> dict[str, torch
     """
     if isinstance(model, nn.Module):
         return dict(model.state_dict(keep_vars=True))
-    if isinstance(model, TensorDictBase):
+    if is_tensordict(model):
         return {str(k): v for k, v in model.flatten_keys(".").items()}
     if isinstance(model, Mapping):
         out: dict[str, torch.Tensor] = {}
@@ -236,7 +258,7 @@ def materialize(model: Any, device: torch.device) -> bool:
                 if buffer is not None and buffer.is_meta:
                     module._buffers[name] = torch.empty_like(buffer, device=device)
                     changed = True
-    elif isinstance(model, TensorDictBase):
+    elif is_tensordict(model):
         for key, value in list(model.items(include_nested=True, leaves_only=True)):
             if isinstance(value, torch.Tensor) and value.is_meta:
                 model.set(key, torch.empty_like(value, device=device))
@@ -246,7 +268,7 @@ def materialize(model: Any, device: torch.device) -> bool:
             if isinstance(value, torch.Tensor) and value.is_meta:
                 model[key] = torch.empty_like(value, device=device)  # type: ignore[index]
                 changed = True
-            elif isinstance(value, Mapping | TensorDictBase):
+            elif isinstance(value, Mapping) or is_tensordict(value):
                 changed = materialize(value, device) or changed
     return changed
 
@@ -287,6 +309,8 @@ class WeightStrategy:
         flat = flat_weights(source, context=context, model_id=model_id)
         if self.extract_as == "state_dict":
             return flat
+        from tensordict import TensorDict  # only this strategy needs it
+
         return TensorDict(flat, batch_size=[]).unflatten_keys(".")
 
     def apply_weights(

@@ -39,11 +39,12 @@ import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
-
-import numpy as np
+from typing import TYPE_CHECKING, NamedTuple
 
 from .._segment import AttachedSegments, Segment, SegmentRef
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # The segment's header, as _segment lays it out: the published version
 # (here the stamp) at 0, the segment's token at 8.

@@ -40,12 +40,9 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
-import numpy as np
-import ray
-import ray.exceptions
 import torch
 
 from .._copy import byte_view, copy_tensors, usable_cores
@@ -56,12 +53,26 @@ from .._exceptions import (
     WeightSyncStateError,
     WorkerApplyError,
     WorkerLostError,
+    import_extra,
 )
 from .._offload import inline_allowed, run_blocking
 from .._packet import Manifest, Packet, Signature
 from ._base import Applier, worker_failed, worker_lost
 from ._host_copy import HostCopy, HostCopyError, HostReader, UnmappedError
 from ._ray_relay import HostRelay, SendKind
+
+# This module is imported only where Ray is used (schemes/_ray.py imports it
+# inside the calls that need it), so Ray is imported here, with the error
+# that names the extra when it is missing.
+try:
+    import ray
+    import ray.exceptions
+except ImportError:
+    import_extra("ray", extra="ray", needed_by="RayWeightSyncScheme")
+    raise
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["RayEndpoint", "RaySenderTransport", "RayStaging", "RayUpdate", "apply_on_actor"]
 

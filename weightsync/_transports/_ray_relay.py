@@ -58,9 +58,8 @@ import os
 import threading
 import warnings
 from collections.abc import Collection, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
 import torch
 
 from .._delta import DeltaEncoder
@@ -69,6 +68,9 @@ from ._chain import ChainDriver, ChainMember, Encoded, EncodedSend, Link, Report
 from ._gloo_chain import CHUNK_BYTES, chunk_spans, connect_store
 from ._gloo_chain import seconds as _seconds
 from ._host_copy import HostBuffers, HostCopy
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["CHUNK_BYTES", "HostRelay", "RelayAgent", "RelayDelta", "SendKind", "chunk_spans"]
 
@@ -80,6 +82,8 @@ def _node_address() -> str:
 
 
 def _byte_tensors(arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+    import numpy as np
+
     with warnings.catch_warnings():
         # Read-only views of the object store, only ever read from here.
         warnings.simplefilter("ignore", UserWarning)
@@ -301,6 +305,8 @@ class RelayDelta:
         gathered = self._gathered
         if gathered is None or gathered.nbytes != nbytes:
             gathered = self._gathered = None
+            import numpy as np
+
             gathered = np.empty(nbytes, dtype=np.uint8)
         self._gathered, self._kind = gathered, kind
         offset = 0

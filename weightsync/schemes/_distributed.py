@@ -163,7 +163,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     ) -> None:
         """:raises ValueError: a ``backend`` other than ``"gloo"`` (``"nccl"``
         needs CUDA staging, which weightsync does not have and cannot test).
-        :raises WeightSyncStateError: ``delta=True`` without the ``delta``
+        :raises MissingExtraError: ``delta=True`` without the ``delta``
             extra installed (the message names it)."""
         if delta:
             require_codec()

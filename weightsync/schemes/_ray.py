@@ -93,7 +93,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         wire_dtype: torch.dtype | None = None,
         delta: bool = False,
     ) -> None:
-        """:raises WeightSyncStateError: ``delta=True`` without the ``delta``
+        """:raises MissingExtraError: ``delta=True`` without the ``delta``
         extra installed (the message names it).
         :raises ValueError: ``wire_dtype`` is not a floating dtype narrower than float32."""
         if delta:
@@ -140,9 +140,8 @@ class RayWeightSyncScheme(WeightSyncScheme):
     def _sender_side(
         self, context: Any, kwargs: dict[str, Any]
     ) -> tuple[dict[int, SenderTransport], Staging | None]:
-        import ray
-
-        from .._transports._ray import RaySenderTransport, RayStaging
+        # The transport first: without Ray it raises the error naming the extra.
+        from .._transports._ray import RaySenderTransport, RayStaging, ray
 
         actors: Sequence[Any] | None = _from(context, kwargs, "remote_collectors")
         if actors is None:
@@ -167,6 +166,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         :raises RuntimeError: this scheme is already initialised here, or Ray
             is not initialised.
         :raises ValueError: no ``remote_collectors`` were given.
+        :raises MissingExtraError: Ray is not installed (the ``ray`` extra).
         """
         if "source_model" in kwargs and kwargs.get("model") is None:
             kwargs["model"] = kwargs.pop("source_model")
