@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -122,10 +123,17 @@ def test_sends_from_several_threads_never_interleave(cluster: Cluster) -> None:
                 errors.append(exc)
 
     threads = [threading.Thread(target=trainer_thread, args=(k,)) for k in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    # Threads switch every microsecond, not every 5 ms: a check and a set of
+    # "busy" that are not one atomic step would let two sends in.
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
     print(f"{len(sent)} sends completed, {len(refused)} refused")
     assert not errors, errors
     assert len(sent) + len(refused) == 15

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "weightsync"
 LAYERS: list[set[str]] = [
     {"_exceptions"},
     {"_packet"},
-    {"_copy", "_offload", "_strategy", "_stepguard", "_torchrl"},
+    {"_copy", "_offload", "_readiness", "_strategy", "_stepguard", "_torchrl"},
     {"_digest"},
     {"_segment", "_delta"},
     {"_transports._gloo_chain"},
@@ -32,6 +32,7 @@ LAYERS: list[set[str]] = [
         "_transports._none",
         "_transports._distributed",
     },
+    {"_acks", "_targets", "_packing"},
     {"_sender", "_receiver", "_legacy"},
     {"_runtime"},
     {"_facade"},

@@ -1,46 +1,51 @@
-"""The async sender: prepare a packet once, fan it out, gather the acks."""
+"""The async sender: one send's steps, written once, and two drivers.
+
+A send resolves its targets, reads the model into a packet, casts and
+stages it, tells (posts to) the workers, takes their acks, records who
+acked, and reports. :meth:`AsyncWeightSender.start_send` and
+:meth:`PendingSend.wait` drive those steps as coroutines;
+:meth:`AsyncWeightSender.start_send_now` and
+:meth:`AsyncWeightSender.finish_now` drive the same steps on the calling
+thread with no event loop, where the staging can (a blocking ``send()`` over
+pipes). The targets live in ``_targets``, the reading in ``_packing``, the
+gathering of answers in ``_acks``.
+
+One send runs at a time per sender: a lock, taken without blocking when a
+send starts (a second one is refused) and given back when its
+:class:`PendingSend` is over.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import torch
 
+from ._acks import AckGather
 from ._copy import WireCast, usable_cores
 from ._digest import digests
-from ._exceptions import (
-    AckTimeoutError,
-    UnknownWorkerError,
-    WeightMismatchError,
-    WeightSyncStateError,
-    WorkerError,
-    combine_worker_errors,
-)
-from ._offload import NEEDS_LOOP, NeedsLoop, inline_allowed, require_asyncio, run_blocking
-from ._packet import DEFAULT_TIMEOUT, Manifest, Packet, describe_mismatch, signature_of
-from ._strategy import ModuleReads, WeightStrategy, is_tensordict
-from ._transports._base import EVERY_VERSION, SenderTransport, Staging
-from ._transports._channel import ReadyWatch
+from ._exceptions import WeightSyncStateError, WorkerError, combine_worker_errors
+from ._offload import NEEDS_LOOP, NeedsLoop, require_asyncio, run_blocking
+from ._packet import DEFAULT_TIMEOUT, Packet
+from ._packing import Keys, Packer
+from ._strategy import WeightStrategy
+from ._targets import Workers
+from ._transports._base import EVERY_VERSION, LoopFreeStaging, SenderTransport, Staging
 
 # DEFAULT_TIMEOUT: from _packet
 __all__ = ["DEFAULT_TIMEOUT", "AsyncWeightSender", "Keys", "PendingSend", "SendReport"]
 
-# How long a blocked caller's gather waits in one poll before it lets its
-# loop run (Ctrl-C and the deadline cancel it there): the most a Ctrl-C is
-# held back while no ack comes.
-_POLL_SLICE = 0.05
 # How often a wait for workers to announce themselves logs who it waits for.
 _PROGRESS_EVERY = 5.0
 _log = logging.getLogger("weightsync")
-
-#: Which weights a partial send takes: names, or a test on names.
-Keys = Iterable[str] | Callable[[str], bool]
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ class PendingSend:
 
     The caller's weights are no longer read: change them at will. Await
     :meth:`wait` once (the sender runs no other send until it returned).
+    Only its own methods change its state: staged, then told (posted),
+    then over (gathered, failed or abandoned).
     """
 
     def __init__(
@@ -82,11 +89,14 @@ class PendingSend:
         started: float,
         staged_seconds: float,
         announce_seconds: float = 0.0,
+        *,
+        holds_the_sender: bool = True,
     ) -> None:
         self._sender = sender
         self.packet = packet
         #: The workers targeted.
         self.worker_ids: tuple[int, ...] = tuple(worker_ids)
+        #: Those that announced themselves in time, and that are told.
         self.reachable = reachable
         self.failures = failures
         self.deadline = deadline
@@ -97,23 +107,104 @@ class PendingSend:
         self.announce_seconds = announce_seconds
         # The sends of a per-worker update that went before this one.
         self.earlier: tuple[SendReport, ...] = ()
-        self._waited = False
-        #: Whether the reachable workers were told (``finish_now`` tells them
-        #: before it hands the send over to a loop), and those that acked.
-        self.posted = False
+        #: The workers that acked it so far.
         self.done: set[int] = set()
+        # Whether this send gives the sender back when it is over (a
+        # per-worker update's inner sends do not: the outer one does).
+        self._holds = holds_the_sender
+        self._posted = False
+        self._waited = False
+        self._over = False
 
     @property
     def version(self) -> int:
         """The version this send carries."""
         return self.packet.version
 
+    @property
+    def posted(self) -> bool:
+        """Whether the reachable workers were told of it."""
+        return self._posted
+
+    def after(
+        self,
+        earlier: tuple[SendReport, ...],
+        failures: dict[int, WorkerError],
+        worker_ids: tuple[int, ...],
+        started: float,
+    ) -> None:
+        """Make this the last send of a per-worker update to ``worker_ids``:
+        it reports the ``earlier`` sends' bytes and ``failures`` with its
+        own, and its times from ``started``."""
+        self.earlier = earlier
+        self.failures.update(failures)
+        self.worker_ids = worker_ids
+        self.started = started
+        self.staged_seconds = time.perf_counter() - started
+
+    def post(self) -> None:
+        """Tell every reachable worker, without waiting; one whose pipe is
+        full is told by ``deliver`` when the acks are gathered."""
+        transports = self._sender.workers.transports
+        for wid in self.reachable:
+            try:
+                transports[wid].post(self.packet)
+            except WorkerError as exc:
+                self.failures[wid] = exc
+        self._posted = True
+
+    def claim_wait(self) -> None:
+        """Mark this send as waited for (its acks are being gathered).
+
+        :raises WeightSyncStateError: it was already.
+        """
+        if self._waited:
+            raise WeightSyncStateError(
+                f"version {self.version} of model {self._sender.model_id!r} was already waited for",
+                model_id=self._sender.model_id,
+            )
+        self._waited = True
+
+    @property
+    def waited(self) -> bool:
+        """Whether its acks are (being) gathered, or it was abandoned."""
+        return self._waited
+
+    def settle(self) -> None:
+        """Waited for and over: gathered without :meth:`wait` (the
+        sender's loop-free driver), or given up."""
+        self._waited = True
+        self.end()
+
+    def end(self) -> None:
+        """The send is over: the sender may run the next one. Idempotent."""
+        if not self._over:
+            self._over = True
+            if self._holds:
+                self._sender._release()
+
     def abandon(self) -> None:
         """Give up a send that no worker was told of (before :meth:`wait`):
         the sender may run the next one."""
-        assert not self.posted and not self._waited, "only a send not yet told or waited for"
-        self._waited = True
-        self._sender._busy = False
+        assert not self._posted and not self._waited, "only a send not yet told or waited for"
+        self.settle()
+
+    def report(self) -> SendReport:
+        """The report of this gathered send.
+
+        :raises WorkerError: a worker failed (see :meth:`AsyncWeightSender.send`).
+        """
+        packet = self.packet
+        if self.failures:
+            raise combine_worker_errors(self.failures, model_id=self._sender.model_id, version=packet.version)
+        return SendReport(
+            packet.version,
+            self.worker_ids,
+            packet.nbytes + sum(r.nbytes for r in self.earlier),
+            time.perf_counter() - self.started,
+            self.staged_seconds,
+            self.announce_seconds,
+        )
 
     async def wait(self) -> SendReport:
         """Block until every targeted worker acked this version, or the
@@ -124,12 +215,7 @@ class PendingSend:
         :raises WorkerApplyError: a worker failed to apply; carries its message.
         :raises WeightSyncStateError: awaited a second time.
         """
-        if self._waited:
-            raise WeightSyncStateError(
-                f"version {self.version} of model {self._sender.model_id!r} was already waited for",
-                model_id=self._sender.model_id,
-            )
-        self._waited = True
+        self.claim_wait()
         return await self._sender._gather(self)
 
 
@@ -165,64 +251,32 @@ class AsyncWeightSender:
         #: of ``send(verify=None)``).
         self.verify = verify
         self.strategy = strategy
-        self.transports: dict[int, SenderTransport] = dict(transports)
+        self.workers = Workers(transports, model_id, per_worker_weights)
         self.staging = staging
+        # The staging's loop-free way to stage, where it has one.
+        self._stage_now = staging.stage_now if isinstance(staging, LoopFreeStaging) else None
         self.context = context
         self.timeout = timeout
         self.version = 0
-        # The last version each worker acked.
-        self._acked: dict[int, int] = {}
-        # The workers that may take a partial update: they acked a whole one,
-        # and every send to them since.
-        self._whole: set[int] = set()
-        self._busy = False
+        self._packer = Packer(model_id, context, self._wire)
+        self._acks = AckGather(self.workers.transports, model_id)
+        # Held from a send's start until its PendingSend is over.
+        self._busy = threading.Lock()
         self._closed = False
-        self._manifests: dict[Any, Manifest] = {}
-        # The model's weights as last read, and what was derived from that
-        # very read (its manifest, its tensors in manifest order): a model
-        # whose tensors stay put is not checked and laid out again each send.
-        self._reads = ModuleReads()
-        self._derived: tuple[dict[str, torch.Tensor], Manifest, list[torch.Tensor]] | None = None
-        # Watches the workers' acks of a send (_await_acks); made on first use.
-        self._ready_watch: ReadyWatch | None = None
+
+    @property
+    def transports(self) -> dict[int, SenderTransport]:
+        """Worker id -> the sender's channel to it."""
+        return self.workers.transports
 
     @property
     def worker_ids(self) -> list[int]:
-        return list(self.transports)
+        return list(self.workers.transports)
 
     @property
     def worker_versions(self) -> dict[int, int | None]:
         """The last version each worker acked (None: none yet), by worker id."""
-        return {wid: self._acked.get(wid) for wid in self.transports}
-
-    def _targets(self, worker_ids: int | Iterable[int] | None) -> list[int]:
-        if worker_ids is None:
-            return list(self.transports)
-        ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
-        if not ids:
-            raise ValueError(
-                f"worker_ids=[] targets no worker (model {self.model_id!r}); pass None to send to all"
-            )
-        unknown = [w for w in ids if w not in self.transports]
-        if unknown:
-            raise UnknownWorkerError(
-                f"unknown worker id(s) {unknown} for model {self.model_id!r}; "
-                f"known: {sorted(self.transports)}",
-                model_id=self.model_id,
-                unknown_ids=tuple(unknown),
-            )
-        return list(dict.fromkeys(ids))
-
-    def _manifest(self, tensors: Mapping[str, torch.Tensor]) -> Manifest:
-        key = signature = signature_of(tensors)
-        manifest = self._manifests.get(key)
-        if manifest is None:
-            if self._wire is not None:
-                # What the workers get: float32 weights as the wire dtype.
-                wire = str(self._wire.dtype).removeprefix("torch.")
-                signature = tuple((n, wire if d == "float32" else d, s) for n, d, s in signature)
-            manifest = self._manifests[key] = Manifest.from_signature(signature)
-        return manifest
+        return self.workers.versions
 
     def prepare(
         self, weights: Any = None, *, fanout: int = 1, keys: Keys | None = None, partial: bool = False
@@ -236,32 +290,7 @@ class AsyncWeightSender:
         :raises WeightMismatchError: ``keys`` names something the weights lack.
         :raises ValueError: ``keys`` selects nothing.
         """
-        tensors = self._reads.read(weights, context=self.context, model_id=self.model_id)
-        if keys is not None:
-            tensors = self._select(tensors, keys)
-            partial = True
-        derived = self._derived
-        if derived is None or derived[0] is not tensors:
-            manifest = self._manifest(tensors)
-            # (The same list, send after send, lets the staging keep its copy plan.)
-            derived = self._derived = (tensors, manifest, manifest.ordered(tensors))
-        return Packet(self.version + 1, derived[1], derived[2], fanout, partial)
-
-    def _select(self, tensors: dict[str, torch.Tensor], keys: Keys) -> dict[str, torch.Tensor]:
-        if callable(keys):
-            chosen = {name: t for name, t in tensors.items() if keys(name)}
-        else:
-            names = [keys] if isinstance(keys, str) else list(keys)
-            unknown = [n for n in names if n not in tensors]
-            if unknown:
-                raise WeightMismatchError(
-                    describe_mismatch([], unknown, [], where="the weights sent (keys=)"),
-                    model_id=self.model_id,
-                )
-            chosen = {name: tensors[name] for name in names}
-        if not chosen:
-            raise ValueError(f"keys= selects no weight of model {self.model_id!r}: nothing to send")
-        return chosen
+        return self._packer.packet(self.version + 1, weights, fanout=fanout, keys=keys, partial=partial)
 
     async def wait_for_workers(
         self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None
@@ -287,7 +316,7 @@ class AsyncWeightSender:
         :raises WeightSyncStateError: the sender is shut down.
         """
         self._check_open()
-        targets = self._targets(worker_ids)
+        targets = self.workers.targets(worker_ids)
         return await self._announced(targets, self.timeout if timeout is None else timeout)
 
     async def connect(
@@ -307,7 +336,7 @@ class AsyncWeightSender:
         :raises WorkerError: naming every target that died or was late.
         """
         started = time.perf_counter()
-        times = {w: 0.0 for w in targets if self.transports[w].layout is not None}
+        times = {w: 0.0 for w in targets if self.workers.transports[w].layout is not None}
         waiting = [w for w in targets if w not in times]
         if not waiting:
             return times
@@ -320,7 +349,7 @@ class AsyncWeightSender:
         deadline = anyio.current_time() + timeout
         async with anyio.create_task_group() as group:
             group.start_soon(self._log_progress, targets, times, timeout, started)
-            await self._fan_out(waiting, announce, deadline, failures, "announce itself", version)
+            await self._acks.fan_out(waiting, announce, deadline, failures, "announce itself", version)
             group.cancel_scope.cancel()
         if failures:
             raise combine_worker_errors(failures, model_id=self.model_id, version=version)
@@ -426,45 +455,28 @@ class AsyncWeightSender:
         come from :meth:`PendingSend.wait`.
         """
         self._check_open()
-        if self._busy:
-            raise WeightSyncStateError(
-                f"a send of model {self.model_id!r} is already in progress", model_id=self.model_id
-            )
-        each = self._per_worker(weights, worker_ids)
-        self._busy = True
+        self._claim()
         try:
+            each = self.workers.per_worker(weights, worker_ids)
             if each is not None:
                 return await self._stage_each(each, timeout, keys, partial, verify)
             return await self._stage(weights, worker_ids, timeout, keys, partial, verify)
         except BaseException:
-            self._busy = False
+            self._release()
             raise
 
-    def _per_worker(self, weights: Any, worker_ids: int | Iterable[int] | None) -> dict[int, Any] | None:
-        """``weights`` as {worker id: its weights} when it gives each worker
-        its own (a mapping keyed by worker ids), else None.
+    def _claim(self) -> None:
+        """Take the sender for one send.
 
-        :raises ValueError: such a mapping without ``per_worker_weights=True``,
-            or along with ``worker_ids``, or empty.
-        :raises UnknownWorkerError: it names a worker that is not one.
+        :raises WeightSyncStateError: another send holds it.
         """
-        if is_tensordict(weights) or not isinstance(weights, Mapping):
-            return None
-        ids = list(weights.keys())
-        if not ids or not all(isinstance(k, int) and not isinstance(k, bool) for k in ids):
-            return None  # names of tensors: the same weights for every target
-        if not self.per_worker_weights:
-            raise ValueError(
-                f"weights keyed by worker id ({sorted(weights)}) give each worker its own, which the scheme "
-                f"of model {self.model_id!r} does not: create it with per_worker_weights=True"
+        if not self._busy.acquire(blocking=False):
+            raise WeightSyncStateError(
+                f"a send of model {self.model_id!r} is already in progress", model_id=self.model_id
             )
-        if worker_ids is not None:
-            raise ValueError(
-                "weights keyed by worker id name their workers already: pass no worker_ids "
-                f"(model {self.model_id!r})"
-            )
-        self._targets(list(weights))  # raises for an unknown id
-        return dict(weights)
+
+    def _release(self) -> None:
+        self._busy.release()
 
     async def _stage_each(
         self,
@@ -484,16 +496,16 @@ class AsyncWeightSender:
         failures: dict[int, WorkerError] = {}
         *first, last = each.items()
         for wid, weights in first:
-            pending = await self._stage(weights, wid, deadline - anyio.current_time(), keys, partial, verify)
+            pending = await self._stage(
+                weights, wid, deadline - anyio.current_time(), keys, partial, verify, holds=False
+            )
+            pending.claim_wait()
             try:
-                earlier.append(await self._gather(pending, keep_busy=True))
+                earlier.append(await self._gather(pending))
             except WorkerError as exc:
                 failures.update(exc.failures)
         pending = await self._stage(last[1], last[0], deadline - anyio.current_time(), keys, partial, verify)
-        pending.earlier, pending.started = tuple(earlier), started
-        pending.failures.update(failures)
-        pending.worker_ids = tuple(each)
-        pending.staged_seconds = time.perf_counter() - started
+        pending.after(tuple(earlier), failures, tuple(each), started)
         return pending
 
     async def _stage(
@@ -504,10 +516,12 @@ class AsyncWeightSender:
         keys: Keys | None = None,
         partial: bool = False,
         verify: bool | None = None,
+        *,
+        holds: bool = True,
     ) -> PendingSend:
         started = time.perf_counter()
         timeout = self.timeout if timeout is None else timeout
-        targets = self._targets(worker_ids)
+        targets = self.workers.targets(worker_ids)
         failures: dict[int, WorkerError] = {}
         # Every target's layout must be known before anything is staged, so a
         # mismatch is rejected with no worker touched. Workers still starting
@@ -515,7 +529,7 @@ class AsyncWeightSender:
         # deadline starts after that: a slow start is not taken for a slow
         # send.
         announce_seconds = 0.0
-        if any(self.transports[w].layout is None for w in targets):
+        if any(self.workers.transports[w].layout is None for w in targets):
             try:
                 await self._announced(targets, self.timeout, self.version + 1)
             except WorkerError as exc:
@@ -524,7 +538,7 @@ class AsyncWeightSender:
         staging_started = time.perf_counter()
         deadline = anyio.current_time() + timeout
         packet = self.prepare(weights, fanout=len(targets), keys=keys, partial=partial)
-        reachable = self._check_layouts(packet, [w for w in targets if w not in failures])
+        reachable = self.workers.check_layouts(packet, [w for w in targets if w not in failures])
         if reachable:
             verifying = self.verify if verify is None else verify
             sums: tuple[int, ...] | None = None
@@ -539,35 +553,26 @@ class AsyncWeightSender:
                 if sums is None:
                     sums = await run_blocking(packet.nbytes, digests, packet.tensors, usable_cores())
                 packet = dataclasses.replace(packet, digests=sums)
-            self.version = packet.version  # bytes moved: the version is used
-            # Staged: nothing below reads the caller's tensors again (each
-            # worker reads the staging), so the packet lets go of them.
-            packet = dataclasses.replace(packet, tensors=())
+            packet = self._staged(packet)
         staged = time.perf_counter() - staging_started
         return PendingSend(
-            self, packet, targets, reachable, failures, deadline, started, staged, announce_seconds
+            self,
+            packet,
+            targets,
+            reachable,
+            failures,
+            deadline,
+            started,
+            staged,
+            announce_seconds,
+            holds_the_sender=holds,
         )
 
-    def _check_layouts(self, packet: Packet, reachable: list[int]) -> list[int]:
-        """``reachable``, once ``packet`` fits the model of each of them.
-
-        :raises WeightMismatchError: it does not fit one (nothing was sent).
-        :raises WeightSyncStateError: a partial update, to a worker that has
-            not applied a whole one (nothing was sent).
-        """
-        check = packet.manifest.check_within if packet.partial else packet.manifest.check_matches
-        for wid in reachable:
-            layout = self.transports[wid].layout
-            if layout is not None:
-                check(layout, model_id=self.model_id, where=f"the model of worker {wid}")
-        behind = [w for w in reachable if w not in self._whole] if packet.partial else []
-        if behind:
-            raise WeightSyncStateError(
-                f"a partial update of model {self.model_id!r} cannot go to worker(s) {behind}: they "
-                "have not applied a whole update, or missed a send since; send them the whole model first",
-                model_id=self.model_id,
-            )
-        return reachable
+    def _staged(self, packet: Packet) -> Packet:
+        """``packet``, staged: its version is used (bytes moved), and it lets
+        go of the caller's tensors (each worker reads the staging now)."""
+        self.version = packet.version
+        return dataclasses.replace(packet, tensors=())
 
     def start_send_now(
         self,
@@ -582,7 +587,7 @@ class AsyncWeightSender:
     ) -> PendingSend | NeedsLoop:
         """:meth:`start_send` on the calling thread with no event loop, where
         no step needs one: the staging stages on the calling thread (a
-        shared segment, or slots), every target has announced its layout,
+        :class:`LoopFreeStaging`), every target has announced its layout,
         the weights are the same for every target, with no wire dtype and no
         digests. Returns :data:`NEEDS_LOOP`, having changed nothing, where
         one of these does not hold (run :meth:`start_send` instead).
@@ -591,41 +596,32 @@ class AsyncWeightSender:
         done, the send is abandoned before any worker is told, and
         KeyboardInterrupt raised. Raises what :meth:`start_send` raises.
         """
-        stage_now = self._stage_now()
+        stage_now = self._stage_now
         verifying = self.verify if verify is None else verify
-        if self._closed or self._busy or self._wire is not None or verifying or stage_now is None:
+        if self._closed or stage_now is None or self._wire is not None or verifying:
             return NEEDS_LOOP
-        if self._per_worker(weights, worker_ids) is not None:
+        if self.workers.per_worker(weights, worker_ids) is not None:
             return NEEDS_LOOP
-        targets = self._targets(worker_ids)
-        if any(self.transports[w].layout is None for w in targets):
+        targets = self.workers.targets(worker_ids)
+        if any(self.workers.transports[w].layout is None for w in targets):
             return NEEDS_LOOP  # (announcing waits)
-        # Taken as start_send() takes it: a send that another thread starts
-        # meanwhile is refused.
-        self._busy = True
+        self._claim()
         try:
             started = time.perf_counter()
             # (The loop's clock is this one: a send finished in a loop keeps its deadline.)
             deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
             packet = self.prepare(weights, fanout=len(targets), keys=keys, partial=partial)
-            reachable = self._check_layouts(packet, targets)
+            reachable = self.workers.check_layouts(packet, targets)
             if reachable:
                 stage_now(packet)
-                self.version = packet.version  # bytes moved: the version is used
-                packet = dataclasses.replace(packet, tensors=())
+                packet = self._staged(packet)
             if interrupted():
                 raise KeyboardInterrupt  # (nobody would wait for the send)
         except BaseException:
-            self._busy = False
+            self._release()
             raise
         staged = time.perf_counter() - started
         return PendingSend(self, packet, targets, reachable, {}, deadline, started, staged)
-
-    def _stage_now(self) -> Callable[[Packet], None] | None:
-        """The staging's way to stage on the calling thread, if it has one:
-        the pipe schemes' (a shared segment, or slots), whose transports'
-        posts and acks need no loop either."""
-        return getattr(self.staging, "stage_now", None)
 
     def finish_now(
         self, pending: PendingSend, *, interrupted: Callable[[], bool] = lambda: False
@@ -645,132 +641,38 @@ class AsyncWeightSender:
         abandoned as a cancelled one is, and KeyboardInterrupt raised.
         Raises what :meth:`PendingSend.wait` raises.
         """
-        if self._stage_now() is None or pending.posted or pending._waited:
+        if self._stage_now is None or pending.posted or pending.waited:
             return NEEDS_LOOP
         packet = pending.packet
         try:
-            self._post(pending)
+            pending.post()
             rest = [w for w in pending.reachable if w not in pending.failures]
-            watched = self._watchable(rest, packet)
-            if len(watched) < len(rest):
-                return pending  # (no ack is taken yet: the loop gathers them all)
-            done = pending.done
-            spilled = self._await_acks_now(
-                watched, packet, pending.failures, done, pending.deadline, interrupted
-            )
-            if spilled:
-                return pending  # (the loop tells them again and gathers the rest)
-            self._late(rest, done, pending.failures, f"ack version {packet.version}", packet.version)
-            self._record(pending)
+            watched = self._acks.watchable(rest, packet)
+            if len(watched) >= len(rest):
+                spilled = self._acks.await_acks_now(
+                    watched, packet, pending.failures, pending.done, pending.deadline, interrupted
+                )
+                if not spilled:
+                    self._acks.late(
+                        rest, pending.done, pending.failures, f"ack version {packet.version}", packet.version
+                    )
+                    self._record(pending)
+                    pending.settle()
+                    return pending.report()
         except BaseException:
-            self._busy = False
+            pending.settle()
             raise
-        self._busy = False
-        pending._waited = True
-        return self._report(pending)
-
-    def _await_acks_now(
-        self,
-        watched: dict[int, tuple[int, ...]],
-        packet: Packet,
-        failures: dict[int, WorkerError],
-        done: set[int],
-        deadline: float,
-        interrupted: Callable[[], bool],
-    ) -> list[int]:
-        """:meth:`_await_acks` on the calling thread: waits in the poll
-        itself until every watched worker acked or failed, the deadline
-        (``time.monotonic()``) passes, or ``interrupted()`` (looked at at
-        least every _POLL_SLICE seconds, and after every wakeup: a flooding
-        worker cannot hold it off). Returns the workers that need
-        :meth:`SenderTransport.deliver` after all.
-
-        :raises KeyboardInterrupt: ``interrupted()`` turned true.
-        """
-        waiting = dict(watched)
-        spilled: list[int] = []
-        if self._ready_watch is None:
-            self._ready_watch = ReadyWatch()
-        with self._ready_watch.armed(in_loop=False) as watch:
-            for fds in waiting.values():
-                watch.watch(fds)
-            ready = watch.poll(0)
-            while True:
-                news = [wid for wid, fds in waiting.items() if not ready.isdisjoint(fds)]
-                self._take_acks(news, waiting, packet, failures, done, spilled, watch)
-                left = deadline - time.monotonic()
-                if not waiting or left <= 0:
-                    return spilled
-                if interrupted():
-                    raise KeyboardInterrupt
-                ready = watch.poll(min(left, _POLL_SLICE))
-
-    def _take_acks(
-        self,
-        news: list[int],
-        waiting: dict[int, tuple[int, ...]],
-        packet: Packet,
-        failures: dict[int, WorkerError],
-        done: set[int],
-        spilled: list[int],
-        watch: ReadyWatch,
-    ) -> None:
-        """Read what each of the ``news`` workers sent; one that acked
-        ``packet`` goes to ``done``, one that failed to ``failures``, one
-        that needs :meth:`SenderTransport.deliver` to ``spilled``, and
-        either way it leaves ``waiting`` (and ``watch``)."""
-        for wid in news:
-            try:
-                got = self.transports[wid].try_ack(packet)
-            except WorkerError as exc:
-                failures[wid] = exc
-                got = True
-            if got is None:
-                spilled.append(wid)
-            if got is not False:
-                watch.forget(waiting.pop(wid))
-                if got and wid not in failures:
-                    done.add(wid)
-
-    def _post(self, pending: PendingSend) -> None:
-        """Tell every reachable worker of the staged update, without waiting;
-        one whose pipe is full is told by :meth:`SenderTransport.deliver`."""
-        for wid in pending.reachable:
-            try:
-                self.transports[wid].post(pending.packet)
-            except WorkerError as exc:
-                pending.failures[wid] = exc
-        pending.posted = True
+        # An ack needs the loop after all: the loop tells those workers again
+        # and gathers the rest (what came in already stays taken).
+        return pending
 
     def _record(self, pending: PendingSend) -> None:
         """Remember which workers acked ``pending``'s version."""
-        packet = pending.packet
-        for wid in pending.reachable:
-            if wid in pending.failures:
-                self._whole.discard(wid)
-            else:
-                self._acked[wid] = packet.version
-                if not packet.partial:
-                    self._whole.add(wid)
+        self.workers.record(pending.packet, pending.reachable, pending.failures)
 
-    def _report(self, pending: PendingSend) -> SendReport:
-        """The report of a gathered send.
-
-        :raises WorkerError: a worker failed (see :meth:`send`).
-        """
-        packet = pending.packet
-        if pending.failures:
-            raise combine_worker_errors(pending.failures, model_id=self.model_id, version=packet.version)
-        return SendReport(
-            packet.version,
-            pending.worker_ids,
-            packet.nbytes + sum(r.nbytes for r in pending.earlier),
-            time.perf_counter() - pending.started,
-            pending.staged_seconds,
-            pending.announce_seconds,
-        )
-
-    async def _gather(self, pending: PendingSend, *, keep_busy: bool = False) -> SendReport:
+    async def _gather(self, pending: PendingSend) -> SendReport:
+        """Tell the workers of ``pending`` (if not yet) and gather their acks
+        (those not in yet); its report. The send is over once this returns."""
         packet, failures, reachable = pending.packet, pending.failures, pending.reachable
         try:
             if reachable:
@@ -780,8 +682,8 @@ class AsyncWeightSender:
                 # with few cores, the workers this wakes would hold the
                 # caller up.)
                 if not pending.posted:
-                    self._post(pending)
-                await self._fan_out(
+                    pending.post()
+                await self._acks.fan_out(
                     [w for w in reachable if w not in failures and w not in pending.done],
                     lambda t: t.deliver(packet),
                     pending.deadline,
@@ -792,154 +694,8 @@ class AsyncWeightSender:
                 )
                 self._record(pending)
         finally:
-            if not keep_busy:
-                self._busy = False
-        return self._report(pending)
-
-    async def _fan_out(
-        self,
-        targets: list[int],
-        step: Any,
-        deadline: float,
-        failures: dict[int, WorkerError],
-        what: str,
-        version: int | None = None,
-        *,
-        acks_of: Packet | None = None,
-    ) -> None:
-        """Run ``step(transport)`` for every target concurrently, all under the
-        deadline; a failing worker never cancels the others. A target that
-        neither finished nor failed by the deadline gets an AckTimeoutError.
-
-        With ``acks_of`` (a posted packet), ``step`` gathers its acks: the
-        workers whose transports can be watched by descriptor
-        (:meth:`SenderTransport.ack_fds`) are waited for together by one
-        waiter, and ``step`` runs only for the others."""
-        done: set[int] = set()
-
-        async def one(wid: int) -> None:
-            try:
-                await step(self.transports[wid])
-                done.add(wid)
-            except WorkerError as exc:
-                failures[wid] = exc
-
-        watched = self._watchable(targets, acks_of) if acks_of is not None else {}
-        rest = [w for w in targets if w not in watched]
-        # One cancel scope for the whole fan-out: the deadline is the same for
-        # every worker, and a scope per worker costs more than the send itself
-        # for small models.
-        with anyio.move_on_after(max(deadline - anyio.current_time(), 0)):
-            if not rest:
-                if acks_of is not None and watched:
-                    await self._await_acks(watched, acks_of, failures, done, None)
-            elif len(rest) == 1 and not watched:
-                await one(rest[0])
-            else:
-                async with anyio.create_task_group() as group:
-                    for wid in rest:
-                        group.start_soon(one, wid)
-                    if acks_of is not None and watched:
-
-                        def spill(wid: int) -> None:
-                            group.start_soon(one, wid)
-
-                        group.start_soon(self._await_acks, watched, acks_of, failures, done, spill)
-        self._late(targets, done, failures, what, version)
-
-    def _late(
-        self,
-        targets: list[int],
-        done: set[int],
-        failures: dict[int, WorkerError],
-        what: str,
-        version: int | None,
-    ) -> None:
-        """An AckTimeoutError for each target that neither finished nor failed."""
-        for wid in targets:
-            if wid not in done and wid not in failures:
-                # (Only a send has a chain that may have broken before the worker.)
-                why = self.transports[wid].why_late() if version is not None else None
-                failures[wid] = AckTimeoutError(
-                    f"worker {wid} (model {self.model_id!r}) did not {what} before the deadline"
-                    + (f": {why}" if why else ""),
-                    worker_id=wid,
-                    model_id=self.model_id,
-                    version=version,
-                )
-
-    def _watchable(self, targets: list[int], packet: Packet) -> dict[int, tuple[int, ...]]:
-        """{worker: descriptors} of the targets whose acks of ``packet`` one
-        waiter can gather: posted, and watchable by descriptor."""
-        watched = {}
-        for wid in targets:
-            transport = self.transports[wid]
-            fds = transport.ack_fds(packet)
-            if fds is not None:
-                watched[wid] = fds
-        return watched
-
-    async def _await_acks(
-        self,
-        watched: dict[int, tuple[int, ...]],
-        packet: Packet,
-        failures: dict[int, WorkerError],
-        done: set[int],
-        spill: Callable[[int], Any] | None,
-    ) -> None:
-        """Gather the acks of ``packet`` from the ``watched`` workers with one
-        waiter over all their descriptors: per ack one wakeup, not a task
-        and a wait per worker (on a machine with few cores, that machinery
-        cost more than a small model's whole send). Each worker's error stays
-        its own, and a dead worker is reported as soon as its pidfd wakes
-        the waiter. A worker that turns out to need :meth:`deliver` (it
-        restarted) is handed to ``spill``, or delivered here after the
-        others when there is none."""
-        waiting = dict(watched)
-        spilled: list[int] = []
-        # A blocked caller's own loop has nothing else to run (no task group
-        # here): the wait then blocks in the poll itself, with no loop
-        # iteration per ack. It comes up for the loop every _POLL_SLICE
-        # seconds, so that Ctrl-C and the deadline still cancel it.
-        blocking = spill is None and inline_allowed()
-        if self._ready_watch is None:
-            self._ready_watch = ReadyWatch()
-        with self._ready_watch.armed(in_loop=not blocking) as watch:
-            for fds in waiting.values():
-                watch.watch(fds)
-            # Whatever is in already (on a machine with few cores the workers
-            # woken by the posts may have run before this): one look at the
-            # whole set, not a read attempt per worker.
-            ready = watch.poll(0)
-            news = [wid for wid, fds in waiting.items() if not ready.isdisjoint(fds)]
-            looked = anyio.current_time()  # when the loop last ran (blocking)
-            while True:
-                self._take_acks(news, waiting, packet, failures, done, spilled, watch)
-                if spill is not None:
-                    for wid in spilled:
-                        spill(wid)
-                    spilled.clear()
-                if not waiting:
-                    break
-                if blocking:
-                    now = anyio.current_time()
-                    left = anyio.current_effective_deadline() - now
-                    ready = watch.poll(max(min(left, _POLL_SLICE), 0.0))
-                    if not ready or now - looked >= _POLL_SLICE:
-                        # (Also while messages keep coming: a worker that
-                        # floods its pipe cannot hold the deadline off.)
-                        await anyio.lowlevel.checkpoint()
-                        looked = anyio.current_time()
-                else:
-                    await watch.wait()
-                    ready = watch.poll(0)
-                news = [wid for wid, fds in waiting.items() if not ready.isdisjoint(fds)]
-        for wid in spilled:  # only without a task group: rare (a restarted worker)
-            try:
-                await self.transports[wid].deliver(packet)
-                done.add(wid)
-            except WorkerError as exc:
-                failures[wid] = exc
+            pending.end()
+        return pending.report()
 
     async def add_worker(self, worker_id: int, transport: SenderTransport) -> None:
         """Send to ``transport`` as worker ``worker_id`` from now on. An
@@ -948,11 +704,8 @@ class AsyncWeightSender:
 
         :raises WeightSyncStateError: a send is running, or the sender is closed.
         """
-        self._check_membership("add_worker()")
-        old = self.transports.get(worker_id)
-        self.transports[worker_id] = transport
-        self._acked.pop(worker_id, None)
-        self._whole.discard(worker_id)
+        with self._membership_change("add_worker()"):
+            old = self.workers.put(worker_id, transport)
         if old is not None:
             await self._let_go(worker_id, old)
 
@@ -964,11 +717,8 @@ class AsyncWeightSender:
         :raises UnknownWorkerError: no such worker.
         :raises WeightSyncStateError: a send is running, or the sender is closed.
         """
-        self._check_membership("remove_worker()")
-        self._targets(worker_id)  # raises for an unknown id
-        transport = self.transports.pop(worker_id)
-        self._acked.pop(worker_id, None)
-        self._whole.discard(worker_id)
+        with self._membership_change("remove_worker()"):
+            transport = self.workers.pop(worker_id)
         await self._let_go(worker_id, transport)
 
     async def _let_go(self, worker_id: int, transport: SenderTransport) -> None:
@@ -977,12 +727,21 @@ class AsyncWeightSender:
                 self.staging.released(worker_id, EVERY_VERSION, None)
             await transport.aclose()
 
-    def _check_membership(self, what: str) -> None:
+    @contextlib.contextmanager
+    def _membership_change(self, what: str) -> Iterator[None]:
+        """Holds the sender (no send starts meanwhile) while the workers change.
+
+        :raises WeightSyncStateError: a send is running, or the sender is closed.
+        """
         self._check_open()
-        if self._busy:
+        if not self._busy.acquire(blocking=False):
             raise WeightSyncStateError(
                 f"{what} while a send of model {self.model_id!r} is running", model_id=self.model_id
             )
+        try:
+            yield
+        finally:
+            self._busy.release()
 
     def _check_open(self) -> None:
         require_asyncio(self.model_id)
@@ -1010,10 +769,8 @@ class AsyncWeightSender:
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
-            for transport in self.transports.values():
+            for transport in self.workers.transports.values():
                 await transport.aclose()
             if self.staging is not None:
                 await self.staging.aclose()
-            if self._ready_watch is not None:
-                self._ready_watch.close()
-                self._ready_watch = None
+            self._acks.close()

@@ -30,6 +30,7 @@ __all__ = [
     "EVERY_VERSION",
     "Applier",
     "Incoming",
+    "LoopFreeStaging",
     "SenderTransport",
     "Staging",
     "StagingReader",
@@ -100,6 +101,18 @@ class Staging(Protocol):
 
     async def aclose(self) -> None:
         """Release what was staged. Idempotent."""
+
+
+@runtime_checkable
+class LoopFreeStaging(Staging, Protocol):
+    """A :class:`Staging` that can also stage on the calling thread, with no
+    event loop (the pipe schemes' segment and slots, whose transports post
+    and take acks without a loop too): a blocking ``send()`` then runs
+    whole on the caller's thread."""
+
+    def stage_now(self, packet: Packet) -> None:
+        """What :meth:`Staging.stage` does without digests, blocking the
+        calling thread for the copy; never enters an event loop."""
 
 
 @runtime_checkable

@@ -22,17 +22,17 @@ import pickle
 import select
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 import anyio
 
+from .._readiness import ProcessWatch, wait_readable_any
+
 __all__ = [
     "LIVENESS_PERIOD",
     "PipeChannel",
-    "ProcessWatch",
-    "ReadyWatch",
     "describe_exit",
     "encode",
     "exit_status",
@@ -54,142 +54,8 @@ def _readable(fd: int) -> bool:
     return bool(select.select([fd], [], [], 0)[0])
 
 
-async def _wait_readable_any(fds: list[int], timeout: float | None) -> None:
-    """Wait until one of ``fds`` is readable or ``timeout`` seconds pass
-    (None: no limit; the caller's cancel scope bounds it). Cancellable. The
-    caller checks which, if any, happened."""
-    loop = asyncio.get_running_loop()  # asyncio only: see _offload.require_asyncio
-    ready = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    # A timer handle, not a cancel scope: this wait is on every send's path,
-    # and a scope costs more than the rest of the wait. None where the
-    # caller's deadline is a scope of its own (a send's acks).
-    timer = None if timeout is None else loop.call_later(timeout, wake)
-    for fd in fds:
-        loop.add_reader(fd, wake)
-    try:
-        await ready
-    finally:
-        if timer is not None:
-            timer.cancel()
-        for fd in fds:
-            loop.remove_reader(fd)
-
-
-class ReadyWatch:
-    """Waits, in the running asyncio loop, until one of a changing set of
-    descriptors is readable, and tells which: a send's gather watches every
-    worker's pipe and pidfd at once, in one waiter.
-
-    The descriptors sit in an epoll set of its own, kept from gather to
-    gather, and only that set's descriptor is registered with the loop, once
-    per gather (:meth:`armed`): the gather wakes once per ack, and on a
-    machine with few cores the loop's own registrations (a waiter per
-    worker, or a reader per descriptor) cost more than the acks.
-    Readiness is level-triggered, so data that came between a poll and the
-    next :meth:`wait` still wakes it.
-    """
-
-    def __init__(self) -> None:
-        self._epoll = select.epoll()
-        self._fds: set[int] = set()
-        self._woken: asyncio.Future[None] | None = None
-
-    def _wake(self) -> None:
-        if self._woken is not None and not self._woken.done():
-            self._woken.set_result(None)
-
-    @contextlib.contextmanager
-    def armed(self, *, in_loop: bool = True) -> Iterator[ReadyWatch]:
-        """Ready for one gather: registered with the running loop for
-        :meth:`wait` (asyncio only: see ``_offload.require_asyncio``), or,
-        ``in_loop=False``, not, for :meth:`poll`. Leaving forgets every
-        descriptor."""
-        loop = asyncio.get_running_loop() if in_loop else None
-        if loop is not None:
-            loop.add_reader(self._epoll.fileno(), self._wake)
-        try:
-            yield self
-        finally:
-            if loop is not None:
-                loop.remove_reader(self._epoll.fileno())
-            self.forget(tuple(self._fds))
-
-    def watch(self, fds: tuple[int, ...]) -> None:
-        for fd in fds:
-            if fd not in self._fds:
-                self._epoll.register(fd, select.EPOLLIN)
-                self._fds.add(fd)
-
-    def forget(self, fds: tuple[int, ...]) -> None:
-        for fd in fds:
-            if fd in self._fds:
-                self._fds.discard(fd)
-                with contextlib.suppress(OSError):  # closed meanwhile: the kernel dropped it
-                    self._epoll.unregister(fd)
-
-    def poll(self, timeout: float) -> set[int]:
-        """Block this thread up to ``timeout`` seconds until a watched
-        descriptor is readable; those that are (or closed, or in error;
-        empty: none came). ``poll(0)`` after :meth:`wait` says which."""
-        return {fd for fd, _ in self._epoll.poll(timeout)}
-
-    async def wait(self) -> None:
-        """Until a watched descriptor is readable (at once if one is). No
-        limit of its own: the caller's cancel scope bounds it."""
-        self._woken = asyncio.get_running_loop().create_future()
-        try:
-            await self._woken
-        finally:
-            self._woken = None
-
-    def close(self) -> None:
-        self._epoll.close()
-
-
 def _now() -> float:
     return asyncio.get_running_loop().time()
-
-
-class ProcessWatch:
-    """Tells whether another process on this host is still alive.
-
-    Uses a pidfd where the kernel has them (exact, immune to pid reuse) and
-    ``/proc/<pid>/stat`` otherwise; a zombie counts as dead.
-    """
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._pidfd: int | None = None
-        try:
-            self._pidfd = os.pidfd_open(pid)
-        except (AttributeError, OSError):
-            self._pidfd = None
-
-    @property
-    def fd(self) -> int | None:
-        """A descriptor that becomes readable when the process exits, if any."""
-        return self._pidfd
-
-    def alive(self) -> bool:
-        if self._pidfd is not None:
-            readable, _, _ = select.select([self._pidfd], [], [], 0)
-            return not readable
-        try:
-            with open(f"/proc/{self.pid}/stat", "rb") as stat:
-                state = stat.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return False
-        return state not in (b"Z", b"X")
-
-    def close(self) -> None:
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
 
 
 # How long a lost peer's exit status may take to show once its pipe closed:
@@ -323,9 +189,9 @@ class PipeChannel:
         (None: no limit)."""
         watch = self.peer.fd if self.peer is not None else None
         if watch is None:  # no pidfd: wake up now and then to poll the peer
-            await _wait_readable_any([self._fd], min(timeout or LIVENESS_PERIOD, LIVENESS_PERIOD))
+            await wait_readable_any([self._fd], min(timeout or LIVENESS_PERIOD, LIVENESS_PERIOD))
         else:
-            await _wait_readable_any([self._fd, watch], timeout)
+            await wait_readable_any([self._fd, watch], timeout)
 
     async def send(self, message: tuple[Any, ...]) -> None:
         """Send one message; waits (in the loop) only while the pipe is full.

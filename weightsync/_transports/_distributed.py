@@ -37,9 +37,10 @@ from .._digest import copy_out
 from .._exceptions import SenderLostError, WorkerLostError
 from .._offload import run_blocking
 from .._packet import Manifest, Packet
+from .._readiness import wait_readable_any
 from ._base import worker_failed, worker_lost
 from ._chain import ChainDriver
-from ._channel import _wait_readable_any, describe_exit, exit_status, started_here
+from ._channel import describe_exit, exit_status, started_here
 from ._dist_chain import WorkerChain
 from ._dist_delta import DeltaBase
 from ._dist_protocol import (
@@ -506,7 +507,7 @@ class ChainEndpoint:
             left = deadline - anyio.current_time()
             if left <= 0:
                 return None
-            await _wait_readable_any([self._relay.wake_fd], left)
+            await wait_readable_any([self._relay.wake_fd], left)
             update = self._relay.take()
         return update
 

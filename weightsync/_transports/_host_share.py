@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from .._copy import copy_tensors
+from .._readiness import ProcessWatch
 from .._segment import BROKEN, AttachedSegments, Segment
 from ._chain import Report
-from ._channel import ProcessWatch
 from ._dist_protocol import FollowNotice, Lead, SessionKeys, decode, get_now
 from ._gloo_chain import short_message
 

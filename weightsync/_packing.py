@@ -1,0 +1,84 @@
+"""Reading a model into the next packet: its tensors, laid out once.
+
+A model whose tensors stay put is neither read nor laid out again from send
+to send: the sender keeps its last read and what was derived from it (the
+manifest, the tensors in manifest order), and the staging keeps its copy
+plan for that very list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ._copy import WireCast
+from ._exceptions import WeightMismatchError
+from ._packet import Manifest, Packet, describe_mismatch, signature_of
+from ._strategy import ModuleReads
+
+__all__ = ["Keys", "Packer"]
+
+#: Which weights a partial send takes: names, or a test on names.
+Keys = Iterable[str] | Callable[[str], bool]
+
+
+class Packer:
+    """Makes the packets of one model's sends."""
+
+    def __init__(self, model_id: str | None, context: Any, wire: WireCast | None) -> None:
+        self.model_id = model_id
+        self.context = context
+        self._wire = wire
+        self._manifests: dict[Any, Manifest] = {}
+        self._reads = ModuleReads()
+        self._derived: tuple[dict[str, torch.Tensor], Manifest, list[torch.Tensor]] | None = None
+
+    def packet(
+        self, version: int, weights: Any, *, fanout: int = 1, keys: Keys | None = None, partial: bool = False
+    ) -> Packet:
+        """``weights`` (None: the context's model) as the packet of
+        ``version``: all of them, or (``keys``) those named.
+
+        :raises InvalidWeightsError: the weights hold something unsendable.
+        :raises WeightMismatchError: ``keys`` names something the weights lack.
+        :raises ValueError: ``keys`` selects nothing.
+        """
+        tensors = self._reads.read(weights, context=self.context, model_id=self.model_id)
+        if keys is not None:
+            tensors = self._select(tensors, keys)
+            partial = True
+        derived = self._derived
+        if derived is None or derived[0] is not tensors:
+            manifest = self._manifest(tensors)
+            # (The same list, send after send, lets the staging keep its copy plan.)
+            derived = self._derived = (tensors, manifest, manifest.ordered(tensors))
+        return Packet(version, derived[1], derived[2], fanout, partial)
+
+    def _manifest(self, tensors: Mapping[str, torch.Tensor]) -> Manifest:
+        key = signature = signature_of(tensors)
+        manifest = self._manifests.get(key)
+        if manifest is None:
+            if self._wire is not None:
+                # What the workers get: float32 weights as the wire dtype.
+                wire = str(self._wire.dtype).removeprefix("torch.")
+                signature = tuple((n, wire if d == "float32" else d, s) for n, d, s in signature)
+            manifest = self._manifests[key] = Manifest.from_signature(signature)
+        return manifest
+
+    def _select(self, tensors: dict[str, torch.Tensor], keys: Keys) -> dict[str, torch.Tensor]:
+        if callable(keys):
+            chosen = {name: t for name, t in tensors.items() if keys(name)}
+        else:
+            names = [keys] if isinstance(keys, str) else list(keys)
+            unknown = [n for n in names if n not in tensors]
+            if unknown:
+                raise WeightMismatchError(
+                    describe_mismatch([], unknown, [], where="the weights sent (keys=)"),
+                    model_id=self.model_id,
+                )
+            chosen = {name: tensors[name] for name in names}
+        if not chosen:
+            raise ValueError(f"keys= selects no weight of model {self.model_id!r}: nothing to send")
+        return chosen
