@@ -146,7 +146,7 @@ class ChainStaging:
         return self.driver.sent_bytes
 
     @property
-    def last_encoded(self) -> list[bool]:
+    def last_delta(self) -> list[bool]:
         """Per chain of the last send: whether it carried a delta."""
         return [route.encoded is not None for route in self.driver.routes]
 

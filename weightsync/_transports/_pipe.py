@@ -35,7 +35,7 @@ from .._packet import Manifest, Packet, Signature
 from ._base import EVERY_VERSION, Staging, StagingReader, worker_failed, worker_lost
 from ._channel import PipeChannel, describe_exit, encode, exit_status, started_here
 
-__all__ = ["PipeEndpoint", "PipeSenderTransport", "PipeUpdate"]
+__all__ = ["EncodedUpdates", "PipeEndpoint", "PipeSenderTransport", "PipeUpdate"]
 
 
 # -- the sender's channel to one worker ----------------------------------------
@@ -43,10 +43,21 @@ __all__ = ["PipeEndpoint", "PipeSenderTransport", "PipeUpdate"]
 # What a worker may send: kind -> length of the tuple.
 _WORKER_MESSAGES = {"hello": 4, "ack": 3, "error": 3}
 
-# The last update message encoded, and its bytes: the workers of one send are
-# told the same thing (the staging's descriptor is one for all of them), so
-# it is encoded once per send, not once per worker.
-_last_encoded: tuple[tuple[Any, ...], bytes] = ((), b"")
+
+class EncodedUpdates:
+    """The last update message encoded, and its bytes, for the transports of
+    one sender: the workers of one send are told the same thing (the
+    staging's descriptor is one for all of them), so it is encoded once per
+    send, not once per worker."""
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple[Any, ...], bytes] = ((), b"")
+
+    def encoded(self, message: tuple[Any, ...]) -> bytes:
+        last = self._last  # (one read: another thread may replace it)
+        if last[0] != message:
+            last = self._last = (message, encode(message))
+        return last[1]
 
 
 class PipeSenderTransport:
@@ -61,8 +72,11 @@ class PipeSenderTransport:
         model_id: str | None,
         *,
         fault_hint: str | None = None,
+        updates: EncodedUpdates | None = None,
     ) -> None:
         self.worker_id = worker_id
+        # Shared by the transports of one sender (see EncodedUpdates).
+        self._updates = updates if updates is not None else EncodedUpdates()
         self.model_id = model_id
         self._staging = staging
         # Said along with a worker's SIGSEGV: what the scheme knows may cause one.
@@ -167,12 +181,7 @@ class PipeSenderTransport:
         )
 
     def post(self, packet: Packet) -> bool:
-        global _last_encoded
-        message = self._update(packet)
-        last = _last_encoded  # (one read: another thread may replace it)
-        if last[0] != message:
-            last = _last_encoded = (message, encode(message))
-        if self._channel.try_send_encoded(last[1]):
+        if self._channel.try_send_encoded(self._updates.encoded(self._update(packet))):
             self._posted = packet.version
             self._resend = False
             return True

@@ -153,10 +153,10 @@ class RayStaging:
         self._kind: SendKind | None = None
 
     @property
-    def last_encoded(self) -> list[bool]:
+    def last_delta(self) -> list[bool]:
         """Per chain of the relay in the last send: whether it carried a
         delta (empty: the send did not use the relay)."""
-        return self.relay.last_encoded if self.relay is not None and self._routes else []
+        return self.relay.last_delta if self.relay is not None and self._routes else []
 
     @property
     def last_wire_bytes(self) -> int:

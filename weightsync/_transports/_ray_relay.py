@@ -376,7 +376,7 @@ class HostRelay:
         return [] if self._driver is None else [route.chain for route in self._driver.routes]
 
     @property
-    def last_encoded(self) -> list[bool]:
+    def last_delta(self) -> list[bool]:
         """Per chain of the last send: whether it carried a delta."""
         return [] if self._driver is None else [r.encoded is not None for r in self._driver.routes]
 

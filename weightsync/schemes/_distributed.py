@@ -222,7 +222,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         """Per chain of the trainer's last send (as :attr:`last_routes`):
         whether it carried a delta (``delta=True``) or the full bytes."""
         staging = self.staging
-        return staging.last_encoded if isinstance(staging, ChainStaging) else []
+        return staging.last_delta if isinstance(staging, ChainStaging) else []
 
     @property
     def last_wire_bytes(self) -> int:

@@ -14,7 +14,7 @@ import torch
 from .._sender import DEFAULT_TIMEOUT, Keys, SendReport
 from .._transports._base import SenderTransport, Staging
 from .._transports._copy_staging import CopyReader, SegmentStaging
-from .._transports._pipe import PipeEndpoint, PipeSenderTransport
+from .._transports._pipe import EncodedUpdates, PipeEndpoint, PipeSenderTransport
 from .._transports._slot_staging import SlotReader, SlotStaging
 from ._base import EndpointFactory, StrategyName, WeightSyncScheme, _from, _num_workers
 
@@ -91,6 +91,8 @@ class _PipeScheme(WeightSyncScheme):
         # workers' (held here until every worker has its own copy).
         self._own_pipes: list[Connection] = []
         self._worker_ends: dict[int, Connection] = {}
+        # The update messages, encoded once per send for every worker.
+        self._updates: EncodedUpdates | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -110,6 +112,12 @@ class _PipeScheme(WeightSyncScheme):
         if pipes is None:
             return self._make_pipes(ctx, _num_workers(context, kwargs))
         pipes = list(pipes)
+        if not pipes:
+            # Accepted, it would make a sender whose sends go to nobody.
+            raise ValueError(
+                f"{type(self).__name__}.init_on_sender got no workers (pipes=[]): give the trainer's end "
+                "of one pipe per worker, pipes=[...], or num_workers=N (N >= 1) for the scheme to make them"
+            )
         num_workers = _from(context, kwargs, "num_workers") or len(pipes)
         if num_workers != len(pipes):
             raise ValueError(f"num_workers={num_workers} but {len(pipes)} pipes were given")
@@ -164,7 +172,11 @@ class _PipeScheme(WeightSyncScheme):
         ``staging`` (default: the sender's)."""
         staging = staging if staging is not None else self.staging
         assert staging is not None
-        return PipeSenderTransport(pipe, worker_id, staging, self._model_id, fault_hint=self._fault_hint)
+        if self._updates is None:
+            self._updates = EncodedUpdates()
+        return PipeSenderTransport(
+            pipe, worker_id, staging, self._model_id, fault_hint=self._fault_hint, updates=self._updates
+        )
 
     def _connected(self) -> None:
         # Every worker has its end now: the sender's copies would only keep

@@ -125,7 +125,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         from .._transports._ray import RayStaging
 
         staging = self.staging
-        return staging.last_encoded if isinstance(staging, RayStaging) else []
+        return staging.last_delta if isinstance(staging, RayStaging) else []
 
     @property
     def last_wire_bytes(self) -> int:
@@ -144,8 +144,11 @@ class RayWeightSyncScheme(WeightSyncScheme):
         from .._transports._ray import RaySenderTransport, RayStaging, ray
 
         actors: Sequence[Any] | None = _from(context, kwargs, "remote_collectors")
-        if actors is None:
-            raise ValueError(f"{type(self).__name__}.init_on_sender needs remote_collectors=[actor, ...]")
+        if actors is None or not list(actors):
+            raise ValueError(
+                f"{type(self).__name__}.init_on_sender needs remote_collectors=[actor, ...], one actor "
+                f"handle per worker (at least one), got {actors!r}"
+            )
         if not ray.is_initialized():
             # Otherwise the first send's ray.put would quietly start a new,
             # empty local Ray instance that none of the actors live in.
