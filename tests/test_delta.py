@@ -13,19 +13,18 @@ import pytest
 import torch
 
 from weightsync._delta import (
-    CHUNK_BYTES,
     HEADER_SIZE,
     PROBE_BYTES,
     DeltaDecoder,
     DeltaEncoder,
     Mode,
-    chunk_spans,
     decode_frame,
     encode_frame,
     read_header,
     version_digest,
 )
 from weightsync._exceptions import DeltaFrameError, MissingExtraError
+from weightsync._frames import CHUNK_BYTES, frame_spans, piece_spans
 from weightsync.bench._trajectories import TRAJECTORIES, update_trajectory
 
 pytest.importorskip("blosc2")
@@ -145,9 +144,12 @@ def test_each_mode_round_trips(case: str) -> None:
 
 
 def test_tail_chunk_not_a_multiple_of_the_element_size() -> None:
-    assert chunk_spans(10, 4, 2) == [(0, 4), (4, 4), (8, 2)]
-    assert chunk_spans(11, 5, 2) == [(0, 4), (4, 4), (8, 3)]
-    assert chunk_spans(0) == []
+    assert frame_spans(10, 4, 2) == [(0, 4), (4, 8), (8, 10)]
+    assert frame_spans(11, 5, 2) == [(0, 4), (4, 8), (8, 11)]
+    assert frame_spans(0) == []
+    # Several buffers cut into frames of pieces, for the chain's sender.
+    assert piece_spans([3, 0, 4], 4) == [[(0, 0, 3), (2, 0, 1)], [(2, 1, 4)]]
+    assert piece_spans([], 4) == []
     steps = [np.random.default_rng(s).integers(0, 256, 2 * CHUNK + 3, dtype=np.uint8) for s in range(2)]
     steps[1][: 2 * CHUNK] = steps[0][: 2 * CHUNK]
     steps[1][-3:] = steps[0][-3:] ^ 1

@@ -6,7 +6,7 @@ can carry only the difference from the last version every receiver holds.
 This module is the codec only; the transports decide who holds which base
 and when a worker must get the full bytes instead.
 
-The staged bytes are cut into chunks (:func:`chunk_spans`); each chunk
+The staged bytes are cut into chunks (``_frames.frame_spans``); each chunk
 becomes one self-describing *frame*: a fixed :data:`HEADER` (mode, element
 size, raw length, payload length, XXH3-64 digest of the chunk's bytes), then
 the payload. A receiver reads :data:`HEADER_SIZE` bytes, learns the payload's
@@ -78,12 +78,12 @@ import torch
 
 from ._digest import digests
 from ._exceptions import DeltaFrameError, import_extra
+from ._frames import CHUNK_BYTES, frame_spans
 
 if TYPE_CHECKING:
     import numpy as np
 
 __all__ = [
-    "CHUNK_BYTES",
     "HEADER",
     "HEADER_SIZE",
     "PROBE_BYTES",
@@ -93,7 +93,6 @@ __all__ = [
     "DeltaEncoder",
     "FrameHeader",
     "Mode",
-    "chunk_spans",
     "decode_frame",
     "encode_frame",
     "read_header",
@@ -101,8 +100,6 @@ __all__ = [
     "version_digest",
 ]
 
-#: Bytes per chunk: the chain's unit of pipelining.
-CHUNK_BYTES = 1 << 20
 
 #: A chunk is sent raw unless encoding makes it smaller than this fraction.
 RAW_RATIO = 0.95
@@ -176,22 +173,6 @@ def require_codec() -> tuple[Any, Any]:
             import_extra(module, extra="delta", needed_by="delta encoding (delta=True)")
         raise
     return blosc2, xxhash.xxh3_64_intdigest
-
-
-def chunk_spans(nbytes: int, chunk_bytes: int = CHUNK_BYTES, element_size: int = 1) -> list[tuple[int, int]]:
-    """``(offset, length)`` of each chunk of ``nbytes``: ``chunk_bytes``
-    rounded down to a multiple of ``element_size``, so no element straddles
-    two chunks; the last chunk holds the rest (possibly not a multiple of
-    the element size). No bytes: no chunks.
-
-    :raises ValueError: a size that is not positive.
-    """
-    if not 0 < chunk_bytes < 1 << 32 or element_size <= 0 or nbytes < 0:
-        raise ValueError(
-            f"bad sizes: nbytes={nbytes}, chunk_bytes={chunk_bytes}, element_size={element_size}"
-        )
-    step = max(element_size, chunk_bytes - chunk_bytes % element_size)
-    return [(start, min(step, nbytes - start)) for start in range(0, nbytes, step)]
 
 
 def _flat_bytes(buffer: Any) -> np.ndarray:
@@ -420,7 +401,7 @@ class DeltaEncoder:
         require_codec()
         self.nbytes = nbytes
         self.element_size = element_size
-        self.spans = chunk_spans(nbytes, chunk_bytes, element_size)
+        self.spans = frame_spans(nbytes, chunk_bytes, element_size)
         self.threads = max(1, threads)
         self.compressor: Compressor = compressor
         self._base: np.ndarray | None = None
@@ -449,12 +430,12 @@ class DeltaEncoder:
         import numpy as np
 
         base = None if full else self._base
-        size = self.spans[0][1] if self.spans else 0
+        size = self.spans[0][1] - self.spans[0][0] if self.spans else 0
 
         def encode(index: int, scratch: np.ndarray) -> bytes:
-            start, length = self.spans[index]
-            chunk = data[start : start + length]
-            before = None if base is None else base[start : start + length]
+            start, stop = self.spans[index]
+            chunk = data[start:stop]
+            before = None if base is None else base[start:stop]
             return encode_frame(chunk, before, self.element_size, scratch, self.compressor)
 
         if self.threads == 1:
@@ -538,7 +519,7 @@ class DeltaDecoder:
         self._base = None if base is None else _flat_bytes(base)
         if self._base is not None and self._base.nbytes != self._data.nbytes:
             raise ValueError(f"a base of {self._base.nbytes} bytes for a buffer of {self._data.nbytes}")
-        self.spans = chunk_spans(self._data.nbytes, chunk_bytes, element_size)
+        self.spans = frame_spans(self._data.nbytes, chunk_bytes, element_size)
         self._next = 0
 
     @property
@@ -556,10 +537,10 @@ class DeltaDecoder:
         """
         if self.done:
             raise DeltaFrameError(f"a frame past the last of {len(self.spans)} chunks")
-        start, length = self.spans[self._next]
-        out = self._data[start : start + length]
+        start, stop = self.spans[self._next]
+        out = self._data[start:stop]
         if self._base is not None and read_header(frame).mode.needs_base:
-            out[:] = self._base[start : start + length]
+            out[:] = self._base[start:stop]
         head = decode_frame(frame, out)
         self._next += 1
         return head
@@ -567,7 +548,7 @@ class DeltaDecoder:
     @property
     def decoded(self) -> int:
         """The leading bytes of the buffer rebuilt so far."""
-        return self.spans[self._next - 1][0] + self.spans[self._next - 1][1] if self._next else 0
+        return self.spans[self._next - 1][1] if self._next else 0
 
     def check(self, expected: Sequence[int], threads: int = 1) -> None:
         """Check that the whole rebuilt version is the trainer's: its

@@ -36,8 +36,8 @@ import torch
 
 from .._delta import HEADER_SIZE, DeltaDecoder, read_header
 from .._exceptions import DeltaFrameError
+from .._frames import CHUNK_BYTES
 from ._gloo_chain import (
-    CHUNK_BYTES,
     ChainBroken,
     gloo_group,
     relay_chain,

@@ -35,6 +35,7 @@ import torch
 from .._copy import usable_cores
 from .._digest import copy_out
 from .._exceptions import SenderLostError, WorkerLostError
+from .._frames import CHUNK_BYTES
 from .._offload import run_blocking
 from .._packet import Manifest, Packet
 from .._readiness import wait_readable_any
@@ -58,7 +59,7 @@ from ._dist_protocol import (
     wait_key,
 )
 from ._dist_relay import ChainUpdate, WorkerRelay
-from ._gloo_chain import CHUNK_BYTES, connect_store, short_message
+from ._gloo_chain import connect_store, short_message
 from ._liveness import Liveness, TrainerLink
 
 __all__ = [

@@ -30,12 +30,10 @@ from typing import Any
 import torch
 
 from .._copy import copy_tensors
+from .._frames import frame_spans, piece_spans
 
 __all__ = [
-    "CHUNK_BYTES",
     "ChainBroken",
-    "chunk_spans",
-    "frame_spans",
     "connect_store",
     "gloo_group",
     "relay_chain",
@@ -45,42 +43,6 @@ __all__ = [
     "seconds",
     "short_message",
 ]
-
-#: Bytes per chain message. 1 MiB: at 1 Gbit/s a chunk takes 8 ms per hop,
-#: so filling a chain of 7 hosts costs 50 ms, while gloo's cost per message
-#: stays small next to its transfer (4 MiB measured slower: 1.36x the floor
-#: against 1.17x at 64 MiB, 5 hosts).
-CHUNK_BYTES = 1 << 20
-
-
-def chunk_spans(sizes: Sequence[int], chunk: int) -> list[list[tuple[int, int, int]]]:
-    """Cut the concatenation of buffers of ``sizes`` bytes into chunks of at
-    most ``chunk`` bytes; each chunk is a list of (buffer, start, stop)
-    pieces, in order. An empty list for no bytes."""
-    chunks: list[list[tuple[int, int, int]]] = []
-    current: list[tuple[int, int, int]] = []
-    room = chunk
-    for index, size in enumerate(sizes):
-        start = 0
-        while start < size:
-            take = min(room, size - start)
-            current.append((index, start, start + take))
-            start += take
-            room -= take
-            if room == 0:
-                chunks.append(current)
-                current, room = [], chunk
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-def frame_spans(total: int, chunk: int) -> list[tuple[int, int]]:
-    """The frames of a buffer of ``total`` bytes: (start, stop) spans of at
-    most ``chunk`` bytes, in order. Both ends of a hop cut the same frames
-    from the same (total, chunk), which is all a fixed-size frame needs."""
-    return [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
-
 
 class ChainBroken(RuntimeError):
     """A hop of the chain failed: the message says which frame and why
@@ -141,7 +103,7 @@ def send_chain(group: Any, sources: Sequence[torch.Tensor], chunk: int, dst: int
         the peer is gone (gloo's error).
     """
     in_flight: list[tuple[Any, torch.Tensor, int]] = []
-    spans = chunk_spans([s.numel() for s in sources], chunk)
+    spans = piece_spans([s.numel() for s in sources], chunk)
     last = len(spans)
 
     def wait(work: Any, index: int) -> None:

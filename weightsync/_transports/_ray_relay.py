@@ -63,16 +63,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .._delta import DeltaEncoder
+from .._frames import CHUNK_BYTES
 from .._segment import Segment
 from ._chain import ChainDriver, ChainMember, Encoded, EncodedSend, Link, Report, Route
-from ._gloo_chain import CHUNK_BYTES, chunk_spans, connect_store
+from ._gloo_chain import connect_store
 from ._gloo_chain import seconds as _seconds
 from ._host_copy import HostBuffers, HostCopy
 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["CHUNK_BYTES", "HostRelay", "RelayAgent", "RelayDelta", "SendKind", "chunk_spans"]
+__all__ = ["HostRelay", "RelayAgent", "RelayDelta", "SendKind"]
 
 
 def _node_address() -> str:
