@@ -86,6 +86,8 @@ def build_model(kind: str, seed: int = 0) -> Any:
         return Net()
     if kind == "wide":
         return Net(hidden=32)
+    if kind == "bf16":  # Net's layout in bfloat16: what wire_dtype=torch.bfloat16 sends to
+        return Net().to(torch.bfloat16)
     if kind == "soak":  # 136 KiB: a leak of a copy of it per send is megabytes in a soak
         return Net(hidden=2048)
     if kind == "overlap":

@@ -78,8 +78,16 @@ class WeightSyncStateError(WeightSyncError, RuntimeError):
 class WeightMismatchError(WeightSyncError, ValueError):
     """The weights do not match the model (names, shapes or dtypes).
 
-    Raised before any worker or parameter is touched.
+    Raised before any worker or parameter is touched. Raised by a sender,
+    ``worker_ids`` lists every worker whose model does not match (empty
+    where no worker is known to, e.g. on a worker).
     """
+
+    def __init__(
+        self, message: str, *, model_id: str | None = None, worker_ids: tuple[int, ...] = ()
+    ) -> None:
+        super().__init__(message, model_id=model_id)
+        self.worker_ids = worker_ids
 
 
 class InvalidWeightsError(WeightSyncError, ValueError):
@@ -149,6 +157,8 @@ class WorkerError(WeightSyncError):
 
     ``worker_ids`` lists the failed workers, ``failures`` maps each to its own
     error, and ``version`` is the version of the send that failed.
+    ``advice``, where the likely causes are known, says what to check; it
+    ends the message (``reason`` is the message without it).
     """
 
     def __init__(
@@ -163,6 +173,17 @@ class WorkerError(WeightSyncError):
         self.version = version
         self.worker_ids: tuple[int, ...] = () if worker_id is None else (worker_id,)
         self.failures: dict[int, WorkerError] = {} if worker_id is None else {worker_id: self}
+        #: What to check, when the likely causes are known (e.g. of a worker
+        #: never heard of); it ends the message.
+        self.advice = ""
+
+    @property
+    def reason(self) -> str:
+        """The message without the advice."""
+        return super().__str__()
+
+    def __str__(self) -> str:
+        return f"{self.reason}. {self.advice}" if self.advice else self.reason
 
     @property
     def worker_id(self) -> int | None:
@@ -229,7 +250,8 @@ def combine_worker_errors(
     """One error naming every failed worker.
 
     A single failure is returned as it is; several become one error of their
-    closest common class, with every worker's reason in the message.
+    closest common class, with every worker's reason in the message, and
+    each distinct ``advice`` of theirs once, at its end.
     """
     for err in failures.values():
         if err.version is None:
@@ -246,7 +268,7 @@ def combine_worker_errors(
         ):
             common = candidate
             break
-    lines = "; ".join(f"worker {wid}: {err}" for wid, err in sorted(failures.items()))
+    lines = "; ".join(f"worker {wid}: {err.reason}" for wid, err in sorted(failures.items()))
     message = f"{len(failures)} workers failed (model {model_id!r}, version {version}): {lines}"
     if common is WorkerApplyError:
         combined: WorkerError = WorkerApplyError(message, model_id=model_id, version=version)
@@ -254,6 +276,7 @@ def combine_worker_errors(
         combined = common(message, model_id=model_id, version=version)
     combined.worker_ids = tuple(sorted(failures))
     combined.failures = dict(sorted(failures.items()))
+    combined.advice = " ".join(dict.fromkeys(err.advice for err in failures.values() if err.advice))
     return combined
 
 

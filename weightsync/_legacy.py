@@ -265,7 +265,8 @@ class MultiProcessedRemoteWeightUpdate(RemoteWeightUpdaterBase):
         flat = flat_weights(server_weights)
         buffer = model_tensors(self._policy_weights[worker_id])
         where = f"the buffer of worker {worker_id!r}"
-        Manifest.of(flat).check_matches(Manifest.of(buffer), model_id=None, where=where)
+        sides = ("trainer", "buffer")
+        Manifest.of(flat).check_matches(Manifest.of(buffer), model_id=None, where=where, sides=sides)
         check_writable_in_place(buffer.items(), where=f" in {where}")
         names = list(buffer)
         return [buffer[n] for n in names], [flat[n] for n in names]

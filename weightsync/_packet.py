@@ -109,47 +109,139 @@ class Manifest:
         """Typed views of each tensor's slice of a flat ``uint8`` buffer."""
         return [buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.specs]
 
-    def check_matches(self, other: Manifest, *, model_id: str | None, where: str) -> None:
+    def check_matches(
+        self,
+        other: Manifest,
+        *,
+        model_id: str | None,
+        where: str,
+        sides: tuple[str, str] = ("weights", "model"),
+    ) -> None:
         """Raise :class:`WeightMismatchError` unless ``other`` (the layout of
         ``where``) has this layout: the one layout check of weightsync, so a
-        mismatch reads the same wherever it is caught."""
-        if other.layout_id == self.layout_id:
-            return
-        mine = {name: (dtype, shape) for name, dtype, shape in self.signature}
-        theirs = {name: (dtype, shape) for name, dtype, shape in other.signature}
-        missing = [n for n in theirs if n not in mine]
-        extra = [n for n in mine if n not in theirs]
-        wrong = [
-            f"{n}: {mine[n][1]} {mine[n][0]} vs {theirs[n][1]} {theirs[n][0]}"
-            for n in mine
-            if n in theirs and mine[n] != theirs[n]
-        ]
-        raise WeightMismatchError(describe_mismatch(missing, extra, wrong, where=where), model_id=model_id)
+        mismatch reads the same wherever it is caught. ``sides`` name this
+        layout's side and ``other``'s in the message."""
+        differences = self._differences(other, partial=False, sides=sides)
+        if differences is not None:
+            raise WeightMismatchError(describe_mismatch(*differences, where=where), model_id=model_id)
 
-    def check_within(self, other: Manifest, *, model_id: str | None, where: str) -> None:
+    def check_within(
+        self,
+        other: Manifest,
+        *,
+        model_id: str | None,
+        where: str,
+        sides: tuple[str, str] = ("weights", "model"),
+    ) -> None:
         """Raise :class:`WeightMismatchError` unless every tensor of this
         (partial) layout is in ``other`` (the layout of ``where``) with the
         same dtype and shape; a name ``where`` lacks is named."""
-        if other.layout_id == self.layout_id:
+        differences = self._differences(other, partial=True, sides=sides)
+        if differences is not None:
+            raise WeightMismatchError(describe_mismatch(*differences, where=where), model_id=model_id)
+
+    def check_workers(
+        self, layouts: Mapping[int, Manifest | None], *, partial: bool, model_id: str | None
+    ) -> None:
+        """Raise one :class:`WeightMismatchError` naming every worker whose
+        model (its layout in ``layouts``; None: not known yet) this layout,
+        the trainer's, does not fit, with each one's differences, and with
+        ``wire_dtype`` suggested where the workers hold a narrower float
+        dtype than the trainer's float32.
+
+        :raises WeightMismatchError: one worker or more does not fit;
+            ``worker_ids`` lists them.
+        """
+        by_text: dict[str, list[int]] = {}
+        narrower: dict[str, list[int]] = {}
+        for wid, layout in layouts.items():
+            if layout is None:
+                continue
+            differences = self._differences(layout, partial=partial, sides=("trainer", "worker"))
+            if differences is not None:
+                by_text.setdefault(_parts(*differences), []).append(wid)
+                for dtype in _narrower_floats(self, layout):
+                    narrower.setdefault(dtype, []).append(wid)
+        if not by_text:
             return
+        failed = sorted(w for ids in by_text.values() for w in ids)
+        if len(by_text) == 1:
+            [(text, ids)] = by_text.items()
+            plural = "models" if len(ids) > 1 else "model"
+            message = f"the trainer's weights do not match the {plural} of {_worker_list(ids)} ({text})"
+        else:
+            groups = "; ".join(f"{_worker_list(ids)} ({text})" for text, ids in by_text.items())
+            message = f"the trainer's weights do not match the models of {len(failed)} workers: {groups}"
+        if len(narrower) == 1:  # one wire_dtype can fix it (two cannot)
+            [(dtype, ids)] = narrower.items()
+            holds = "holds" if len(ids) == 1 else "hold"
+            message += (
+                f". {_worker_list(ids).capitalize()} {holds} {dtype} where the trainer has float32: create "
+                f"the scheme with wire_dtype=torch.{dtype} to send the trainer's float32 weights as {dtype}"
+            )
+        raise WeightMismatchError(message, model_id=model_id, worker_ids=tuple(failed))
+
+    def _differences(
+        self, other: Manifest, *, partial: bool, sides: tuple[str, str]
+    ) -> tuple[list[str], list[str], list[str]] | None:
+        """(missing, unexpected, mismatched) as :func:`describe_mismatch`
+        takes them; None when this layout fits ``other``. A partial layout
+        misses nothing."""
+        if other.layout_id == self.layout_id:
+            return None
+        mine = {name: (dtype, shape) for name, dtype, shape in self.signature}
         theirs = {name: (dtype, shape) for name, dtype, shape in other.signature}
-        extra = [n for n, _, _ in self.signature if n not in theirs]
+        missing = [] if partial else [n for n in theirs if n not in mine]
+        extra = [n for n in mine if n not in theirs]
+        ours, their_side = sides
         wrong = [
-            f"{n}: {shape} {dtype} vs {theirs[n][1]} {theirs[n][0]}"
-            for n, dtype, shape in self.signature
-            if n in theirs and theirs[n] != (dtype, shape)
+            f"{n}: {ours} {mine[n][1]} {mine[n][0]} vs {their_side} {theirs[n][1]} {theirs[n][0]}"
+            for n in mine
+            if n in theirs and mine[n] != theirs[n]
         ]
-        if extra or wrong:
-            raise WeightMismatchError(describe_mismatch([], extra, wrong, where=where), model_id=model_id)
+        if not (missing or extra or wrong):
+            return None
+        return missing, extra, wrong
 
 
-def describe_mismatch(missing: list[str], extra: list[str], wrong: list[str], *, where: str) -> str:
+def _narrower_floats(trainer: Manifest, worker: Manifest) -> set[str]:
+    """The dtypes a wire_dtype could cast to that ``worker`` holds where
+    ``trainer`` has float32 tensors of the same shape."""
+    theirs = {name: (dtype, shape) for name, dtype, shape in worker.signature}
+    return {
+        theirs[n][0]
+        for n, dtype, shape in trainer.signature
+        if dtype == "float32" and n in theirs and theirs[n][1] == shape and theirs[n][0] in _WIRE_DTYPES
+    }
+
+
+# What wire_dtype casts float32 to (see _copy.WireCast).
+_WIRE_DTYPES = ("bfloat16", "float16")
+
+
+def _worker_list(ids: Sequence[int], shown: int = 8) -> str:
+    """``ids`` as "worker 0", "worker 0 and worker 2", ..., at most ``shown``
+    of them named, each as "worker i" so that a worker's name is in the text."""
+    names = [f"worker {i}" for i in ids[:shown]]
+    if len(ids) > shown:
+        return ", ".join(names) + f" and {len(ids) - shown} more"
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _parts(missing: list[str], extra: list[str], wrong: list[str]) -> str:
     parts = []
     for label, items in (("missing", missing), ("unexpected", extra), ("mismatched", wrong)):
         if items:
             shown = ", ".join(items[:5]) + (f", ... ({len(items)} in all)" if len(items) > 5 else "")
             parts.append(f"{label}: {shown}")
-    return f"weights do not match {where} ({'; '.join(parts)})"
+    return "; ".join(parts)
+
+
+def describe_mismatch(missing: list[str], extra: list[str], wrong: list[str], *, where: str) -> str:
+    """Why weights do not match ``where``: the names it has and they lack
+    (missing), they have and it lacks (unexpected), and those of another
+    shape or dtype (mismatched)."""
+    return f"weights do not match {where} ({_parts(missing, extra, wrong)})"
 
 
 def signature_of(tensors: Mapping[str, torch.Tensor]) -> Signature:

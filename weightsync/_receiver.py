@@ -163,7 +163,10 @@ class AsyncWeightReceiver:
         manifest = Manifest.from_signature(subset)
         tensors = model_tensors(self.model, model_id=self.model_id)
         manifest.check_within(
-            Manifest.of(tensors), model_id=self.model_id, where=f"this worker's model (version {version})"
+            Manifest.of(tensors),
+            model_id=self.model_id,
+            where=f"this worker's model (version {version})",
+            sides=("trainer", "worker"),
         )
         targets = manifest.ordered(tensors)
         if any(t.is_meta for t in tensors.values()):

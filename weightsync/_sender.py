@@ -32,7 +32,7 @@ import torch
 from ._acks import AckGather
 from ._copy import WireCast, usable_cores
 from ._digest import digests
-from ._exceptions import WeightSyncStateError, WorkerError, combine_worker_errors
+from ._exceptions import AckTimeoutError, WeightSyncStateError, WorkerError, combine_worker_errors
 from ._offload import NEEDS_LOOP, NeedsLoop, require_asyncio, run_blocking
 from ._packet import DEFAULT_TIMEOUT, Packet
 from ._packing import Keys, Packer
@@ -45,6 +45,15 @@ __all__ = ["DEFAULT_TIMEOUT", "AsyncWeightSender", "Keys", "PendingSend", "SendR
 
 # How often a wait for workers to announce themselves logs who it waits for.
 _PROGRESS_EVERY = 5.0
+
+# Why workers are most often never heard of: ends the error of a wait for them.
+_NEVER_ANNOUNCED = (
+    "A worker is announced by its init_on_worker() call (init_on_receiver() in torchrl); likely causes: "
+    "the worker never calls it for this model; a worker started with 'spawn' or 'forkserver' failed "
+    "to import its code before it got there (its traceback is in that worker's stderr); the worker "
+    "was given the trainer's end of its pipe (the trainer passes one end to init_on_sender, the "
+    "worker gets the other)"
+)
 _log = logging.getLogger("weightsync")
 
 
@@ -352,6 +361,9 @@ class AsyncWeightSender:
             await self._acks.fan_out(waiting, announce, deadline, failures, "announce itself", version)
             group.cancel_scope.cancel()
         if failures:
+            for err in failures.values():
+                if isinstance(err, AckTimeoutError):
+                    err.advice = _NEVER_ANNOUNCED
             raise combine_worker_errors(failures, model_id=self.model_id, version=version)
         return times
 

@@ -355,6 +355,8 @@ class WeightSyncScheme:
         that factory, as in torchrl: its weights are the initial ones.
 
         :raises RuntimeError: this scheme is already initialised here.
+        :raises ValueError: no workers (``pipes=[]``, ``num_workers=0``,
+            ``remote_collectors=[]``), or what the scheme needs is missing.
         """
         if self._initialised():
             raise WeightSyncStateError(f"{self!r} is already initialised in this process")

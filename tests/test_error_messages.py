@@ -1,0 +1,190 @@
+"""Errors a new user meets first say what to do: an empty worker list, a
+worker of another dtype or shape, workers never heard of, a missing extra.
+Each test reads the text the user would read."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from _workers import build_model, late_worker, worker_main
+from harness import PROCS, Cluster, make_scheme, new_cluster, reap, schemes
+
+import weightsync as ws
+
+
+@pytest.mark.parametrize("scheme_name", schemes(pipes=True))
+def test_an_empty_list_of_pipes_is_refused_at_init_on_sender(scheme_name: str) -> None:
+    scheme = make_scheme(scheme_name)
+    try:
+        with pytest.raises(ValueError, match=r"got no workers \(pipes=\[\]\).*one pipe per worker") as info:
+            scheme.init_on_sender("policy", pipes=[], model=build_model("net"))
+        assert "num_workers=N (N >= 1)" in str(info.value)
+        with pytest.raises(RuntimeError):
+            scheme.get_sender()  # nothing was made
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.parametrize("scheme_name", ["inprocess", "distributed"])
+def test_no_workers_is_refused_where_the_scheme_takes_a_number(scheme_name: str) -> None:
+    scheme = make_scheme(scheme_name)
+    try:
+        with pytest.raises(ValueError, match=r"needs num_workers=N \(N >= 1\)"):
+            scheme.init_on_sender("policy", num_workers=0, model=build_model("net"))
+    finally:
+        scheme.shutdown()
+
+
+def test_an_empty_list_of_actors_is_refused_at_init_on_sender() -> None:
+    pytest.importorskip("ray")
+    scheme = ws.RayWeightSyncScheme()
+    with pytest.raises(ValueError, match=r"remote_collectors=\[actor, \.\.\.\], one actor handle per worker"):
+        scheme.init_on_sender("policy", remote_collectors=[], model=build_model("net"))
+
+
+def test_a_bfloat16_worker_of_a_float32_trainer_is_told_of_wire_dtype(request: pytest.FixtureRequest) -> None:
+    c: Cluster = new_cluster(request, "multiprocess", ["bf16"])
+    try:
+        with pytest.raises(ws.WeightMismatchError) as info:
+            c.sender.send()
+        message = str(info.value)
+        assert "inp.weight: trainer (16, 8) float32 vs worker (16, 8) bfloat16" in message
+        assert "Worker 0 holds bfloat16 where the trainer has float32" in message
+        assert "wire_dtype=torch.bfloat16" in message
+        assert info.value.worker_ids == (0,)
+    finally:
+        c.close()
+    # What the message says fixes it.
+    c = new_cluster(request, "multiprocess", ["bf16"], wire_dtype=torch.bfloat16)
+    try:
+        report = c.sender.send()
+        assert report is not None and report.worker_ids == (0,)
+    finally:
+        c.close()
+
+
+def test_a_mismatch_names_every_worker_and_each_side(request: pytest.FixtureRequest) -> None:
+    # Worker 0 fits; workers 1 and 3 are wider, worker 2 holds bfloat16.
+    c: Cluster = new_cluster(request, "multiprocess", ["net", "wide", "bf16", "wide"])
+    try:
+        before = c.state(0)["weights"]
+        c.bump()
+        with pytest.raises(ws.WeightMismatchError) as info:
+            c.sender.send()
+        message = str(info.value)
+        assert message.startswith("the trainer's weights do not match the models of 3 workers: ")
+        assert "worker 1 and worker 3 (mismatched: " in message
+        assert "inp.weight: trainer (16, 8) float32 vs worker (32, 8) float32" in message
+        assert "worker 2 (mismatched: " in message
+        assert "worker 0" not in message
+        assert "Worker 2 holds bfloat16" in message
+        assert info.value.worker_ids == (1, 2, 3)
+        c.assert_has(0, before)  # refused before anything moved
+    finally:
+        c.close()
+
+
+def test_workers_never_announced_are_told_the_likely_causes() -> None:
+    """Worker 0 never calls init_on_worker (it sleeps first); worker 1 was
+    given the trainer's end of its pipe, so its announcement never reaches
+    the trainer."""
+    scheme = make_scheme("multiprocess", timeout=1.0)
+    procs, conns = [], []
+    sleeping, its_end = PROCS.Pipe()
+    ctrl0, ctrl0_child = PROCS.Pipe()
+    procs.append(PROCS.Process(target=late_worker, args=(scheme, "policy", its_end, ctrl0_child, "net", 600)))
+    wrong, kept = PROCS.Pipe()  # ``kept`` stays open here: no EOF, only silence
+    ctrl1, ctrl1_child = PROCS.Pipe()
+    procs.append(PROCS.Process(target=worker_main, args=(scheme, "policy", wrong, ctrl1_child, "net")))
+    for proc in procs:
+        proc.daemon = True
+        proc.start()
+    conns += [sleeping, its_end, ctrl0, ctrl0_child, wrong, kept, ctrl1, ctrl1_child]
+    try:
+        scheme.init_on_sender("policy", pipes=[sleeping, wrong], model=build_model("net"))
+        for call in (scheme.wait_for_workers, scheme.send):
+            with pytest.raises(ws.AckTimeoutError) as info:
+                call()
+            message = str(info.value)
+            assert "worker 0" in message and "worker 1" in message
+            assert message.count("did not announce itself before the deadline") == 2
+            assert message.count("likely causes") == 1
+            for cause in (
+                "never calls it for this model",
+                "started with 'spawn' or 'forkserver' failed to import its code",
+                "its traceback is in that worker's stderr",
+                "was given the trainer's end of its pipe",
+            ):
+                assert cause in message
+    finally:
+        for proc in procs:
+            proc.kill()
+        reap(procs)
+        scheme.shutdown()
+        for conn in conns:
+            conn.close()
+
+
+# Run in a fresh interpreter: None in sys.modules makes ``import <name>``
+# raise ImportError, as if the package were not installed. weightsync's own
+# import needs none of them.
+_WITHOUT_EXTRAS = """
+import json, sys
+import torch
+import weightsync as ws
+
+def refused(hidden, call):
+    sys.modules[hidden] = None
+    try:
+        call()
+    except ws.MissingExtraError as exc:
+        return {"message": str(exc), "extra": exc.extra, "name": exc.name,
+                "import_error": isinstance(exc, ImportError)}
+    finally:
+        del sys.modules[hidden]
+    return None
+
+def ray_sender():
+    scheme = ws.RayWeightSyncScheme()
+    scheme.init_on_sender("policy", remote_collectors=[object()], model=torch.nn.Linear(2, 2))
+
+def verify_at_send():
+    import copy
+    scheme = ws.InProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender("policy", model=torch.nn.Linear(2, 2), num_workers=1)
+    worker = copy.copy(scheme)
+    worker.init_on_worker("policy", model=torch.nn.Linear(2, 2), worker_idx=0)
+    try:
+        scheme.send(verify=True)
+    finally:
+        scheme.shutdown()
+        worker.shutdown()
+
+print(json.dumps({
+    "delta": refused("blosc2", lambda: ws.DistributedWeightSyncScheme(delta=True)),
+    "verify": refused("xxhash", lambda: ws.MultiProcessWeightSyncScheme(verify=True)),
+    "verify at send": refused("xxhash", verify_at_send),
+    "ray": refused("ray", ray_sender),
+}))
+"""
+
+
+def test_a_missing_extra_is_an_import_error_that_names_it() -> None:
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_EXTRAS], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    found = json.loads(run.stdout)
+    for case, extra, module in (
+        ("delta", "delta", "blosc2"),
+        ("verify", "verify", "xxhash"),
+        ("verify at send", "verify", "xxhash"),
+        ("ray", "ray", "ray"),
+    ):
+        error = found[case]
+        assert error is not None, f"{case}: no MissingExtraError"
+        assert error["import_error"] and error["extra"] == extra and error["name"] == module
+        assert f"pip install 'weightsync[{extra}]'" in error["message"]
+        assert f"{module} cannot be imported" in error["message"]
