@@ -19,6 +19,7 @@ import pytest
 from _workers import build_model
 
 import weightsync as ws
+from weightsync._packet import Manifest
 
 
 class FakeWorker:
@@ -29,7 +30,7 @@ class FakeWorker:
         self.scheme = ws.MultiProcessWeightSyncScheme(timeout=5)
         self.ours, self.theirs = mp.Pipe()
         self.scheme.init_on_sender("policy", pipes=[self.ours], model=self.model)
-        signature = ws.Manifest.of(self.model.state_dict()).signature
+        signature = Manifest.of(self.model.state_dict()).signature
         self.theirs.send(("hello", "policy", os.getpid(), signature))
         self.sender = self.scheme.get_sender()
 
@@ -97,7 +98,7 @@ def test_an_ack_of_a_version_never_sent_completes_nothing(worker: FakeWorker) ->
 
 
 def test_an_announcement_for_another_model_is_refused(worker: FakeWorker) -> None:
-    signature = ws.Manifest.of(worker.model.state_dict()).signature
+    signature = Manifest.of(worker.model.state_dict()).signature
     message = _send_expecting_protocol_error(worker, ("hello", "value", os.getpid(), signature))
     assert "'value'" in message
     _a_good_send_works(worker)
@@ -137,7 +138,7 @@ def test_a_worker_that_announces_itself_again_mid_send_is_told_the_update_again(
     that completes the send."""
     worker.sender.send_async()
     version = worker.next_update()
-    signature = ws.Manifest.of(worker.model.state_dict()).signature
+    signature = Manifest.of(worker.model.state_dict()).signature
     worker.theirs.send(("hello", "policy", os.getpid(), signature))
     assert worker.next_update() == version  # told again
     worker.theirs.send(("ack", version, None))
@@ -205,7 +206,7 @@ def test_a_blocking_send_to_a_worker_announcing_itself_again_tells_it_again(work
     """send() (no event loop once connected) meets a new hello instead of
     the ack: the update is posted again, and the ack of that completes it."""
     _connect(worker, True)
-    signature = ws.Manifest.of(worker.model.state_dict()).signature
+    signature = Manifest.of(worker.model.state_dict()).signature
     told: list[int] = []
 
     def play() -> None:

@@ -6,8 +6,6 @@ what a transport implements and how blocking calls enter the event loop are
 described in ``docs/architecture.md``.
 """
 
-# Delta codec (what delta=True sends; lazy: blosc2 and xxhash are imported on first use)
-from ._delta import DeltaDecoder, DeltaEncoder, version_digest
 
 # Errors
 from ._exceptions import (
@@ -35,12 +33,9 @@ from ._facade import WeightReceiver, WeightSender
 # Legacy updaters
 from ._legacy import MultiProcessedRemoteWeightUpdate, RemoteWeightUpdaterBase
 
-# Packets
-from ._packet import Manifest, Packet, TensorSpec
-
 # Async core
 from ._receiver import AsyncWeightReceiver
-from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, PendingSend, SendReport
+from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, SendReport
 
 # Strategies
 from ._strategy import WeightStrategy
@@ -65,19 +60,14 @@ __all__ = [
     "AckTimeoutError",
     "AsyncWeightReceiver",
     "AsyncWeightSender",
-    "DeltaDecoder",
-    "DeltaEncoder",
     "DeltaFrameError",
     "DistributedWeightSyncScheme",
     "InProcessWeightSyncScheme",
     "InvalidWeightsError",
-    "Manifest",
     "MissingExtraError",
     "MultiProcessWeightSyncScheme",
     "MultiProcessedRemoteWeightUpdate",
     "NoWeightSyncScheme",
-    "Packet",
-    "PendingSend",
     "RayWeightSyncMixin",
     "RayWeightSyncScheme",
     "RemoteWeightUpdaterBase",
@@ -86,7 +76,6 @@ __all__ = [
     "SenderClosedError",
     "SenderLostError",
     "SharedMemWeightSyncScheme",
-    "TensorSpec",
     "UnknownWorkerError",
     "WaitTimeoutError",
     "WeightMismatchError",
@@ -102,5 +91,4 @@ __all__ = [
     "WorkerProtocolError",
     "__version__",
     "register_with_torchrl",
-    "version_digest",
 ]

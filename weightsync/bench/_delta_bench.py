@@ -92,7 +92,7 @@ def _codec_ms(steps: list[torch.Tensor], item: int) -> tuple[list[float], list[f
     """CPU ms of encoding each step against the previous one as the scheme
     does (one encoder thread), and of rebuilding it and checking its digest
     (a host leader); the encoded bytes. Checked bit-exact."""
-    from weightsync import DeltaDecoder, DeltaEncoder, version_digest
+    from weightsync._delta import DeltaDecoder, DeltaEncoder, version_digest
 
     nbytes = steps[0].numel()
     encode, decode, sizes = [], [], []
