@@ -89,7 +89,7 @@ _MEANING = {
     "x memcpy": "median / memcpy ms",
     "floor ms": "the floor: (workers + 1) memcpys of the same bytes in the trainer's process, on one "
     "or two threads, measured in the same run (see the note above)",
-    "x floor": "median / floor ms; below 1 only where workers share one buffer (copy: shared)",
+    "x floor": "median / floor ms (the shared scheme can go below 1: see the note above)",
     "+MiB T/W": "peak extra memory of the trainer / of the worker that grew most, in MiB",
 }
 
