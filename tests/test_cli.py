@@ -240,8 +240,8 @@ def test_bench_all_schemes_with_alternatives_writes_json_and_plot(
         assert column in header
     rows = {
         line.split()[0]: line.split()
-        for line in lines
-        if line.split()[:1] in (["multiprocess"], ["shared"], ["distributed"], ["pickle-pipe"], ["bare-shm"])
+        for line in lines  # table rows; the start-up lines under the table are indented
+        if line.split(" ", 1)[0] in ("multiprocess", "shared", "distributed", "pickle-pipe", "bare-shm")
     }
     assert {name: row[6] for name, row in rows.items()} == {
         "multiprocess": "private",
