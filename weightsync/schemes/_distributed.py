@@ -13,15 +13,6 @@ import torch
 from .._delta import require_codec
 from .._sender import DEFAULT_TIMEOUT, SendReport
 from .._transports._base import SenderTransport, Staging
-from .._transports._distributed import (
-    ChainEndpoint,
-    ChainStaging,
-    DistributedSenderTransport,
-    Liveness,
-    session_key,
-    session_prefix,
-)
-from .._transports._gloo_chain import connect_store
 from ._base import EndpointFactory, StrategyName, WeightSyncScheme, _num_workers
 
 __all__ = ["DistributedWeightSyncScheme"]
@@ -212,6 +203,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         repair forms more than one), its ranks in chain order, and the
         ranks each host leader of it fed through shared memory. Empty on a
         worker and before the first send."""
+        from .._transports._distributed import ChainStaging
+
         staging = self.staging
         if not isinstance(staging, ChainStaging):
             return []
@@ -221,6 +214,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     def last_delta(self) -> list[bool]:
         """Per chain of the trainer's last send (as :attr:`last_routes`):
         whether it carried a delta (``delta=True``) or the full bytes."""
+        from .._transports._distributed import ChainStaging
+
         staging = self.staging
         return staging.last_delta if isinstance(staging, ChainStaging) else []
 
@@ -228,6 +223,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     def last_wire_bytes(self) -> int:
         """The bytes the trainer put on its chains in its last send (the
         encoded frames with ``delta=True``); 0 on a worker."""
+        from .._transports._distributed import ChainStaging
+
         staging = self.staging
         return staging.last_wire_bytes if isinstance(staging, ChainStaging) else 0
 
@@ -254,6 +251,15 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         import datetime
 
         import torch.distributed as dist
+
+        from .._transports._distributed import (
+            ChainStaging,
+            DistributedSenderTransport,
+            Liveness,
+            session_key,
+            session_prefix,
+        )
+        from .._transports._gloo_chain import connect_store
 
         if (
             "num_workers" not in kwargs
@@ -304,6 +310,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
 
     def _new_transport(self, worker_id: int, channel: Any, *, replaces: bool) -> SenderTransport:
         """No channel: the new worker is rank ``worker_id + 1`` of the store."""
+        from .._transports._distributed import ChainStaging, DistributedSenderTransport
+
         staging = self.staging
         if channel is not None or not isinstance(staging, ChainStaging):
             raise ValueError(f"{type(self).__name__}.add_worker takes no channel: it finds a worker by rank")
@@ -316,6 +324,10 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
 
     # -- a worker ---------------------------------------------------------------
     def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> EndpointFactory:
+        # The transport is imported here, where it is used: most programs
+        # that import weightsync never use torch.distributed.
+        from .._transports._distributed import ChainEndpoint
+
         rank = kwargs.get("rank", self._worker_idx)
         if rank is None and os.environ.get("RANK"):
             rank = int(os.environ["RANK"])
