@@ -1,4 +1,4 @@
-"""Gathering what a send's workers answer: their announcements, their acks.
+"""Gathering what a sender's workers answer: their announcements, their acks.
 
 A step (announce, deliver) runs for every target at once under one deadline,
 and a failing worker never cancels the others: each worker's error stays its
@@ -15,13 +15,14 @@ poll on the calling thread for a caller with no event loop.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
 
-from ._exceptions import AckTimeoutError, WorkerError
+from ._exceptions import AckTimeoutError, WorkerError, combine_worker_errors
 from ._offload import inline_allowed
 from ._packet import Packet
 from ._readiness import ReadyWatch
@@ -33,6 +34,19 @@ __all__ = ["AckGather"]
 # loop run (Ctrl-C and the deadline cancel it there): the most a Ctrl-C is
 # held back while no ack comes.
 _POLL_SLICE = 0.05
+
+# How often a wait for workers to announce themselves logs who it waits for.
+_PROGRESS_EVERY = 5.0
+
+# Why workers are most often never heard of: ends the error of a wait for them.
+_NEVER_ANNOUNCED = (
+    "A worker is announced by its init_on_worker() call (init_on_receiver() in torchrl); likely causes: "
+    "the worker never calls it for this model; a worker started with 'spawn' or 'forkserver' failed "
+    "to import its code before it got there (its traceback is in that worker's stderr); the worker "
+    "was given the trainer's end of its pipe (the trainer passes one end to init_on_sender, the "
+    "worker gets the other)"
+)
+_log = logging.getLogger("weightsync")
 
 #: A step of a send for one worker: given its transport, done when it is.
 Step = Callable[[SenderTransport], Awaitable[Any]]
@@ -256,6 +270,58 @@ class AckGather:
                 if interrupted():
                     raise KeyboardInterrupt
                 ready = watch.poll(min(left, _POLL_SLICE))
+
+    async def announced(
+        self, targets: list[int], timeout: float, version: int | None = None
+    ) -> dict[int, float]:
+        """Wait for every target's announcement (up to ``timeout`` seconds); their times (see
+        :meth:`AsyncWeightSender.wait_for_workers`), logging who is still awaited every
+        _PROGRESS_EVERY seconds.
+
+        :raises WorkerError: naming every target that died or was late.
+        """
+        started = time.perf_counter()
+        times = {w: 0.0 for w in targets if self.transports[w].layout is not None}
+        waiting = [w for w in targets if w not in times]
+        if not waiting:
+            return times
+        failures: dict[int, WorkerError] = {}
+
+        async def announce(transport: SenderTransport) -> None:
+            await transport.connect()
+            times[transport.worker_id] = time.perf_counter() - started
+
+        deadline = anyio.current_time() + timeout
+        async with anyio.create_task_group() as group:
+            group.start_soon(self._log_progress, targets, times, timeout, started)
+            await self.fan_out(waiting, announce, deadline, failures, "announce itself", version)
+            group.cancel_scope.cancel()
+        if failures:
+            for err in failures.values():
+                if isinstance(err, AckTimeoutError):
+                    err.advice = _NEVER_ANNOUNCED
+            raise combine_worker_errors(failures, model_id=self.model_id, version=version)
+        return times
+
+    async def _log_progress(
+        self, targets: list[int], times: dict[int, float], timeout: float, started: float
+    ) -> None:
+        """Every _PROGRESS_EVERY seconds, until cancelled: which of
+        ``targets`` announced themselves (``times``) and which not yet."""
+        while True:
+            await anyio.sleep(_PROGRESS_EVERY)
+            waited = time.perf_counter() - started
+            missing = [w for w in targets if w not in times]
+            _log.info(
+                "weightsync: model %r: %d of %d workers announced themselves after %.0f s "
+                "(of at most %.0f s); still waiting for worker(s) %s",
+                self.model_id,
+                len(targets) - len(missing),
+                len(targets),
+                waited,
+                timeout,
+                ", ".join(map(str, missing)),
+            )
 
     def close(self) -> None:
         if self._ready_watch is not None:

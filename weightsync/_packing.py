@@ -1,4 +1,5 @@
-"""Reading a model into the next packet: its tensors, laid out once.
+"""The read-and-stage step of a send: the model read into the next packet
+(its tensors, laid out once), then cast, staged and digested.
 
 A model whose tensors stay put is neither read nor laid out again from send
 to send: the sender keeps its last read and what was derived from it (the
@@ -8,15 +9,19 @@ plan for that very list.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-from ._copy import WireCast
+from ._copy import WireCast, usable_cores
+from ._digest import digests
 from ._exceptions import WeightMismatchError
+from ._offload import run_blocking
 from ._packet import Manifest, Packet, describe_mismatch, signature_of
 from ._strategy import ModuleReads
+from ._transports._base import Staging
 
 __all__ = ["Keys", "Packer"]
 
@@ -82,3 +87,25 @@ class Packer:
         if not chosen:
             raise ValueError(f"keys= selects no weight of model {self.model_id!r}: nothing to send")
         return chosen
+
+    async def stage(self, packet: Packet, staging: Staging | None, verify: bool) -> Packet:
+        """Cast (to the wire dtype), stage and (``verify``) digest
+        ``packet``: the packet as staged, with its digests. Once it returns
+        the staging holds the bytes and the caller's tensors are no longer
+        read.
+
+        :raises ResourceExhaustedError: out of memory or descriptors for the staging.
+        """
+        sums: tuple[int, ...] | None = None
+        if self._wire is not None:
+            # Cast once, here: every staging then moves the cast bytes.
+            cast = await run_blocking(packet.nbytes, self._wire.cast, packet.tensors, usable_cores())
+            packet = dataclasses.replace(packet, tensors=cast)
+        if staging is not None:
+            # A staging digests what it stages, each block as it is copied.
+            sums = await staging.stage(packet, verify)
+        if verify:
+            if sums is None:
+                sums = await run_blocking(packet.nbytes, digests, packet.tensors, usable_cores())
+            packet = dataclasses.replace(packet, digests=sums)
+        return packet

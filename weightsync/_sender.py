@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -30,10 +29,9 @@ import anyio
 import torch
 
 from ._acks import AckGather
-from ._copy import WireCast, usable_cores
-from ._digest import digests
-from ._exceptions import AckTimeoutError, WeightSyncStateError, WorkerError, combine_worker_errors
-from ._offload import NEEDS_LOOP, NeedsLoop, require_asyncio, run_blocking
+from ._copy import WireCast
+from ._exceptions import WeightSyncStateError, WorkerError, combine_worker_errors
+from ._offload import NEEDS_LOOP, NeedsLoop, require_asyncio
 from ._packet import DEFAULT_TIMEOUT, Packet
 from ._packing import Keys, Packer
 from ._strategy import WeightStrategy
@@ -43,18 +41,6 @@ from ._transports._base import EVERY_VERSION, LoopFreeStaging, SenderTransport, 
 # DEFAULT_TIMEOUT: from _packet
 __all__ = ["DEFAULT_TIMEOUT", "AsyncWeightSender", "Keys", "PendingSend", "SendReport"]
 
-# How often a wait for workers to announce themselves logs who it waits for.
-_PROGRESS_EVERY = 5.0
-
-# Why workers are most often never heard of: ends the error of a wait for them.
-_NEVER_ANNOUNCED = (
-    "A worker is announced by its init_on_worker() call (init_on_receiver() in torchrl); likely causes: "
-    "the worker never calls it for this model; a worker started with 'spawn' or 'forkserver' failed "
-    "to import its code before it got there (its traceback is in that worker's stderr); the worker "
-    "was given the trainer's end of its pipe (the trainer passes one end to init_on_sender, the "
-    "worker gets the other)"
-)
-_log = logging.getLogger("weightsync")
 
 
 @dataclass(frozen=True)
@@ -326,7 +312,7 @@ class AsyncWeightSender:
         """
         self._check_open()
         targets = self.workers.targets(worker_ids)
-        return await self._announced(targets, self.timeout if timeout is None else timeout)
+        return await self._acks.announced(targets, self.timeout if timeout is None else timeout)
 
     async def connect(
         self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None
@@ -334,58 +320,6 @@ class AsyncWeightSender:
         """:meth:`wait_for_workers`, returning nothing (the name torchrl's
         sender uses)."""
         await self.wait_for_workers(worker_ids, timeout=timeout)
-
-    async def _announced(
-        self, targets: list[int], timeout: float, version: int | None = None
-    ) -> dict[int, float]:
-        """Wait for every target's announcement; their times (see
-        :meth:`wait_for_workers`), logging who is still awaited every
-        _PROGRESS_EVERY seconds.
-
-        :raises WorkerError: naming every target that died or was late.
-        """
-        started = time.perf_counter()
-        times = {w: 0.0 for w in targets if self.workers.transports[w].layout is not None}
-        waiting = [w for w in targets if w not in times]
-        if not waiting:
-            return times
-        failures: dict[int, WorkerError] = {}
-
-        async def announce(transport: SenderTransport) -> None:
-            await transport.connect()
-            times[transport.worker_id] = time.perf_counter() - started
-
-        deadline = anyio.current_time() + timeout
-        async with anyio.create_task_group() as group:
-            group.start_soon(self._log_progress, targets, times, timeout, started)
-            await self._acks.fan_out(waiting, announce, deadline, failures, "announce itself", version)
-            group.cancel_scope.cancel()
-        if failures:
-            for err in failures.values():
-                if isinstance(err, AckTimeoutError):
-                    err.advice = _NEVER_ANNOUNCED
-            raise combine_worker_errors(failures, model_id=self.model_id, version=version)
-        return times
-
-    async def _log_progress(
-        self, targets: list[int], times: dict[int, float], timeout: float, started: float
-    ) -> None:
-        """Every _PROGRESS_EVERY seconds, until cancelled: which of
-        ``targets`` announced themselves (``times``) and which not yet."""
-        while True:
-            await anyio.sleep(_PROGRESS_EVERY)
-            waited = time.perf_counter() - started
-            missing = [w for w in targets if w not in times]
-            _log.info(
-                "weightsync: model %r: %d of %d workers announced themselves after %.0f s "
-                "(of at most %.0f s); still waiting for worker(s) %s",
-                self.model_id,
-                len(targets) - len(missing),
-                len(targets),
-                waited,
-                timeout,
-                ", ".join(map(str, missing)),
-            )
 
     async def send(
         self,
@@ -543,7 +477,7 @@ class AsyncWeightSender:
         announce_seconds = 0.0
         if any(self.workers.transports[w].layout is None for w in targets):
             try:
-                await self._announced(targets, self.timeout, self.version + 1)
+                await self._acks.announced(targets, self.timeout, self.version + 1)
             except WorkerError as exc:
                 failures.update(exc.failures)
             announce_seconds = time.perf_counter() - started
@@ -553,19 +487,7 @@ class AsyncWeightSender:
         reachable = self.workers.check_layouts(packet, [w for w in targets if w not in failures])
         if reachable:
             verifying = self.verify if verify is None else verify
-            sums: tuple[int, ...] | None = None
-            if self._wire is not None:
-                # Cast once, here: every staging then moves the cast bytes.
-                cast = await run_blocking(packet.nbytes, self._wire.cast, packet.tensors, usable_cores())
-                packet = dataclasses.replace(packet, tensors=cast)
-            if self.staging is not None:
-                # A staging digests what it stages, each block as it is copied.
-                sums = await self.staging.stage(packet, verifying)
-            if verifying:
-                if sums is None:
-                    sums = await run_blocking(packet.nbytes, digests, packet.tensors, usable_cores())
-                packet = dataclasses.replace(packet, digests=sums)
-            packet = self._staged(packet)
+            packet = self._staged(await self._packer.stage(packet, self.staging, verifying))
         staged = time.perf_counter() - staging_started
         return PendingSend(
             self,
