@@ -215,11 +215,14 @@ class SlotReader:
         sources = self._segments.views(descriptor, manifest)
         # A module's buffers (BatchNorm statistics, counters) are copied into
         # the worker's own memory: worker code writes into them (a forward
-        # pass in train mode), and the slots are read-only.
+        # pass in train mode), and the slots are read-only. So is every
+        # tensor that is not in host memory (a model on a GPU): re-pointing
+        # it to a slot would move it to the host, and a worker's tensors
+        # never change device.
         if isinstance(model, torch.nn.Module):
-            own = [not isinstance(t, torch.nn.Parameter) for t in targets]
+            own = [not isinstance(t, torch.nn.Parameter) or not t.is_cpu for t in targets]
         else:
-            own = [False] * len(targets)
+            own = [not t.is_cpu for t in targets]
         if any(own):
             CopyPlan(
                 [t for t, o in zip(targets, own, strict=True) if o],

@@ -1,0 +1,239 @@
+"""Weights on GPUs: the conformance behaviours over the placements of a
+trainer's and its workers' models on CUDA devices and the host.
+
+Every placement but host to host needs a CUDA device: those cases carry the
+``cuda`` marker and skip where none is visible. The host-to-host case runs
+everywhere, so the checks themselves are exercised on every machine.
+
+What each case holds: every worker gets the trainer's weights bit for bit;
+its tensors keep their device, and under the multiprocess scheme their
+``data_ptr()``; a send that does not fit is refused before any worker is
+touched; work the trainer enqueues on its stream right after ``send()``
+returned never reaches a worker; a killed worker is named.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+from harness import PROCS, reap
+
+import weightsync as ws
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device; none is visible"),
+]
+
+# (trainer device, worker device)
+PLACEMENTS = [
+    pytest.param("cpu", "cpu", id="cpu-cpu"),
+    pytest.param("cuda", "cuda", id="cuda-cuda", marks=needs_cuda),
+    pytest.param("cuda", "cpu", id="cuda-cpu", marks=needs_cuda),
+    pytest.param("cpu", "cuda", id="cpu-cuda", marks=needs_cuda),
+]
+SCHEMES = {"multiprocess": ws.MultiProcessWeightSyncScheme, "shared": ws.SharedMemWeightSyncScheme}
+
+
+def make_model(device: str, seed: int, width: int = 64) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 8))
+    return model.to(device)
+
+
+def cuda_worker(
+    scheme: ws.WeightSyncScheme, pipe: Connection, ctrl: Connection, device: str, width: int
+) -> None:
+    """A worker whose model lives on ``device``: takes updates at its safe
+    point, answers "state" with its weights (on the host), their devices and
+    addresses, and whether every tensor kept its identity."""
+    model = make_model(device, seed=1000 + os.getpid(), width=width)
+    tensors = dict(model.state_dict(keep_vars=True))
+    ids = {name: id(t) for name, t in tensors.items()}
+    scheme.init_on_worker("policy", pipe=pipe, model=model)
+    ctrl.send(("ready", os.getpid()))
+    try:
+        while True:
+            if ctrl.poll():
+                if ctrl.recv() == "stop":
+                    break
+                now = dict(model.state_dict(keep_vars=True))
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                ctrl.send(
+                    {
+                        # (A copy: a tensor sent over a multiprocessing pipe
+                        # is moved to shared memory, its address with it.)
+                        "weights": {name: t.detach().to("cpu", copy=True) for name, t in now.items()},
+                        "devices": {name: str(t.device) for name, t in now.items()},
+                        "ptrs": {name: t.data_ptr() for name, t in now.items()},
+                        "same_identity": all(id(now[name]) == ids[name] for name in ids),
+                    }
+                )
+            try:
+                scheme.receive(timeout=0.02)
+            except ws.SenderClosedError:
+                break
+    finally:
+        scheme.shutdown()
+
+
+class Placement:
+    """A trainer on ``trainer_device`` in this process and ``count`` worker
+    processes whose models live on ``worker_device``."""
+
+    def __init__(self, scheme_name: str, trainer_device: str, worker_device: str, count: int = 2) -> None:
+        self.scheme = SCHEMES[scheme_name](timeout=60)
+        self.worker_device = worker_device
+        self.model = make_model(trainer_device, seed=7)
+        self.procs: list[Any] = []
+        self.ctrls: list[Connection] = []
+        self.pipes: list[Connection] = []
+        self.pids: list[int] = []
+        widths = [64] * count
+        self._start(widths)
+
+    def _start(self, widths: list[int]) -> None:
+        for width in widths:
+            ours, theirs = PROCS.Pipe()
+            ctrl, ctrl_child = PROCS.Pipe()
+            proc = PROCS.Process(
+                target=cuda_worker,
+                args=(self.scheme, theirs, ctrl_child, self.worker_device, width),
+                daemon=True,
+            )
+            proc.start()
+            theirs.close()
+            ctrl_child.close()
+            self.procs.append(proc)
+            self.ctrls.append(ctrl)
+            self.pipes.append(ours)
+        self.scheme.init_on_sender("policy", pipes=self.pipes, model=self.model)
+        for ctrl in self.ctrls:
+            assert ctrl.poll(120), "a worker did not start"
+            tag, pid = ctrl.recv()
+            assert tag == "ready"
+            self.pids.append(pid)
+
+    def state(self, i: int) -> dict[str, Any]:
+        self.ctrls[i].send("state")
+        assert self.ctrls[i].poll(60), f"worker {i} did not answer"
+        return self.ctrls[i].recv()
+
+    def expected(self) -> dict[str, torch.Tensor]:
+        return {name: t.detach().cpu().clone() for name, t in self.model.state_dict().items()}
+
+    def bump(self) -> None:
+        with torch.no_grad():
+            for t in self.model.parameters():
+                t.add_(torch.randn_like(t))
+
+    def close(self) -> None:
+        for proc, ctrl in zip(self.procs, self.ctrls, strict=True):
+            if proc.is_alive():
+                ctrl.send("stop")
+        reap(self.procs)
+        self.scheme.shutdown()
+        for conn in self.ctrls + self.pipes:
+            conn.close()
+
+
+@pytest.fixture
+def placement(request: pytest.FixtureRequest):
+    made: list[Placement] = []
+
+    def make(scheme_name: str, trainer_device: str, worker_device: str, count: int = 2) -> Placement:
+        made.append(Placement(scheme_name, trainer_device, worker_device, count))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+@pytest.mark.parametrize("scheme_name", list(SCHEMES))
+@pytest.mark.parametrize("trainer_device, worker_device", PLACEMENTS)
+def test_workers_get_the_weights_bit_exact_and_keep_their_device(
+    placement, scheme_name: str, trainer_device: str, worker_device: str
+) -> None:
+    p = placement(scheme_name, trainer_device, worker_device)
+    before = [p.state(i) for i in range(2)]
+    for _ in range(3):
+        p.bump()
+        report = p.scheme.get_sender().send()
+        assert report.worker_ids == (0, 1)
+        expected = p.expected()
+        for i in range(2):
+            state = p.state(i)
+            assert state["same_identity"], f"worker {i}: a tensor of its model was replaced"
+            for name, value in expected.items():
+                assert state["devices"][name].split(":")[0] == worker_device, (name, state["devices"][name])
+                assert torch.equal(state["weights"][name], value), f"worker {i}: {name} differs"
+            # A worker's tensors keep their memory: under the multiprocess
+            # scheme always, under the shared one where a view of the host
+            # slot would move them off their GPU.
+            if scheme_name == "multiprocess" or worker_device != "cpu":
+                assert state["ptrs"] == before[i]["ptrs"], f"worker {i}: a tensor's data_ptr() changed"
+
+
+@pytest.mark.parametrize("scheme_name", list(SCHEMES))
+@pytest.mark.parametrize("trainer_device, worker_device", PLACEMENTS)
+def test_work_enqueued_after_send_never_reaches_a_worker(
+    placement, scheme_name: str, trainer_device: str, worker_device: str
+) -> None:
+    """The trainer's stream goes on at once after send() returned: a fill_
+    enqueued then (before anything synchronises) is never what a worker
+    holds."""
+    p = placement(scheme_name, trainer_device, worker_device)
+    p.bump()
+    expected = p.expected()
+    p.scheme.get_sender().send()
+    with torch.no_grad():
+        for t in p.model.parameters():
+            t.fill_(float("nan"))
+    for i in range(2):
+        got = p.state(i)["weights"]
+        for name, value in expected.items():
+            assert torch.equal(got[name], value), f"worker {i}: {name} is not the weights sent"
+
+
+@pytest.mark.parametrize("scheme_name", list(SCHEMES))
+@pytest.mark.parametrize("trainer_device, worker_device", PLACEMENTS)
+def test_weights_that_do_not_fit_touch_no_worker(
+    placement, scheme_name: str, trainer_device: str, worker_device: str
+) -> None:
+    p = placement(scheme_name, trainer_device, worker_device)
+    p.scheme.get_sender().send()
+    held = [p.state(i)["weights"] for i in range(2)]
+    wrong = make_model(trainer_device, seed=3, width=32)
+    with pytest.raises(ws.WeightMismatchError):
+        p.scheme.get_sender().send(wrong)
+    for i in range(2):
+        got = p.state(i)["weights"]
+        for name, value in held[i].items():
+            assert torch.equal(got[name], value), f"worker {i}: {name} changed"
+
+
+@pytest.mark.parametrize("scheme_name", list(SCHEMES))
+@pytest.mark.parametrize("trainer_device, worker_device", PLACEMENTS)
+def test_a_killed_worker_is_named(
+    placement, scheme_name: str, trainer_device: str, worker_device: str
+) -> None:
+    p = placement(scheme_name, trainer_device, worker_device)
+    p.scheme.get_sender().send()
+    os.kill(p.pids[1], signal.SIGKILL)
+    p.procs[1].join(30)
+    p.bump()
+    with pytest.raises(ws.WorkerLostError) as info:
+        p.scheme.get_sender().send()
+    assert set(info.value.failures) == {1}
+    expected = p.expected()
+    got = p.state(0)["weights"]
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), f"worker 0: {name} differs"
