@@ -21,6 +21,7 @@ TRAINER = textwrap.dedent(
     import multiprocessing as mp, os, resource, sys
     import torch
     import weightsync as ws
+    from weightsync._packet import Manifest
 
     which = sys.argv[1]
     model = {"w": torch.randn(64 << 20 >> 2)}  # 64 MiB
