@@ -21,8 +21,8 @@ and after; on one host, of ``lo`` in the host's namespace, which also
 counts the workers' sends), and the CPU seconds of every process of the
 emulated hosts (trainer included). Measured once per step in the calling
 process, on the same steps: the CPU time of the codec as the scheme runs
-it (one :class:`~weightsync.DeltaEncoder` thread encoding a send;
-one :class:`~weightsync.DeltaDecoder` rebuilding it and checking
+it (one :class:`~weightsync._delta.DeltaEncoder` thread encoding a send;
+one :class:`~weightsync._delta.DeltaDecoder` rebuilding it and checking
 its digest, as a host leader does), and the size of the index/value
 format (a 4-byte index and the value of each changed element).
 
