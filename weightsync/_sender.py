@@ -483,8 +483,7 @@ class AsyncWeightSender:
             announce_seconds = time.perf_counter() - started
         staging_started = time.perf_counter()
         deadline = anyio.current_time() + timeout
-        packet = self.prepare(weights, fanout=len(targets), keys=keys, partial=partial)
-        reachable = self.workers.check_layouts(packet, [w for w in targets if w not in failures])
+        packet, reachable = self._read(weights, targets, failures, keys, partial)
         if reachable:
             verifying = self.verify if verify is None else verify
             packet = self._staged(await self._packer.stage(packet, self.staging, verifying))
@@ -501,6 +500,23 @@ class AsyncWeightSender:
             announce_seconds,
             holds_the_sender=holds,
         )
+
+    def _read(
+        self,
+        weights: Any,
+        targets: list[int],
+        failures: dict[int, WorkerError],
+        keys: Keys | None,
+        partial: bool,
+    ) -> tuple[Packet, list[int]]:
+        """The next packet of ``weights``, and the targets (but those that
+        ``failures`` names) it goes to, once it fits every one of them.
+
+        :raises WeightMismatchError: it does not fit one (nothing was sent).
+        :raises: what :meth:`prepare` and ``Workers.check_layouts`` raise.
+        """
+        packet = self.prepare(weights, fanout=len(targets), keys=keys, partial=partial)
+        return packet, self.workers.check_layouts(packet, [w for w in targets if w not in failures])
 
     def _staged(self, packet: Packet) -> Packet:
         """``packet``, staged: its version is used (bytes moved), and it lets
@@ -544,8 +560,7 @@ class AsyncWeightSender:
             started = time.perf_counter()
             # (The loop's clock is this one: a send finished in a loop keeps its deadline.)
             deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-            packet = self.prepare(weights, fanout=len(targets), keys=keys, partial=partial)
-            reachable = self.workers.check_layouts(packet, targets)
+            packet, reachable = self._read(weights, targets, {}, keys, partial)
             if reachable:
                 stage_now(packet)
                 packet = self._staged(packet)
