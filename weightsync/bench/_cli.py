@@ -13,11 +13,21 @@ import time
 from collections.abc import Sequence
 
 from ._compare import resolve
-from ._machine import describe_machine, machine_facts
+from ._machine import cuda_facts, describe_devices, describe_machine, machine_facts
 from ._plot import PlotUnavailableError, require_matplotlib, write_plot
 from ._progress import Progress
 from ._run import run_bench
-from ._table import FLOOR_NOTE, WIDTH, columns_for, format_row, legend, startup_lines, table_header
+from ._table import (
+    DEVICE_FLOOR_NOTE,
+    FLOOR_NOTE,
+    WIDTH,
+    columns_for,
+    device_copy_lines,
+    format_row,
+    legend,
+    startup_lines,
+    table_header,
+)
 from ._trajectories import TRAJECTORIES
 from ._types import (
     ALTERNATIVES,
@@ -29,6 +39,9 @@ from ._types import (
     BenchError,
     CaseResult,
     VerificationError,
+    cuda_unavailable,
+    parse_device,
+    placement_unavailable,
 )
 
 __all__ = ["main"]
@@ -135,6 +148,16 @@ def _parser() -> argparse.ArgumentParser:
         help="run each of weightsync's cases twice: unchecked, and with send(verify=True) (every "
         "tensor digested by the trainer and checked by each worker); needs the verify extra",
     )
+    for side, who in (("trainer", "the trainer's model"), ("worker", "every worker's model")):
+        bench.add_argument(
+            f"--{side}-device",
+            type=_device,
+            default="cpu",
+            metavar="DEVICE",
+            help=f"where {who} lives: cpu, cuda or cuda:N (default: cpu); with a CUDA device the floor "
+            "is that of the placement (D2D, page-locked D2H and H2D copies timed in the same run), the "
+            "checks compare CPU copies of the bytes, and what cannot run there is skipped with a note",
+        )
     bench.add_argument(
         "--repeats", type=int, default=_DEFAULTS.repeats, help="timed sends per case (default: %(default)s)"
     )
@@ -253,6 +276,14 @@ def _parser() -> argparse.ArgumentParser:
     # Testing hook: this worker corrupts its model after applying, so verification must fail.
     bench.add_argument("--corrupt-worker", type=int, default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def _device(text: str) -> str:
+    """``--trainer-device`` / ``--worker-device``, as :func:`parse_device` reads it."""
+    try:
+        return parse_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _emulation(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[float, list[int]] | None:
@@ -431,8 +462,10 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         names = sorted(SCHEMES) if "all" in args.scheme else list(dict.fromkeys(args.scheme))
     schemes: list[str] = []
     skipped: dict[str, str] = {}
+    devices = (args.trainer_device, args.worker_device)
     for name in names:
-        why = SCHEMES[name].unavailable()
+        info = SCHEMES[name]
+        why = info.unavailable() or placement_unavailable(info.devices, *devices)
         if why is None:
             schemes.append(name)
         elif every:
@@ -441,7 +474,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             # Named on the command line: a run without it is not the run asked for.
             print(f"weightsync bench: --scheme {name} cannot run here: {why}", file=sys.stderr)
             return 2
-    compare, cannot = resolve(list(ALTERNATIVES) if "all" in args.compare else args.compare)
+    compare, cannot = resolve(list(ALTERNATIVES) if "all" in args.compare else args.compare, devices)
     skipped.update(cannot)
     for name, why in skipped.items():
         print(f"weightsync bench: skipping {name}: {why}", file=sys.stderr)
@@ -459,12 +492,16 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             warmup=args.warmup,
             timeout=args.timeout,
             worker_threads=args.worker_threads or None,
+            trainer_device=args.trainer_device,
+            worker_device=args.worker_device,
         )
     except ValueError as exc:
         parser.error(str(exc))
     tensors = "" if len(config.tensors) > 1 else f"{config.tensors[0]} "
+    cuda = config.devices != ("cpu", "cpu")
     _say(
         describe_machine(machine_facts()),
+        *([describe_devices(*config.devices, cuda_facts(config.devices))] if cuda else []),
         f"{tensors}{config.dtype} tensors; {config.repeats} timed sends per case after {config.warmup} "
         "untimed; copy: private = own copy per worker, shared = one shared buffer (compare like with like)",
     )
@@ -473,6 +510,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         True in config.verify,
         wide=args.wide,
         several_tensor_counts=len(config.tensors) > 1,
+        cuda=cuda,
     )
     print(table_header(shown), flush=True)
     progress = Progress(sys.stderr, config.cases(), config) if args.progress or sys.stderr.isatty() else None
@@ -508,9 +546,11 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for name, why in skipped.items():
         _say(f"skipped {name}: {why}")
     print("\n".join(startup_lines(run.startup, run.results)))
+    for line in device_copy_lines(run.results):
+        print(line)
     if "floor ms" in shown or "x floor" in shown:
-        _say(FLOOR_NOTE)
-    print(legend(shown))
+        _say(DEVICE_FLOOR_NOTE if cuda else FLOOR_NOTE)
+    print(legend(shown, cuda=cuda))
     results_file = None if args.no_json else args.json or time.strftime("bench-%Y%m%d-%H%M%S.json")
     if results_file:
         try:
@@ -541,13 +581,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     Blocks until the command is done and returns its exit status: 0 on
     success, 1 when a benchmark failed (a worker held other weights than the
     trainer, died or timed out), 2 when ``--plot`` is asked without
-    matplotlib installed or ``--scheme`` names a scheme whose package is
-    missing (``ray``), 130 after Ctrl-C.
+    matplotlib installed, ``--scheme`` names a scheme whose package is
+    missing (``ray``) or that cannot run on the devices asked, or
+    ``--trainer-device`` / ``--worker-device`` names a CUDA device that is
+    not visible (said in one line, before any worker starts), 130 after
+    Ctrl-C.
 
     :raises SystemExit: the arguments are invalid (status 2) or ``--help`` was asked.
     """
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "bench" and (args.trainer_device, args.worker_device) != ("cpu", "cpu"):
+        if args.delta or args.emulate_hosts is not None or args.cluster or args.scheme == ["distributed"]:
+            parser.error(
+                "--trainer-device and --worker-device place the models of the bench on one host "
+                "(not with --delta, --emulate-hosts, --cluster or --scheme distributed alone)"
+            )
+        for side in ("trainer", "worker"):
+            device = getattr(args, f"{side}_device")
+            why = cuda_unavailable([device])
+            if why is not None:
+                print(f"weightsync bench: --{side}-device {device}: {why}", file=sys.stderr)
+                return 2
     if args.command == "bench" and args.delta:
         return _delta(args, parser)
     if args.command == "bench" and (args.emulate_hosts is not None or args.cluster):

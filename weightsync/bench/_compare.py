@@ -19,6 +19,19 @@ shared-buffer figure is never read as a private-copy one:
   trainer copies its tensors into one shared buffer and writes a version to
   each pipe; each worker copies them out into its model and echoes it.
   Private copy.
+- ``cuda-ipc`` (a CUDA device on either side): the hand-written GPU loop
+  torchrl's schemes stand for: one staging tensor on the GPU (the
+  trainer's, else the workers'), shared once with every worker through
+  torch's reductions (one CUDA IPC handle, opened once per worker). Each
+  round the trainer copies its tensors into it and waits for the copies
+  (``torch.cuda.synchronize``), then writes a version to each pipe; each
+  worker copies them out into its model (device to device where its model
+  is on the GPU), synchronizes and echoes it. Private copy.
+- ``pinned-shm`` (a CUDA device on either side): ``bare-shm`` with its
+  shared buffer page-locked (``cudaHostRegister``) in the trainer, where it
+  copies device to host into it, and in each GPU worker, which copies host
+  to device out of it; copies are issued ``non_blocking`` and waited for
+  before the notification and before the echo. Private copy.
 - ``ray-put``: the hand-written zero-copy Ray broadcast, on the bench's Ray
   actors (:mod:`weightsync.bench._ray_pool`): one ``ray.put`` of the tensors'
   bytes as numpy arrays, then one method call per actor that copies the
@@ -75,7 +88,15 @@ from ._pools import Pool, WorkerPool, timed_rounds
 from ._ray_pool import RayActorPool
 from ._torchrl import run_on_actors as run_torchrl_on_actors
 from ._torchrl import run_over_pipes as run_torchrl_over_pipes
-from ._types import ALTERNATIVES, DTYPES, BenchConfig, BenchError, CaseResult, itemsize
+from ._types import (
+    ALTERNATIVES,
+    DTYPES,
+    BenchConfig,
+    BenchError,
+    CaseResult,
+    itemsize,
+    placement_unavailable,
+)
 
 __all__ = ["resolve", "run_alternative", "serve_alternative"]
 
@@ -84,12 +105,16 @@ _ALIGN = 64
 _STOP = b""
 
 
-def resolve(names: Sequence[str]) -> tuple[list[str], dict[str, str]]:
-    """Split ``names`` into those that can run here and those that cannot,
-    with the reason for each."""
+def resolve(
+    names: Sequence[str], devices: tuple[str, str] = ("cpu", "cpu")
+) -> tuple[list[str], dict[str, str]]:
+    """Split ``names`` into those that can run here, with the trainer's and
+    the workers' models on ``devices``, and those that cannot, with the
+    reason for each."""
     runnable, skipped = [], {}
     for name in dict.fromkeys(names):
-        why = ALTERNATIVES[name].unavailable()
+        info = ALTERNATIVES[name]
+        why = info.unavailable() or placement_unavailable(info.devices, *devices)
         if why is None:
             runnable.append(name)
         else:
@@ -126,19 +151,30 @@ def _views(
 
 class _Sender:
     """One alternative's trainer side: ``payload`` goes to each worker once
-    at the start; ``send`` starts one round (acks are awaited by the caller)."""
+    at the start; ``send`` starts one round (acks are awaited by the caller);
+    ``close`` releases what the sender holds, after the workers' side ended.
+    ``gpu`` is the case's CUDA device (:attr:`Case.gpu`), or None."""
 
     payload: Any = None
     packet_nbytes = 0
 
+    def __init__(
+        self,
+        named: dict[str, torch.Tensor],
+        shapes: Mapping[str, tuple[int, ...]],
+        dtype: str,
+        gpu: str | None,
+    ) -> None:
+        self.named = named
+
     def send(self, version: int, conns: Sequence[Connection]) -> None:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release what :meth:`send` used. Idempotent."""
+
 
 class _PicklePipe(_Sender):
-    def __init__(self, named: dict[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], dtype: str):
-        self.named = named
-
     def send(self, version: int, conns: Sequence[Connection]) -> None:
         data = pickle.dumps((version, self.named), protocol=pickle.HIGHEST_PROTOCOL)
         self.packet_nbytes = len(data)
@@ -147,9 +183,6 @@ class _PicklePipe(_Sender):
 
 
 class _TorchMP(_Sender):
-    def __init__(self, named: dict[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], dtype: str):
-        self.named = named
-
     def send(self, version: int, conns: Sequence[Connection]) -> None:
         # One pickle per worker: each shared file descriptor is handed out once.
         for conn in conns:
@@ -159,26 +192,86 @@ class _TorchMP(_Sender):
 
 
 class _BareShm(_Sender):
-    def __init__(self, named: dict[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], dtype: str):
+    def __init__(
+        self,
+        named: dict[str, torch.Tensor],
+        shapes: Mapping[str, tuple[int, ...]],
+        dtype: str,
+        gpu: str | None,
+    ) -> None:
+        super().__init__(named, shapes, dtype, gpu)
         _, nbytes = _layout(shapes, itemsize(dtype))
-        self.payload = torch.zeros(nbytes, dtype=torch.uint8).share_memory_()
+        self.payload = self._staging(nbytes, gpu)
         self.packet_nbytes = nbytes
         views = _views(self.payload, shapes, dtype)
         self.pairs = [(views[name], named[name]) for name in sorted(named)]
+        # Copies that may run asynchronously are waited for before the notification.
+        self.sync = next((t.device for t in (self.payload, *named.values()) if t.is_cuda), None)
+
+    def _staging(self, nbytes: int, gpu: str | None) -> torch.Tensor:
+        return torch.zeros(nbytes, dtype=torch.uint8).share_memory_()
 
     def send(self, version: int, conns: Sequence[Connection]) -> None:
         with torch.no_grad():
             for target, source in self.pairs:
-                target.copy_(source)
+                target.copy_(source, non_blocking=True)
+        if self.sync is not None:
+            torch.cuda.synchronize(self.sync)
         message = _VERSION.pack(version)
         for conn in conns:
             conn.send_bytes(message)
 
 
-_SENDERS: dict[str, Callable[[dict[str, torch.Tensor], Mapping[str, tuple[int, ...]], str], _Sender]] = {
+class _CudaIpc(_BareShm):
+    """The staging is one tensor on the GPU; its pickle is a CUDA IPC handle."""
+
+    def _staging(self, nbytes: int, gpu: str | None) -> torch.Tensor:
+        assert gpu is not None, "cuda-ipc runs only where a CUDA device is involved"
+        return torch.zeros(nbytes, dtype=torch.uint8, device=gpu)
+
+
+class _PinnedShm(_BareShm):
+    """The shared staging is page-locked in the trainer where a GPU copies into it."""
+
+    def _staging(self, nbytes: int, gpu: str | None) -> torch.Tensor:
+        buffer = super()._staging(nbytes, gpu)
+        on_gpu = any(t.is_cuda for t in self.named.values())
+        self.pinned = _PageLock(buffer) if on_gpu else None
+        return buffer
+
+    def close(self) -> None:
+        if self.pinned is not None:
+            self.pinned.release()
+
+
+class _PageLock:
+    """``tensor``'s memory (this process's mapping of it) registered
+    page-locked with CUDA until :meth:`release`, so copies between it and a
+    GPU go by DMA. Registered once per mapping: registering a range twice
+    fails."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        cudart = torch.cuda.cudart()
+        # 1: cudaHostRegisterPortable, page-locked for every device's context.
+        torch.cuda.check_error(cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 1))
+        self.registered = True
+
+    def release(self) -> None:
+        """Unregister it. Idempotent."""
+        if self.registered:
+            self.registered = False
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr()))
+
+
+_SENDERS: dict[
+    str, Callable[[dict[str, torch.Tensor], Mapping[str, tuple[int, ...]], str, str | None], _Sender]
+] = {
     "pickle-pipe": _PicklePipe,
     "torch-mp": _TorchMP,
     "bare-shm": _BareShm,
+    "cuda-ipc": _CudaIpc,
+    "pinned-shm": _PinnedShm,
 }
 
 
@@ -207,7 +300,7 @@ def run_alternative(
     :raises BenchError: a worker failed, died or timed out.
     """
     case = pool.cases[index]
-    model = GeneratedMLP(shapes, fill="pattern", dtype=case.dtype)
+    model = GeneratedMLP(shapes, fill="pattern", dtype=case.dtype, device=case.trainer_device)
     named = dict(sorted(model.state_dict().items()))
     if case.scheme.startswith("torchrl-"):
         if isinstance(pool, RayActorPool):
@@ -233,7 +326,7 @@ def _run_over_pipes(
     case = pool.cases[index]
     what = f"{case.scheme} round of {case.size_mib:g} MiB to {case.workers} worker(s)"
     conns = pool.pipes(index)
-    sender = _SENDERS[case.scheme](named, shapes, case.dtype)
+    sender = _SENDERS[case.scheme](named, shapes, case.dtype, case.gpu)
 
     def one_round(version: int) -> None:
         sender.send(version, conns)
@@ -249,7 +342,10 @@ def _run_over_pipes(
                 with suppress(OSError):
                     conn.send_bytes(_STOP)
         finally:
-            pool.end_case(index)
+            try:
+                pool.end_case(index)
+            finally:
+                sender.close()
 
 
 def _run_on_actors(
@@ -289,7 +385,8 @@ def _run_on_actors(
 def _applier(
     name: str, model: nn.Module, shapes: Mapping[str, tuple[int, ...]], dtype: str, payload: Any
 ) -> Callable[[bytes], int]:
-    """How a worker applies one round's message; returns the version."""
+    """How a worker applies one round's message; returns the version once
+    the model holds it (copies a GPU runs are waited for)."""
     if name in ("pickle-pipe", "torch-mp"):
 
         def load(data: bytes) -> int:
@@ -298,15 +395,18 @@ def _applier(
             return int(version)
 
         return load
-    if name == "bare-shm":
+    if name in ("bare-shm", "cuda-ipc", "pinned-shm"):
         sources = _views(payload, shapes, dtype)
         named = model.state_dict()
         pairs = [(named[key], sources[key]) for key in sorted(named)]
+        sync = next((t.device for t in (payload, *named.values()) if t.is_cuda), None)
 
         def copy_out(data: bytes) -> int:
             with torch.no_grad():
                 for target, source in pairs:
-                    target.copy_(source)
+                    target.copy_(source, non_blocking=True)
+            if sync is not None:
+                torch.cuda.synchronize(sync)
             return int(_VERSION.unpack(data)[0])
 
         return copy_out
@@ -319,13 +419,18 @@ def serve_alternative(
     name: str,
     shapes: dict[str, tuple[int, ...]],
     dtype: str,
+    device: str,
     payload: Any,
     corrupt: bool,
 ) -> None:
     """A bench worker's side of alternative ``name`` (``pickle-pipe``,
-    ``torch-mp``, ``bare-shm``): apply each round from ``pipe``, reply, then
-    report checksums over ``ctrl`` (as for a scheme)."""
-    model = GeneratedMLP(shapes, dtype=dtype)
+    ``torch-mp``, ``bare-shm``, ``cuda-ipc``, ``pinned-shm``), its model on
+    ``device``: apply each round from ``pipe``, reply, then report checksums
+    over ``ctrl`` (as for a scheme)."""
+    model = GeneratedMLP(shapes, dtype=dtype, device=device)
+    # pinned-shm: this worker's mapping of the shared buffer, page-locked
+    # where it copies host to device out of it.
+    pinned = _PageLock(payload) if name == "pinned-shm" and device != "cpu" else None
     try:
         apply = _applier(name, model, shapes, dtype, payload)
         ctrl.send(("ready",))
@@ -343,4 +448,8 @@ def serve_alternative(
                 corrupt_model(tensors)
             ctrl.send(("applied", version, tensor_checksums(tensors)))
     finally:
-        ctrl.send(("ended",))
+        try:
+            if pinned is not None:
+                pinned.release()
+        finally:
+            ctrl.send(("ended",))

@@ -8,14 +8,14 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 import weightsync as ws
 
-__all__ = ["describe_machine", "machine_facts"]
+__all__ = ["cuda_facts", "describe_devices", "describe_machine", "machine_facts"]
 
 
 def _cpu_model() -> str:
@@ -72,6 +72,40 @@ def machine_facts() -> dict[str, Any]:
         "weightsync_env": {k: v for k, v in os.environ.items() if k.startswith("WEIGHTSYNC_")},
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+
+
+def cuda_facts(devices: Sequence[str]) -> dict[str, Any]:
+    """The CUDA devices among ``devices`` (``cuda:N``, visible here): name,
+    memory and UUID of each, torch's CUDA version and the allocator's
+    settings (``PYTORCH_CUDA_ALLOC_CONF`` changes what IPC can do)."""
+    named: dict[str, Any] = {}
+    for device in dict.fromkeys(d for d in devices if d.startswith("cuda")):
+        props = torch.cuda.get_device_properties(torch.device(device))
+        named[device] = {
+            "name": props.name,
+            "memory_bytes": props.total_memory,
+            "uuid": str(getattr(props, "uuid", "")) or None,
+        }
+    return {
+        "devices": named,
+        "cuda_version": torch.version.cuda,
+        "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+    }
+
+
+def describe_devices(trainer_device: str, worker_device: str, facts: Mapping[str, Any]) -> str:
+    """One line: where the trainer's and the workers' models live, with the
+    GPUs' names (from :func:`cuda_facts`)."""
+    names = facts.get("devices", {})
+
+    def one(device: str) -> str:
+        return device if device == "cpu" else f"{device} ({names.get(device, {}).get('name', '?')})"
+
+    return (
+        f"trainer's model on {one(trainer_device)}, every worker's on {one(worker_device)} "
+        f"(CUDA {facts.get('cuda_version')}); checked on CPU copies of the bytes"
+    )
 
 
 def describe_machine(facts: Mapping[str, Any]) -> str:

@@ -1,7 +1,10 @@
 """The memcpy references of ``weightsync bench``: a single-threaded memcpy
 of a case's bytes, and the floor of a send's work (``workers + 1`` memcpys,
 one into staging and one out per worker, on up to two threads), measured in
-the trainer process in the same run as the sends.
+the trainer process in the same run as the sends; and, where a case
+involves a CUDA device, one device-to-device, one page-locked
+device-to-host and one page-locked host-to-device copy of the same bytes
+(:func:`device_copy_seconds`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["floor_seconds", "memcpy_floor_seconds", "memcpy_seconds"]
+__all__ = ["device_copy_seconds", "floor_seconds", "memcpy_floor_seconds", "memcpy_seconds"]
 
 
 @contextmanager
@@ -91,3 +94,30 @@ def floor_seconds(
     a second thread costs more than copying it. Blocks for the copies."""
     serial = _timed_copies(nbytes, copies, repeats)
     return serial, memcpy_floor_seconds(nbytes, copies, repeats, threads)
+
+
+def device_copy_seconds(nbytes: int, device: str, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each of ``repeats`` copies of ``nbytes`` on CUDA device
+    ``device``, of each kind: ``"d2d"`` (device to device), ``"d2h"`` (device
+    to page-locked host memory) and ``"h2d"`` (the reverse), each issued with
+    ``non_blocking=True`` and timed until ``torch.cuda.synchronize()``
+    returned, after one untimed copy. Blocks for the copies; holds
+    ``2 * nbytes`` on the device and ``nbytes`` page-locked for the duration
+    (torch's caching allocators keep them for the next case)."""
+    gpu = torch.device(device)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=gpu)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=gpu)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    pairs = {"d2d": (dst, src), "d2h": (host, src), "h2d": (dst, host)}
+    times: dict[str, list[float]] = {}
+    with torch.cuda.device(gpu):
+        for kind, (target, source) in pairs.items():
+            target.copy_(source, non_blocking=True)
+            torch.cuda.synchronize()
+            samples = times.setdefault(kind, [])
+            for _ in range(repeats):
+                start = time.perf_counter()
+                target.copy_(source, non_blocking=True)
+                torch.cuda.synchronize()
+                samples.append(time.perf_counter() - start)
+    return times

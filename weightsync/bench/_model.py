@@ -2,8 +2,10 @@
 checked.
 
 The trainer builds a :class:`GeneratedMLP` of the run's dtype filled with a
-pattern; each worker builds one of the same layout holding zeros. After
-every send, each worker's CRC32 per tensor (:func:`tensor_checksums`) is
+pattern; each worker builds one of the same layout holding zeros, each on
+its own device (the CPU, or a CUDA device). After every send, each
+worker's CRC32 per tensor (:func:`tensor_checksums`, over a CPU copy of a
+CUDA tensor's bytes) is
 compared with the trainer's (:func:`check_applied`); between sends the
 trainer changes one tensor (:func:`change_model`), so every send carries
 different bytes.
@@ -94,10 +96,15 @@ class GeneratedMLP(nn.Module):
     tensor, offset by its index, so a tensor read from the wrong place or
     shifted within itself changes the checksum). ``dtype`` names a key of
     :data:`DTYPES`; integer dtypes get a sawtooth instead of the ramp.
+    ``device`` is where its tensors live (``cpu`` or ``cuda:N``).
     """
 
     def __init__(
-        self, shapes: Mapping[str, tuple[int, ...]], fill: str = "zeros", dtype: str = "float32"
+        self,
+        shapes: Mapping[str, tuple[int, ...]],
+        fill: str = "zeros",
+        dtype: str = "float32",
+        device: str = "cpu",
     ) -> None:
         super().__init__()
         count = len({name.split(".")[1] for name in shapes})
@@ -108,7 +115,7 @@ class GeneratedMLP(nn.Module):
             if shape is None:
                 return None
             # zeros, not empty: every page is touched now, not inside a timed send.
-            t = torch.zeros(shape, dtype=DTYPES[dtype])
+            t = torch.zeros(shape, dtype=DTYPES[dtype], device=device)
             if fill == "pattern":
                 _fill_pattern(t.view(-1), len(made))
             made.append(t)
@@ -133,14 +140,15 @@ def unflatten_into(flat: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> N
 
 
 def tensor_checksums(tensors: Mapping[str, torch.Tensor]) -> list[int]:
-    """CRC32 of the bytes of each tensor, in name order.
+    """CRC32 of the bytes of each tensor, in name order; a tensor on a GPU
+    is copied to the CPU first (which waits for the work queued on it).
 
     Position-sensitive, so a shifted, swapped, torn or stale tensor is caught,
     and several GB/s, so verifying every send stays cheap.
     """
     sums = []
     for name in sorted(tensors):
-        flat = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8)
+        flat = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).cpu()
         sums.append(zlib.crc32(flat.numpy().data))
     return sums
 

@@ -53,10 +53,13 @@ from ._types import (
 __all__ = ["AlternativeServer", "Pool", "WorkerPool", "timed_rounds"]
 
 # A worker process's side of an alternative: called in the worker as
-# ``serve(ctrl, pipe, name, shapes, dtype, payload, corrupt)``; it reports
-# over ``ctrl`` as :func:`_serve_case` does. A module-level function: it is
-# pickled to the worker by name.
-AlternativeServer = Callable[[Connection, Connection, str, dict[str, tuple[int, ...]], str, Any, bool], None]
+# ``serve(ctrl, pipe, name, shapes, dtype, device, payload, corrupt)``
+# (``device``: where the worker builds its model); it reports over ``ctrl``
+# as :func:`_serve_case` does. A module-level function: it is pickled to the
+# worker by name.
+AlternativeServer = Callable[
+    [Connection, Connection, str, dict[str, tuple[int, ...]], str, str, Any, bool], None
+]
 
 _PoolT = TypeVar("_PoolT", bound="Pool")
 
@@ -235,14 +238,15 @@ def _serve_case(
     scheme: ws.WeightSyncScheme,
     shapes: dict[str, tuple[int, ...]],
     dtype: str,
+    device: str,
     reach: str,
     corrupt: bool,
 ) -> None:
-    """A worker's side of a weightsync scheme: build a model of zeros,
-    initialise ``scheme`` on it with ``pipe`` (or, ``reach="rank"``, as rank
+    """A worker's side of a weightsync scheme: build a model of zeros on
+    ``device``, initialise ``scheme`` on it with ``pipe`` (or, ``reach="rank"``, as rank
     slot + 1), then report the version and checksums after each update it
     applies, until the trainer's sender is gone."""
-    model = GeneratedMLP(shapes, dtype=dtype)
+    model = GeneratedMLP(shapes, dtype=dtype, device=device)
     try:
         if reach == "rank":
             scheme.init_on_worker(MODEL_ID, model=model, worker_idx=_SLOT + 1)
@@ -385,7 +389,8 @@ class WorkerPool(Pool):
         :raises BenchError: a worker failed, died or did not get ready in time.
         """
         case = self.cases[index]
-        self._start(index, _serve_case, scheme, shapes, case.dtype, SCHEMES[case.scheme].reach)
+        reach = SCHEMES[case.scheme].reach
+        self._start(index, _serve_case, scheme, shapes, case.dtype, case.worker_device, reach)
 
     def start_alternative(
         self,
@@ -396,10 +401,12 @@ class WorkerPool(Pool):
         serve: AlternativeServer,
     ) -> None:
         """Like :meth:`start_case`, for alternative ``name`` to weightsync:
-        each worker runs ``serve``, the alternative's side of a worker;
-        ``payload`` (pickled with torch's reductions) goes to every worker."""
+        each worker runs ``serve``, the alternative's side of a worker, with
+        its model on the case's worker device; ``payload`` (pickled with
+        torch's reductions: a CUDA tensor goes by CUDA IPC) goes to every
+        worker."""
         case = self.cases[index]
-        self._start(index, serve, name, shapes, case.dtype, payload)
+        self._start(index, serve, name, shapes, case.dtype, case.worker_device, payload)
 
     def worker_pids(self, count: int) -> list[int]:
         """Process ids of the first ``count`` workers."""

@@ -12,7 +12,9 @@ the run has a Ray case.
 For each case the trainer
 
 1. builds a generated MLP-like model of tensors of the run's dtype (float32
+   unless asked) on the trainer's device (``--trainer-device``, the CPU
    unless asked); each worker builds one of the same layout holding zeros
+   on the workers' device (``--worker-device``)
    (:mod:`weightsync.bench._model`);
 2. warms up, then times each send from ``send_async()`` until ``wait_async()``
    returned: the whole send, until every worker applied the version and its
@@ -20,13 +22,17 @@ For each case the trainer
    staged, and the trainer may change them); for Ray, one ``ray.put`` of the
    same bytes after each send, the stall's reference there;
 3. after every send, outside the timed region, compares a CRC32 per tensor
-   that each worker computed over its own model with the trainer's; a
-   mismatch raises :class:`~weightsync.bench.VerificationError`;
+   that each worker computed over its own model with the trainer's (over
+   CPU copies of the bytes of tensors on a GPU: bit-exact); a mismatch
+   raises :class:`~weightsync.bench.VerificationError`;
 4. changes one tensor of its model, so every send carries different bytes;
 5. times, half before the sends and half after, a single-threaded memcpy of
    the same bytes and the floor of the scheme's work: ``workers + 1`` memcpys
    (one into staging, one out per worker) on up to two threads
-   (:mod:`weightsync.bench._memcpy`).
+   (:mod:`weightsync.bench._memcpy`); where a CUDA device is involved, also
+   one D2D, one page-locked D2H and one page-locked H2D copy of the same
+   bytes on that GPU, from which the floor of the placement is added up
+   (:attr:`~weightsync.bench.CaseResult.floor_median_s`).
 
 Alternatives to weightsync (``--compare``, :mod:`weightsync.bench._compare`)
 run in the same pools with the same model and sizes, timed and verified the
@@ -46,8 +52,8 @@ import torch
 import weightsync as ws
 
 from ._compare import run_alternative
-from ._machine import machine_facts
-from ._memcpy import floor_seconds, memcpy_seconds
+from ._machine import cuda_facts, machine_facts
+from ._memcpy import device_copy_seconds, floor_seconds, memcpy_seconds
 from ._memory import PeakMemoryProbe
 from ._model import GeneratedMLP, change_model, mlp_shapes, model_nbytes, tensor_checksums
 from ._pools import Pool, WorkerPool
@@ -105,7 +111,7 @@ def _run_scheme(
     result: CaseResult,
 ) -> None:
     case = pool.cases[index]
-    model = GeneratedMLP(shapes, fill="pattern", dtype=case.dtype)
+    model = GeneratedMLP(shapes, fill="pattern", dtype=case.dtype, device=case.trainer_device)
     named = dict(sorted(model.state_dict().items()))
     names = list(named)
     keys = _partial_keys(named, case.partial)
@@ -187,6 +193,9 @@ def _measure_references(result: CaseResult, repeats: int) -> None:
     serial, split = floor_seconds(result.nbytes, result.case.workers + 1, repeats)
     result.floor_serial_s += serial
     result.floor_split_s += split
+    if result.case.gpu is not None:
+        for kind, samples in device_copy_seconds(result.nbytes, result.case.gpu, repeats).items():
+            result.device_copy_s.setdefault(kind, []).extend(samples)
 
 
 def run_bench(
@@ -214,6 +223,8 @@ def run_bench(
     """
     started = time.perf_counter()
     run = BenchRun(config, machine_facts())
+    if config.devices != ("cpu", "cpu"):
+        run.machine["cuda"] = cuda_facts(config.devices)
     cases = config.cases()
     timeout, threads, corrupt = config.timeout, config.worker_threads, corrupt_worker
     # Each pool starts workers only for its own cases, if it has any.

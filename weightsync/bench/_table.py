@@ -19,12 +19,14 @@ from ._types import MIB, CaseResult, PeakMemory, WorkerStartup, labels, pool_of
 __all__ = [
     "ALL_COLUMNS",
     "DEFAULT_COLUMNS",
+    "DEVICE_FLOOR_NOTE",
     "FLOOR_NOTE",
     "WIDTH",
     "columns_for",
     "format_row",
     "format_table",
     "legend",
+    "device_copy_lines",
     "startup_lines",
     "table_header",
 ]
@@ -53,8 +55,15 @@ _COLUMNS = (
     ("x memcpy", 8, ".2f"),
     ("floor ms", 8, ".3f"),
     ("x floor", 7, ".2f"),
+    ("d2d ms", 8, "s"),
+    ("d2h ms", 8, "s"),
+    ("h2d ms", 8, "s"),
     ("+MiB T/W", 11, "s"),
 )
+
+#: The columns of the copies timed on a GPU: in ``--wide`` tables of runs
+#: where a CUDA device is involved only.
+_DEVICE_COLUMNS = ("d2d ms", "d2h ms", "h2d ms")
 
 
 #: Every column, in order (``--wide``).
@@ -90,6 +99,9 @@ _MEANING = {
     "floor ms": "the floor: (workers + 1) memcpys of the same bytes in the trainer's process, on one "
     "or two threads, measured in the same run (see the note above)",
     "x floor": "median / floor ms (the shared scheme can go below 1: see the note above)",
+    "d2d ms": "one device-to-device copy of the same bytes on the GPU, measured in the same run",
+    "d2h ms": "one page-locked device-to-host copy of the same bytes, measured in the same run",
+    "h2d ms": "one page-locked host-to-device copy of the same bytes, measured in the same run",
     "+MiB T/W": "peak extra memory of the trainer / of the worker that grew most, in MiB",
 }
 
@@ -103,16 +115,28 @@ FLOOR_NOTE = (
 )
 
 
+#: What the floor is where a CUDA device is involved, printed under the table instead.
+DEVICE_FLOOR_NOTE = (
+    "floor (a CUDA device involved): the copies of a send whose every worker keeps a private copy, "
+    "each at the median of the same bytes copied in the trainer's process in the same run: GPU to "
+    "GPU, (workers + 1) D2D copies; GPU trainer to CPU workers, one page-locked D2H and one memcpy "
+    "per worker; CPU trainer to GPU workers, one memcpy and one page-locked H2D per worker. The "
+    "shared scheme can beat it (x floor below 1)."
+)
+
+
 def columns_for(
     results_have_partial: bool,
     results_have_verify: bool,
     wide: bool = False,
     several_tensor_counts: bool = False,
+    cuda: bool = False,
 ) -> tuple[str, ...]:
-    """The columns to print: every one if ``wide``, else the default ones,
+    """The columns to print: every one if ``wide`` (the copies timed on a
+    GPU only if ``cuda``: a CUDA device is involved), else the default ones,
     with ``tensors`` / ``sent`` / ``verify`` when the run has such cases."""
     if wide:
-        return ALL_COLUMNS
+        return tuple(name for name in ALL_COLUMNS if cuda or name not in _DEVICE_COLUMNS)
     chosen = set(DEFAULT_COLUMNS)
     if several_tensor_counts:
         chosen.add("tensors")
@@ -123,12 +147,19 @@ def columns_for(
     return tuple(name for name in ALL_COLUMNS if name in chosen)
 
 
-def legend(columns: Sequence[str] = DEFAULT_COLUMNS) -> str:
-    """What each of ``columns`` means, one line each (wrapped within :data:`WIDTH`)."""
+def legend(columns: Sequence[str] = DEFAULT_COLUMNS, cuda: bool = False) -> str:
+    """What each of ``columns`` means, one line each (wrapped within
+    :data:`WIDTH`); ``cuda``: for a run where a CUDA device is involved."""
     width = max(len(name) for name in columns)
     indent = " " * (width + 4)
+    meaning = dict(_MEANING)
+    if cuda:
+        meaning["floor ms"] = (
+            "the floor of the placement: the copies of a send that gives each worker a private copy, "
+            "each timed on the same bytes in the same run (see the note above)"
+        )
     return "\n".join(
-        textwrap.fill(_MEANING[name], WIDTH, initial_indent=f"  {name:<{width}}  ", subsequent_indent=indent)
+        textwrap.fill(meaning[name], WIDTH, initial_indent=f"  {name:<{width}}  ", subsequent_indent=indent)
         for name in columns
     )
 
@@ -166,7 +197,7 @@ def startup_lines(startups: Sequence[WorkerStartup], results: Sequence[CaseResul
 
 
 # Number columns given as text (they may read "-"): right-aligned.
-_RIGHT = {"stall ms", "x ref"}
+_RIGHT = {"stall ms", "x ref", *_DEVICE_COLUMNS}
 
 
 def table_header(columns: Sequence[str] = DEFAULT_COLUMNS) -> str:
@@ -204,6 +235,7 @@ def format_row(result: CaseResult, columns: Sequence[str] = DEFAULT_COLUMNS) -> 
         r.vs_memcpy,
         r.floor_median_s * 1e3,
         r.vs_floor,
+        *(_ms_cell(r.device_copy_median_s(kind)) for kind in ("d2d", "d2h", "h2d")),
         _memory_cell(r.memory),
     )
     cells = zip(_COLUMNS, values, strict=True)
@@ -212,6 +244,34 @@ def format_row(result: CaseResult, columns: Sequence[str] = DEFAULT_COLUMNS) -> 
         for (name, w, fmt), v in cells
         if name in columns
     )
+
+
+def _ms_cell(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f}"
+
+
+def device_copy_lines(results: Sequence[CaseResult]) -> list[str]:
+    """The copies timed on a GPU, per size (medians over the size's cases),
+    within :data:`WIDTH`; none where no case involved a CUDA device."""
+    sizes: dict[tuple[int, str], dict[str, list[float]]] = {}
+    for r in results:
+        if r.case.gpu is None:
+            continue
+        merged = sizes.setdefault((r.nbytes, r.case.gpu), {})
+        for kind, samples in r.device_copy_s.items():
+            merged.setdefault(kind, []).extend(samples)
+    if not sizes:
+        return []
+    lines = ["copies of the same bytes on the GPU, same run (medians; page-locked host memory):"]
+    for (nbytes, gpu), kinds in sizes.items():
+        d2d, d2h, h2d = (statistics.median(kinds[k]) * 1e3 if kinds.get(k) else float("nan") for k in _KINDS)
+        lines.append(
+            f"  {nbytes / MIB:9.2f} MiB on {gpu}:  D2D {d2d:.3f} ms,  D2H {d2h:.3f} ms,  H2D {h2d:.3f} ms"
+        )
+    return lines
+
+
+_KINDS = ("d2d", "d2h", "h2d")
 
 
 def _sent_cell(result: CaseResult) -> str:

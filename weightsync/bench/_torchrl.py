@@ -203,13 +203,15 @@ def serve(
     name: str,
     shapes: Mapping[str, tuple[int, ...]],
     dtype: str,
+    device: str,
     scheme: Any,
     corrupt: bool,
 ) -> None:
     """A bench worker's side of ``torchrl-mp`` / ``torchrl-shared`` (``name``):
     set ``scheme`` up as a collector's worker does, then report its checksums
-    each time the trainer names a version over ``pipe``."""
-    model = GeneratedMLP(dict(shapes), dtype=dtype)
+    each time the trainer names a version over ``pipe``. The bench runs it
+    on the CPU only (``device`` is ``cpu``)."""
+    model = GeneratedMLP(dict(shapes), dtype=dtype, device=device)
     try:
         (worker_idx,) = _VERSION.unpack(pipe.recv_bytes())
         # As torchrl/collectors/utils.py (_make_policy_factory) does: the

@@ -33,6 +33,7 @@ __all__ = [
     "RECEIVE_POLL",
     "SCHEMES",
     "STARTUP_TIMEOUT",
+    "DEVICE_COPIES",
     "AlternativeInfo",
     "BenchConfig",
     "BenchError",
@@ -45,6 +46,9 @@ __all__ = [
     "WorkerStartup",
     "itemsize",
     "labels",
+    "cuda_unavailable",
+    "parse_device",
+    "placement_unavailable",
     "pool_of",
     "unavailable",
 ]
@@ -58,6 +62,63 @@ RECEIVE_POLL = 1.0
 STARTUP_TIMEOUT = 120.0
 # How the peak extra memory of a case is measured (:mod:`weightsync.bench._memory`).
 MEMORY_METHOD = "VmHWM after the case minus VmRSS before it, peak reset via /proc/<pid>/clear_refs"
+
+
+# -- devices ------------------------------------------------------------------
+
+
+def parse_device(text: str) -> str:
+    """``text`` as the bench takes a device: ``cpu``, ``cuda`` or ``cuda:N``
+    (``cuda`` means ``cuda:0``, as torch's current device is in a fresh process).
+
+    :raises ValueError: it names another kind of device, or no device.
+    """
+    name = text.strip().lower()
+    if name in ("cpu", "cuda"):
+        return "cuda:0" if name == "cuda" else name
+    kind, _, index = name.partition(":")
+    if kind == "cuda" and index.isdigit():
+        return f"cuda:{int(index)}"
+    raise ValueError(f"{text!r} is not a device the bench knows: cpu, cuda or cuda:N")
+
+
+def cuda_unavailable(devices: Sequence[str]) -> str | None:
+    """Why the CUDA ones of ``devices`` (as :func:`parse_device` returns
+    them) cannot be used here, or None if they can (or none is CUDA). Asks
+    torch without creating a CUDA context where no device is visible."""
+    wanted = sorted({int(d.partition(":")[2]) for d in devices if d.startswith("cuda:")})
+    if not wanted:
+        return None
+    if not torch.cuda.is_available():
+        return f"no CUDA device is visible here (torch {torch.__version__})"
+    count = torch.cuda.device_count()
+    if wanted[-1] >= count:
+        return f"cuda:{wanted[-1]} is not visible here ({count} CUDA device(s))"
+    return None
+
+
+def placement_unavailable(needs: str, trainer_device: str, worker_device: str) -> str | None:
+    """Why something that runs on ``needs`` devices (``"any"``, ``"cpu"``:
+    trainer and workers on the CPU only, ``"cuda"``: a CUDA device on either
+    side, and visible) cannot run with this placement, or None if it can."""
+    on_cuda = (trainer_device, worker_device) != ("cpu", "cpu")
+    if needs == "cpu" and on_cuda:
+        return "the bench runs it with --trainer-device cpu --worker-device cpu only"
+    if needs == "cuda":
+        if not torch.cuda.is_available():
+            return "no CUDA device is visible here"
+        if not on_cuda:
+            return "it needs a CUDA device: --trainer-device or --worker-device cuda"
+    return None
+
+
+#: The copies of a case's bytes timed in the same run where a CUDA device is
+#: involved (:mod:`weightsync.bench._memcpy`): key -> what it is.
+DEVICE_COPIES: dict[str, str] = {
+    "d2d": "one device-to-device copy on the GPU",
+    "d2h": "one page-locked device-to-host copy",
+    "h2d": "one page-locked host-to-device copy",
+}
 
 
 # -- schemes ------------------------------------------------------------------
@@ -90,7 +151,9 @@ class SchemeInfo:
     worker process is reached: ``"pipe"`` (``pipes=`` / ``pipe=``) or
     ``"rank"`` (``num_workers=`` on the trainer, ``worker_idx=rank`` on
     worker ``rank - 1``, through the store the pickled scheme names).
-    ``requires`` names the module it needs that may be missing, if any."""
+    ``requires`` names the module it needs that may be missing, if any;
+    ``devices`` where the bench can place its trainer and workers
+    (:func:`placement_unavailable`)."""
 
     name: str
     summary: str
@@ -100,6 +163,7 @@ class SchemeInfo:
     pool: str = "processes"
     requires: str | None = None
     reach: str = "pipe"
+    devices: str = "any"
 
     def unavailable(self) -> str | None:
         """Why it cannot run here, or None if it can."""
@@ -155,6 +219,8 @@ SCHEMES: dict[str, SchemeInfo] = {
         _ray,
         pool="ray",
         requires="ray",
+        # The bench's Ray actors are given no GPU.
+        devices="cpu",
     ),
 }
 
@@ -204,7 +270,7 @@ class AlternativeInfo:
     """An alternative to weightsync: its name, a one-line summary, what it
     guarantees and which pool runs it (as
     :class:`SchemeInfo`), and, for one that needs a
-    package, that package's module."""
+    package, that package's module; ``devices`` as in :class:`SchemeInfo`."""
 
     name: str
     summary: str
@@ -212,6 +278,7 @@ class AlternativeInfo:
     torn: str = "no"
     requires: str | tuple[str, ...] | None = None
     pool: str = "processes"
+    devices: str = "any"
 
     def unavailable(self) -> str | None:
         """Why it cannot run here, or None if it can."""
@@ -237,6 +304,7 @@ ALTERNATIVES: dict[str, AlternativeInfo] = {
             "one ray.put of numpy arrays, one call per Ray actor copying them in; ray.get the calls",
             requires="ray",
             pool="ray",
+            devices="cpu",
         ),
         AlternativeInfo(
             "torchrl-mp",
@@ -245,6 +313,7 @@ ALTERNATIVES: dict[str, AlternativeInfo] = {
             copy="shared",
             torn="yes",
             requires="torchrl",
+            devices="cpu",
         ),
         AlternativeInfo(
             "torchrl-shared",
@@ -253,6 +322,7 @@ ALTERNATIVES: dict[str, AlternativeInfo] = {
             copy="shared",
             torn="yes",
             requires="torchrl",
+            devices="cpu",
         ),
         AlternativeInfo(
             "torchrl-ray",
@@ -260,6 +330,19 @@ ALTERNATIVES: dict[str, AlternativeInfo] = {
             torn="yes",
             requires=("torchrl", "ray"),
             pool="ray",
+            devices="cpu",
+        ),
+        AlternativeInfo(
+            "cuda-ipc",
+            "one staging tensor on the GPU shared once by CUDA IPC; the trainer copies into it, "
+            "notifies; each worker copies out into its model",
+            devices="cuda",
+        ),
+        AlternativeInfo(
+            "pinned-shm",
+            "one page-locked shared host buffer: the trainer copies into it (D2H), notifies; "
+            "each worker copies out into its model (H2D)",
+            devices="cuda",
         ),
     )
 }
@@ -302,10 +385,26 @@ class Case:
     partial: float = 1.0
     # Whether each send is checked end to end (send(verify=True)).
     verify: bool = False
+    # Where the trainer's model and each worker's model live (parse_device).
+    trainer_device: str = "cpu"
+    worker_device: str = "cpu"
 
     @property
     def nbytes(self) -> int:
         return int(self.size_mib * MIB)
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the trainer's or the workers' model lives on a CUDA device."""
+        return (self.trainer_device, self.worker_device) != ("cpu", "cpu")
+
+    @property
+    def gpu(self) -> str | None:
+        """The CUDA device the case's device copies are timed on: the
+        trainer's if it is one, else the workers' (None: all on the CPU)."""
+        if self.trainer_device != "cpu":
+            return self.trainer_device
+        return None if self.worker_device == "cpu" else self.worker_device
 
 
 @dataclass(frozen=True)
@@ -317,7 +416,9 @@ class BenchConfig:
     ``worker_threads`` is torch's thread count in the workers (None: torch's
     default). ``dtype`` is the generated model's element type (a key of
     :data:`DTYPES`); ``compare`` names alternatives to weightsync
-    (:data:`ALTERNATIVES`) run like the schemes.
+    (:data:`ALTERNATIVES`) run like the schemes. ``trainer_device`` and
+    ``worker_device`` say where the trainer's model and every worker's
+    model live (``cpu`` or ``cuda:N``, :func:`parse_device`).
     """
 
     schemes: tuple[str, ...] = ("multiprocess", "shared")
@@ -332,8 +433,13 @@ class BenchConfig:
     compare: tuple[str, ...] = ()
     partials: tuple[float, ...] = (1.0,)
     verify: tuple[bool, ...] = (False,)
+    trainer_device: str = "cpu"
+    worker_device: str = "cpu"
 
     def __post_init__(self) -> None:
+        for device in (self.trainer_device, self.worker_device):
+            if parse_device(device) != device:
+                raise ValueError(f"device {device!r} is not cpu or cuda:N")
         unknown = [s for s in self.schemes if s not in SCHEMES]
         if unknown:
             raise ValueError(f"unknown scheme(s) {unknown}; known: {sorted(SCHEMES)}")
@@ -361,11 +467,16 @@ class BenchConfig:
         if not (self.schemes and self.sizes_mib and self.workers and self.tensors):
             raise ValueError("every list of schemes, sizes, workers and tensors needs a value")
 
+    @property
+    def devices(self) -> tuple[str, str]:
+        """(trainer's device, workers' device)."""
+        return self.trainer_device, self.worker_device
+
     def cases(self) -> list[Case]:
         """Every combination, sizes outermost, so the big cases come last;
         at each size the schemes first, then the alternatives."""
         return [
-            Case(scheme, size, workers, tensors, self.dtype, partial, verify)
+            Case(scheme, size, workers, tensors, self.dtype, partial, verify, *self.devices)
             for size in self.sizes_mib
             for scheme in (*self.schemes, *self.compare)
             # Partial and verified updates are weightsync's: the alternatives
@@ -386,6 +497,10 @@ def _percentile(samples: Sequence[float], fraction: float) -> float:
 
 def _p90(samples: Sequence[float]) -> float:
     return _percentile(samples, 0.9)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
 
 
 def _info(name: str) -> SchemeInfo | AlternativeInfo:
@@ -425,6 +540,9 @@ class CaseResult:
     memcpy_s: list[float] = field(default_factory=list)
     floor_serial_s: list[float] = field(default_factory=list)  # workers + 1 copies, one thread
     floor_split_s: list[float] = field(default_factory=list)  # the same, split across two threads
+    # Where a CUDA device is involved: one copy of the same bytes of each
+    # kind of DEVICE_COPIES (d2d, d2h, h2d), on the case's GPU, same run.
+    device_copy_s: dict[str, list[float]] = field(default_factory=dict)
     memory: PeakMemory | None = None  # peak extra memory during the case
     # A scheme's case: from init_on_sender until the sender's connect()
     # returned (the workers initialised the scheme, announced themselves and
@@ -472,9 +590,45 @@ class CaseResult:
         return statistics.median(self.memcpy_s)
 
     @property
-    def floor_median_s(self) -> float:
-        """The floor: the faster median of the serial and the split copies."""
+    def host_floor_median_s(self) -> float:
+        """The memcpy floor: the faster median of the serial and the split copies."""
         return min(statistics.median(self.floor_serial_s), statistics.median(self.floor_split_s))
+
+    def device_copy_median_s(self, kind: str) -> float | None:
+        """The median of one copy of kind ``kind`` (a key of
+        :data:`DEVICE_COPIES`), or None where it was not measured."""
+        samples = self.device_copy_s.get(kind)
+        return statistics.median(samples) if samples else None
+
+    @property
+    def floor_kind(self) -> str:
+        """What the floor adds up, for this case's placement."""
+        case = self.case
+        if not case.on_cuda:
+            return "(workers + 1) memcpys"
+        if case.trainer_device == "cpu":
+            return "one memcpy + workers x page-locked H2D"
+        if case.worker_device == "cpu":
+            return "one page-locked D2H + workers x memcpy"
+        return "(workers + 1) x D2D"
+
+    @property
+    def floor_median_s(self) -> float:
+        """The floor of the case's placement: the copies a send that gives
+        every worker a private copy through one staging must do (into the
+        staging, then out of it per worker), each at its median in the same
+        run: memcpys on the CPU (:attr:`host_floor_median_s`), D2D copies on
+        one GPU, a page-locked D2H or H2D where the bytes change sides."""
+        case = self.case
+        d2d, d2h, h2d = (self.device_copy_median_s(kind) for kind in DEVICE_COPIES)
+        if not case.on_cuda or None in (d2d, d2h, h2d):
+            return self.host_floor_median_s
+        assert d2d is not None and d2h is not None and h2d is not None
+        if case.trainer_device == "cpu":
+            return self.memcpy_median_s + case.workers * h2d
+        if case.worker_device == "cpu":
+            return d2h + case.workers * self.memcpy_median_s
+        return (case.workers + 1) * d2d
 
     @property
     def vs_memcpy(self) -> float:
@@ -533,6 +687,12 @@ class CaseResult:
             "connect_ms": None if self.connect_s is None else self.connect_s * 1e3,
             "memcpy_ms": self.memcpy_median_s * 1e3,
             "floor_ms": self.floor_median_s * 1e3,
+            "floor_kind": self.floor_kind,
+            "host_floor_ms": self.host_floor_median_s * 1e3,
+            **{
+                f"{kind}_pinned_ms" if kind != "d2d" else "d2d_ms": _ms(self.device_copy_median_s(kind))
+                for kind in DEVICE_COPIES
+            },
             "vs_memcpy": self.vs_memcpy,
             "vs_floor": self.vs_floor,
         }
@@ -585,6 +745,7 @@ class BenchRun:
                         "memcpy_s": r.memcpy_s,
                         "floor_serial_s": r.floor_serial_s,
                         "floor_split_s": r.floor_split_s,
+                        "device_copy_s": r.device_copy_s,
                     },
                 }
                 for r in self.results
