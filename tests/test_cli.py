@@ -7,9 +7,11 @@ import multiprocessing as mp
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from harness import shm_entries
 
 from weightsync.bench import LOCAL_SCHEMES, MIB, main, mlp_shapes, model_nbytes
@@ -464,3 +466,97 @@ def test_bench_delta_on_one_host(tmp_path: Path) -> None:
             assert min(delta["nic"]) > 0.9 * row["bytes"]
         assert all(n >= row["bytes"] for n in full["nic"])
         assert len(row["encode_ms"]) == len(row["decode_ms"]) == 2
+
+
+# -- models on devices (--trainer-device / --worker-device) ---------------------
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="a CUDA device is visible here")
+@pytest.mark.parametrize("option", ["--worker-device", "--trainer-device"])
+def test_bench_on_cuda_without_cuda_fails_fast_and_starts_no_worker(
+    option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    started = time.monotonic()
+    code = main(["bench", option, "cuda", "--size", "0.25", "--workers", "1"])
+    printed = capsys.readouterr()
+    assert code == 2
+    # One clear line, naming the option and the device, before any case or worker.
+    assert printed.err.splitlines() == [
+        f"weightsync bench: {option} cuda:0: no CUDA device is visible here (torch {torch.__version__})"
+    ]
+    assert printed.out == ""
+    assert time.monotonic() - started < 5
+    assert mp.active_children() == []
+    assert list(tmp_path.iterdir()) == []  # no results file either
+
+
+def test_bench_device_options_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--worker-device", "gpu"])
+    assert exc.value.code == 2
+    assert "'gpu' is not a device the bench knows: cpu, cuda or cuda:N" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--trainer-device", "cuda", "--delta"])
+    assert exc.value.code == 2
+    assert "place the models of the bench on one host" in capsys.readouterr().err
+
+
+def test_bench_on_cpu_devices_runs_as_by_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    args = ["--scheme", "multiprocess", "--size", "0.25", "--workers", "1", "--repeats", "2"]
+    devices = ["--trainer-device", "cpu", "--worker-device", "cpu"]
+    code = main(["bench", *args, *devices, "--compare", "bare-shm", "cuda-ipc", "--json", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    lines = printed.out.splitlines()
+    # Every line within 100 columns, but the one naming the results file (a temporary path here).
+    longest = max((line for line in lines if not line.startswith("raw samples")), key=len)
+    assert len(longest) <= 100, longest
+    header = next(i for i, line in enumerate(lines) if line.startswith("scheme"))
+    assert [line.split()[0] for line in lines[header + 2 : header + 4]] == ["multiprocess", "bare-shm"]
+    # The CPU floor, and no GPU copies: what a run without the options prints.
+    assert "floor: (workers + 1) memcpys" in printed.out and "D2D" not in printed.out
+    if not HAS_CUDA:
+        assert "skipping cuda-ipc: no CUDA device is visible here" in printed.err
+    report = json.loads(out.read_text())
+    assert (report["config"]["trainer_device"], report["config"]["worker_device"]) == ("cpu", "cpu")
+    assert "cuda" not in report["machine"]
+    for case in report["cases"]:
+        assert (case["trainer_device"], case["worker_device"]) == ("cpu", "cpu")
+        assert case["floor_kind"] == "(workers + 1) memcpys" and case["floor_ms"] == case["host_floor_ms"]
+        assert case["d2d_ms"] is None and case["samples"]["device_copy_s"] == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device is visible")
+@pytest.mark.parametrize(
+    ("trainer", "worker", "floor"),
+    [
+        ("cuda", "cuda", "(workers + 1) x D2D"),
+        ("cuda", "cpu", "one page-locked D2H + workers x memcpy"),
+        ("cpu", "cuda", "one memcpy + workers x page-locked H2D"),
+    ],
+)
+def test_bench_on_cuda_placements(
+    trainer: str, worker: str, floor: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    args = ["--scheme", "multiprocess", "shared", "--size", "1", "--workers", "2", "--repeats", "2"]
+    compare = ["--compare", "bare-shm", "torch-mp", "cuda-ipc", "pinned-shm"]
+    devices = ["--trainer-device", trainer, "--worker-device", worker]
+    code = main(["bench", *args, *compare, *devices, "--json", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err  # every send verified bit-exactly on every worker
+    longest = max((line for line in printed.out.splitlines() if not line.startswith("raw samples")), key=len)
+    assert len(longest) <= 100, longest
+    assert "copies of the same bytes on the GPU" in printed.out
+    report = json.loads(out.read_text())
+    assert report["machine"]["cuda"]["devices"]["cuda:0"]["name"]
+    names = [case["scheme"] for case in report["cases"]]
+    assert names == ["multiprocess", "shared", "bare-shm", "torch-mp", "cuda-ipc", "pinned-shm"]
+    for case in report["cases"]:
+        assert case["floor_kind"] == floor
+        assert case["d2d_ms"] > 0 and case["d2h_pinned_ms"] > 0 and case["h2d_pinned_ms"] > 0

@@ -223,6 +223,8 @@ def _worker_main(slot: int, ctrl: Connection, pipes: dict[int, Connection], thre
                 serve(ctrl, pipe, *args)
             finally:
                 pipe.close()
+                # What the case shared (a CUDA tensor by IPC, a mapping) is let go now.
+                del command, args
     except BaseException:
         with suppress(OSError):
             ctrl.send(("failed", traceback.format_exc()))
