@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# The device check of a GPU machine, in one run of at most 6 minutes:
+# installs what the machine lacks from the wheels in .whl/, runs the tests
+# marked cuda and the bench's GPU rows, and writes into OUTDIR
+#   gpu_check.log         every step's output, its exit status and seconds
+#   summary.txt           one line per step, the pytest summary line, the device
+#   bench-cuda.json       trainer and workers on the GPU (multiprocess, shared,
+#                         --compare cuda-ipc; 64 and 1024 MiB; 1 and 4 workers)
+#   bench-cuda-cpu.json   GPU trainer, CPU workers (1024 MiB, 4 workers)
+#   bench-cpu-cuda.json   CPU trainer, GPU workers (1024 MiB, 4 workers,
+#                         --compare pinned-shm)
+# Each step has its own time limit, cut to what is left of the 6 minutes;
+# a step that fails or runs out is reported and the next one runs, so one
+# failure still leaves the other results. Ends 0 when every step passed,
+# else 1, after the summary.
+#
+# Usage, from the project root: scripts/gpu_check.sh OUTDIR
+#
+# The machine is expected to have Python 3.12 with torch (a CUDA build),
+# anyio, uvloop, xxhash and pytest, and no network. What weightsync and its
+# tests need beyond that comes from .whl/ beside the working tree, fetched
+# on a machine with network (CPython 3.12, manylinux x86_64):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl tensordict pyvers numpy cloudpickle pytest-asyncio pytest-timeout
+# Only the wheels of modules that do not import are installed (into a
+# folder of their own on PYTHONPATH, not into the machine's environment);
+# weightsync itself runs from the working tree (PYTHONPATH, python -m
+# weightsync), so no build step or setuptools is needed offline.
+#
+# Environment: PYTHON (default python3); GPU_CHECK_NO_INSTALL=1 skips the
+# install step and uses the environment as it is; GPU_CHECK_SITE is where
+# the wheels go (default /tmp/weightsync-gpu-site); GPU_CHECK_BUDGET, the
+# seconds the whole run may take (default 350).
+set -u
+
+if [ $# -ne 1 ]; then
+    echo "usage: scripts/gpu_check.sh OUTDIR" >&2
+    exit 2
+fi
+cd "$(dirname "$0")/.." || exit 2
+mkdir -p "$1" || exit 2
+OUT=$(cd "$1" && pwd)
+LOG=$OUT/gpu_check.log
+SUMMARY=$OUT/summary.txt
+PYTHON=${PYTHON:-python3}
+SITE=${GPU_CHECK_SITE:-/tmp/weightsync-gpu-site}
+BUDGET=${GPU_CHECK_BUDGET:-350}
+START=$(date +%s)
+: >"$LOG"
+: >"$SUMMARY"
+failed=0
+
+say() {
+    echo "$*" | tee -a "$LOG"
+}
+
+# step NAME LIMIT COMMAND...: run COMMAND, its output into the log, for at
+# most LIMIT seconds or what is left of the budget; Ctrl-C first (pytest
+# prints its summary, the bench stops its workers), killed 10 s later.
+step() {
+    local name=$1 limit=$2 left began rc took status
+    shift 2
+    left=$((START + BUDGET - $(date +%s) - 10))
+    if [ "$left" -lt "$limit" ]; then
+        limit=$left
+    fi
+    if [ "$limit" -lt 5 ]; then
+        say "== $name: skipped, the time is up"
+        echo "$name: skipped (the time is up)" >>"$SUMMARY"
+        failed=1
+        return
+    fi
+    say "== $name (at most ${limit} s): $*"
+    began=$(date +%s)
+    timeout -s INT -k 10 "$limit" bash -c '"$@"' "$name" "$@" >>"$LOG" 2>&1
+    rc=$?
+    took=$(($(date +%s) - began))
+    case $rc in
+        0) status="ok" ;;
+        124 | 137) status="timed out (limit ${limit} s)" ;;
+        *) status="failed with exit status $rc" ;;
+    esac
+    [ "$rc" -eq 0 ] || failed=1
+    say "== $name: $status, ${took} s"
+    echo "$name: $status, ${took} s" >>"$SUMMARY"
+}
+
+facts() {
+    command -v nvidia-smi >/dev/null && nvidia-smi -L
+    "$PYTHON" - <<'EOF'
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+print("cuda available:", torch.cuda.is_available())
+for i in range(torch.cuda.device_count()):
+    print(f"cuda:{i}:", torch.cuda.get_device_name(i))
+EOF
+}
+
+install_missing() {
+    local wheels="" module package found
+    # module:wheel-name of what the tests and weightsync need beyond the machine's packages.
+    for pair in tensordict:tensordict pyvers:pyvers numpy:numpy cloudpickle:cloudpickle \
+        pytest_asyncio:pytest_asyncio pytest_timeout:pytest_timeout; do
+        module=${pair%%:*}
+        package=${pair#*:}
+        if "$PYTHON" -c "import $module" 2>/dev/null; then
+            echo "$module: already importable"
+            continue
+        fi
+        found=$(ls .whl/"$package"-*.whl 2>/dev/null | head -n 1)
+        if [ -z "$found" ]; then
+            echo "$module: missing, and no .whl/$package-*.whl to install it from" >&2
+            return 1
+        fi
+        wheels="$wheels $found"
+    done
+    if [ -n "$wheels" ]; then
+        # shellcheck disable=SC2086
+        "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$SITE" $wheels
+    fi
+}
+
+bench() {
+    "$PYTHON" -m weightsync bench --repeats 3 --warmup 1 --progress "$@"
+}
+
+# The steps run in a shell of their own, under timeout.
+export -f facts install_missing bench
+export PYTHON SITE
+
+say "weightsync device check: $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+step facts 20 facts
+if [ "${GPU_CHECK_NO_INSTALL:-0}" = 1 ]; then
+    say "== install: skipped (GPU_CHECK_NO_INSTALL=1)"
+    echo "install: skipped (GPU_CHECK_NO_INSTALL=1)" >>"$SUMMARY"
+else
+    step install 45 install_missing
+fi
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+step import 30 "$PYTHON" -c "import tensordict, weightsync; print('weightsync', weightsync.__version__)"
+step pytest-cuda 110 "$PYTHON" -m pytest -m cuda -p no:cacheprovider -q -rfEs --durations=10
+step bench-cuda-cuda 100 bench --trainer-device cuda --worker-device cuda \
+    --scheme multiprocess shared --compare cuda-ipc --size 64 1024 --workers 1 4 \
+    --json "$OUT/bench-cuda.json"
+step bench-cuda-cpu 40 bench --trainer-device cuda --worker-device cpu \
+    --scheme multiprocess --size 1024 --workers 4 --json "$OUT/bench-cuda-cpu.json"
+step bench-cpu-cuda 45 bench --trainer-device cpu --worker-device cuda \
+    --scheme multiprocess --compare pinned-shm --size 1024 --workers 4 \
+    --json "$OUT/bench-cpu-cuda.json"
+
+{
+    echo "pytest: $(grep -E '^=*.*(passed|failed|skipped|error|deselected).* in [0-9.]+s' "$LOG" | tail -n 1)"
+    echo "device: $(grep -m 1 -E '^(GPU 0|cuda:0):' "$LOG" || echo 'none visible')"
+    echo "total: $(($(date +%s) - START)) s; results in $OUT"
+} >>"$SUMMARY"
+say ""
+say "summary:"
+tee -a "$LOG" <"$SUMMARY"
+exit "$failed"
