@@ -442,6 +442,8 @@ def serve_alternative(
             if data == _STOP:
                 return
             version = apply(data)
+            if device != "cpu":
+                torch.cuda.synchronize(device)  # the model holds the weights before the echo
             pipe.send_bytes(_VERSION.pack(version))
             tensors = model.state_dict()
             if corrupt:
