@@ -286,7 +286,7 @@ def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_lz4_frames_round_trip(name: str) -> None:
     a, b = _trajectory(name, 1)
     item = TRAJECTORIES[name].element_size
-    zstd = DeltaEncoder(a.nbytes, item, chunk_bytes=CHUNK)
+    zstd = DeltaEncoder(a.nbytes, item, chunk_bytes=CHUNK, compressor="zstd")
     lz4 = DeltaEncoder(a.nbytes, item, chunk_bytes=CHUNK, compressor="lz4")
     host = np.zeros(a.nbytes, dtype=np.uint8)
     for current in (a, b):
