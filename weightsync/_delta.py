@@ -129,8 +129,8 @@ PROBE_BYTES = 64 << 10
 #: ``SPARSE`` frames use zstd either way: their streams are a few percent of
 #: the chunk, and its entropy coding is what makes them small.
 Compressor = Literal["zstd", "lz4"]
-#: ``SPARSE`` payload: changed elements, length of the gap stream, and of
-#: its compressed form.
+#: ``SPARSE`` payload: changed elements, long gaps, length of the
+#: compressed gap bytes.
 _SPARSE = struct.Struct("<III")
 # numpy's names of the unsigned and signed dtypes, so that numpy (part of
 # the delta extra) is imported only by the functions that use it.
@@ -142,8 +142,8 @@ _SAMPLE = 16 << 10
 _DENSE_SAMPLE = 0.9
 # The bytes compared first to tell a changed chunk from an equal one.
 _PREFIX = 4 << 10
-# A gap of this much or more takes an escape byte per this much (see _gaps).
-_ESCAPE = 255
+# A gap of this many unchanged elements or more is sent in 4 bytes (_gaps).
+_LONG = 255
 
 
 class Mode(enum.IntEnum):
@@ -208,26 +208,40 @@ def _flat_bytes(buffer: Any) -> np.ndarray:
     return np.frombuffer(buffer, dtype=np.uint8)
 
 
-def _compress(blosc2: Any, data: np.ndarray, typesize: int, codec: Compressor) -> bytes:
+def _compress(
+    blosc2: Any, data: np.ndarray, typesize: int, codec: Compressor, bits: bool | None = None
+) -> bytes:
     """One blosc2 frame (self-describing: the decoder learns codec and
-    filter from it), on the calling thread only. ``'zstd'``: zstd level 1
-    on byte planes; ``'lz4'``: LZ4 on bit planes (in a zigzagged
-    difference the high bit planes are all zero, and LZ4 passes over them
-    at memory speed)."""
+    filter from it), on the calling thread only.
+
+    ``'zstd'``: zstd level 1 on byte planes. ``'lz4'``: LZ4 on bit planes
+    for elements of up to 2 bytes (in a zigzagged difference the high bit
+    planes are zero, and LZ4 passes over them at memory speed), on byte
+    planes for wider ones: the low two bytes of an fp32 difference are
+    noise either way, and bit planes cost 1.5x the time for 8% less
+    (``benchmarks/delta_codec.py``, fp32 lr 3e-4). ``bits`` forces bit
+    planes (True) or byte planes (False) for LZ4."""
     if codec == "lz4":
-        name, shuffle = blosc2.Codec.LZ4, blosc2.Filter.BITSHUFFLE
+        name = blosc2.Codec.LZ4
+        bits = typesize <= 2 if bits is None else bits
+        shuffle = blosc2.Filter.BITSHUFFLE if bits else blosc2.Filter.SHUFFLE
+        # Byte planes in one stream, bit planes in several: each measured
+        # the faster (by a third).
+        split = blosc2.SplitMode.FORWARD_COMPAT_SPLIT if bits else blosc2.SplitMode.NEVER_SPLIT
+        # One block per chunk: blosc2's smaller default blocks cost LZ4 a
+        # quarter more time, and compress less.
+        block = data.nbytes
     else:
-        name = blosc2.Codec.ZSTD
+        name, split, block = blosc2.Codec.ZSTD, blosc2.SplitMode.FORWARD_COMPAT_SPLIT, 0
         shuffle = blosc2.Filter.SHUFFLE if typesize > 1 else blosc2.Filter.NOFILTER
-    # One block per chunk: blosc2's default of smaller blocks costs a
-    # quarter more time for LZ4 on bit planes, and compresses less.
     cparams = {
         "codec": name,
         "clevel": 1,
         "typesize": typesize,
         "filters": [shuffle],
+        "splitmode": split,
         "nthreads": 1,
-        "blocksize": data.nbytes if codec == "lz4" else 0,
+        "blocksize": block,
     }
     return bytes(blosc2.compress2(data, cparams=cparams))
 
@@ -311,45 +325,44 @@ def _changes(
     return np.concatenate((positions, head // item + more)), np.concatenate((values, rest.take(more)))
 
 
-def _gaps(positions: np.ndarray) -> np.ndarray:
-    """Ascending positions as a byte stream of gaps: each position's
-    distance from the previous one less one (from -1 for the first),
-    as ``gap // 255`` bytes of 255 then ``gap % 255``. The bytes of the
-    typical gap (tens of elements) entropy-code near their information
-    content, where a bitmap through zstd takes half as much again."""
+def _gaps(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ascending positions as gaps: a byte per position, its distance from
+    the previous one less one (from -1 for the first), and, where that is
+    :data:`_LONG` or more, :data:`_LONG` and the rest in a ``uint32`` of
+    its own. The bytes of the typical gap (tens of elements) compress near
+    their information content; a bitmap would cost a bit per element."""
     import numpy as np
 
     gaps = np.empty_like(positions)
     if gaps.size == 0:
-        return gaps.astype(np.uint8)
+        return gaps.astype(np.uint8), gaps.astype(np.uint32)
     gaps[0] = positions[0]
     np.subtract(positions[1:], positions[:-1], out=gaps[1:])
     gaps[1:] -= 1
-    if int(gaps.max()) < _ESCAPE:
-        return gaps.astype(np.uint8)
-    # Rarer (a gap of hundreds of unchanged elements): escapes inserted.
-    long = np.flatnonzero(gaps >= _ESCAPE)
-    escapes, gaps[long] = np.divmod(gaps[long], _ESCAPE)
-    return np.insert(gaps.astype(np.uint8), np.repeat(long, escapes), _ESCAPE)
+    if int(gaps.max()) < _LONG:
+        return gaps.astype(np.uint8), np.empty(0, dtype=np.uint32)
+    long = np.flatnonzero(gaps >= _LONG)
+    rest = (gaps[long] - _LONG).astype(np.uint32)
+    gaps[long] = _LONG
+    return gaps.astype(np.uint8), rest
 
 
-def _ungaps(stream: np.ndarray, count: int, elements: int) -> np.ndarray:
-    """The positions of :func:`_gaps`' stream, checked to be ``count``
+def _ungaps(stream: np.ndarray, rest: np.ndarray, elements: int) -> np.ndarray:
+    """The positions of :func:`_gaps`' bytes and rests, checked to be
     ascending positions below ``elements``.
 
-    :raises DeltaFrameError: the stream is not such positions."""
+    :raises DeltaFrameError: they are not such positions."""
     import numpy as np
 
-    ends = np.flatnonzero(stream != _ESCAPE)
-    if ends.size != count or (stream.size and stream[-1] == _ESCAPE):
-        raise DeltaFrameError(f"sparse frame's positions do not hold {count} changes")
-    if count == 0:
-        return ends
-    # Sum of the gaps up to each position's last byte: the position less
-    # the positions before it.
-    positions = np.cumsum(stream, dtype=np.int64)[ends]
-    positions += np.arange(count)
-    if int(positions[-1]) >= elements:
+    gaps = stream.astype(np.int64)
+    long = np.flatnonzero(stream == _LONG)
+    if long.size != rest.size:
+        raise DeltaFrameError(f"sparse frame with {long.size} long gaps and {rest.size} rests")
+    gaps[long] += rest
+    gaps += 1
+    positions = np.cumsum(gaps)
+    positions -= 1
+    if positions.size and int(positions[-1]) >= elements:
         raise DeltaFrameError(f"sparse frame changes element {int(positions[-1])} of {elements}")
     return positions
 
@@ -399,9 +412,11 @@ def encode_frame(
     # A tail that is not a multiple of the element size is split by bytes.
     item = element_size if size % element_size == 0 and element_size in _UINT else 1
     if base is None:
-        if not _worth_trying(blosc2, current, item, compressor):
+        if not _worth_trying(blosc2, current, item, compressor, bits=True):
             return _raw(item, digest, current)
-        packed = _compress(blosc2, current, item, compressor)
+        # Bit planes: the sign and exponent bits of weights compress, the
+        # bytes that hold them less so.
+        packed = _compress(blosc2, current, item, compressor, bits=True)
         return _frame(Mode.PACKED, item, size, digest, packed, current)
     if base.nbytes != size:
         raise ValueError(f"base chunk of {base.nbytes} bytes for a chunk of {size}")
@@ -417,30 +432,46 @@ def encode_frame(
         positions, values = _changes(current, base, item, work)
         count = positions.size
         if count <= SPARSE_DENSITY * elements:
-            stream = _gaps(positions)
+            stream, rest = _gaps(positions)
             gaps = _compress(blosc2, stream, 1, compressor)
             # Differences read as signed: an update's small steps are small
             # numbers of either sign.
             zigzag = _compress(blosc2, _zigzag(values.view(_INT[item])), item, compressor)
-            payload = _SPARSE.pack(count, stream.size, len(gaps)) + gaps + zigzag
+            payload = b"".join(
+                (_SPARSE.pack(count, rest.size, len(gaps)), gaps, rest.astype("<u4").tobytes(), zigzag)
+            )
             return _frame(Mode.SPARSE, item, size, digest, payload, current)
     difference = np.subtract(new, old, out=work.get("difference", elements, _UINT[item]))
     encoded = _zigzag(difference.view(_INT[item]), work.get("sign", elements, _INT[item]))
-    if not _worth_trying(blosc2, encoded, item, compressor):
+    if not _worth_trying(blosc2, encoded, item, compressor, zigzagged=True):
         return _raw(item, digest, current)
     return _frame(Mode.DENSE, item, size, digest, _compress(blosc2, encoded, item, compressor), current)
 
 
-def _worth_trying(blosc2: Any, data: np.ndarray, item: int, compressor: Compressor) -> bool:
+def _worth_trying(
+    blosc2: Any,
+    data: np.ndarray,
+    item: int,
+    compressor: Compressor,
+    zigzagged: bool = False,
+    bits: bool | None = None,
+) -> bool:
     """Whether the first :data:`PROBE_BYTES` of a large chunk compress.
 
     Random-looking bytes are then sent raw without compressing all of them,
     so an incompressible update costs a fraction of an encode, not a whole
     one. A chunk that is random only past its sample is still caught by
-    :func:`_frame`."""
+    :func:`_frame`. ``zigzagged`` differences of elements of 2 bytes or
+    more whose high byte is mostly zero (a real update: random bytes have
+    it zero once in 256) are worth it without the trial compression."""
+    import numpy as np
+
     if data.nbytes < 4 * PROBE_BYTES:
         return True
-    sample = _compress(blosc2, data[: PROBE_BYTES // data.itemsize], item, compressor)
+    head = data[: PROBE_BYTES // data.itemsize]
+    if zigzagged and item > 1 and np.count_nonzero(head >> (8 * item - 8)) < head.size // 2:
+        return True
+    sample = _compress(blosc2, head, item, compressor, bits)
     return len(sample) < RAW_RATIO * PROBE_BYTES
 
 
@@ -525,17 +556,17 @@ def _apply_sparse(blosc2: Any, payload: memoryview, elements: np.ndarray) -> Non
 
     if len(payload) < _SPARSE.size:
         raise DeltaFrameError("sparse frame too short")
-    count, stream_length, gaps_length = _SPARSE.unpack_from(payload)
+    count, longs, gaps_length = _SPARSE.unpack_from(payload)
     start = _SPARSE.size
-    # Bounds before allocating: at most an escape byte per 255 elements.
-    longest = count + elements.size // _ESCAPE + 1
-    if count > elements.size or stream_length > longest or start + gaps_length > len(payload):
-        raise DeltaFrameError(f"sparse frame of {count} changes, {stream_length} gap bytes: impossible")
-    stream = np.empty(stream_length, dtype=np.uint8)
-    _decompress(blosc2, payload[start : start + gaps_length], stream)
-    positions = _ungaps(stream, count, elements.size)
+    rests = start + gaps_length
+    if longs > count or count > elements.size or rests + 4 * longs > len(payload):
+        raise DeltaFrameError(f"sparse frame of {count} changes, {longs} long gaps: impossible")
+    stream = np.empty(count, dtype=np.uint8)
+    _decompress(blosc2, payload[start:rests], stream)
+    rest = np.frombuffer(payload[rests : rests + 4 * longs], dtype="<u4")
+    positions = _ungaps(stream, rest, elements.size)
     values = np.empty(count, dtype=elements.dtype)
-    _decompress(blosc2, payload[start + gaps_length :], values.view(np.uint8))
+    _decompress(blosc2, payload[rests + 4 * longs :], values.view(np.uint8))
     changed = elements.take(positions)
     changed += _unzigzag(values)
     elements[positions] = changed
