@@ -13,8 +13,11 @@ import pytest
 import torch
 
 from weightsync._delta import (
+    FORMAT,
+    HEADER,
     HEADER_SIZE,
     PROBE_BYTES,
+    Compressor,
     DeltaDecoder,
     DeltaEncoder,
     Mode,
@@ -93,6 +96,8 @@ def _modes_case() -> dict[str, tuple[np.ndarray, np.ndarray | None, int]]:
     base = rng.standard_normal(CHUNK // 4, dtype=np.float32).view(np.uint8)
     sparse = base.view(np.uint16).copy()
     sparse[rng.choice(sparse.size, sparse.size // 50, replace=False)] ^= 1
+    far = base.view(np.uint16).copy()  # changes hundreds of elements apart
+    far[[0, 300, 301, 9000, far.size - 1]] += np.uint16(3)
     dense = (base.view(np.float32) * np.float32(1.001)).view(np.uint8)
     odd = rng.integers(0, 4, 999, dtype=np.uint8)  # a tail of 999 bytes of 2-byte elements
     odd_new = odd.copy()
@@ -107,6 +112,7 @@ def _modes_case() -> dict[str, tuple[np.ndarray, np.ndarray | None, int]]:
         "RAW-probed-full": (noise, None, 4),
         "RAW-after-trying": (half, big, 4),
         "SAME": (base.copy(), base, 4),
+        "SPARSE-long-gaps": (far.view(np.uint8), base, 2),
         "SPARSE": (sparse.view(np.uint8), base, 2),
         "DENSE": (dense, base, 4),
         "RAW": (rng.integers(0, 256, CHUNK, dtype=np.uint8), base, 4),
@@ -115,16 +121,30 @@ def _modes_case() -> dict[str, tuple[np.ndarray, np.ndarray | None, int]]:
     }
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["SAME", "SPARSE", "DENSE", "RAW", "RAW-probed", "RAW-probed-full", "RAW-after-trying", "PACKED", "tail"],
-)
-def test_each_mode_round_trips(case: str) -> None:
+MODE_CASES = [
+    "SAME",
+    "SPARSE",
+    "SPARSE-long-gaps",
+    "DENSE",
+    "RAW",
+    "RAW-probed",
+    "RAW-probed-full",
+    "RAW-after-trying",
+    "PACKED",
+    "tail",
+]
+
+
+@pytest.mark.parametrize("compressor", ["lz4", "zstd"])
+@pytest.mark.parametrize("case", MODE_CASES)
+def test_each_mode_round_trips(case: str, compressor: Compressor) -> None:
     current, base, item = _modes_case()[case]
-    frame = encode_frame(current, base, item)
+    frame = encode_frame(current, base, item, compressor=compressor)
     head = read_header(frame)
     if case == "tail":
         assert head.element_size == 1 and head.mode is Mode.SPARSE
+    elif case.startswith("SPARSE"):
+        assert head.mode is Mode.SPARSE
     elif case.startswith("RAW"):
         assert head.mode is Mode.RAW
     else:
@@ -160,10 +180,11 @@ def test_tail_chunk_not_a_multiple_of_the_element_size() -> None:
         assert np.array_equal(host, current)
 
 
-@pytest.mark.parametrize("case", ["SAME", "SPARSE", "DENSE", "RAW", "PACKED", "tail"])
-def test_a_flipped_byte_is_never_silent(case: str) -> None:
+@pytest.mark.parametrize("compressor", ["lz4", "zstd"])
+@pytest.mark.parametrize("case", ["SAME", "SPARSE", "SPARSE-long-gaps", "DENSE", "RAW", "PACKED", "tail"])
+def test_a_flipped_byte_is_never_silent(case: str, compressor: Compressor) -> None:
     current, base, item = _modes_case()[case]
-    frame = encode_frame(current, base, item)
+    frame = encode_frame(current, base, item, compressor=compressor)
     rng = np.random.default_rng(1)
     positions = set(range(min(len(frame), 64))) | set(rng.integers(0, len(frame), 200).tolist())
     caught = 0
@@ -197,6 +218,110 @@ def test_a_truncated_frame_or_wrong_base_is_caught() -> None:
         decode_frame(frame, other)
     with pytest.raises(DeltaFrameError):
         decode_frame(frame, np.zeros(base.nbytes // 2, dtype=np.uint8))
+
+
+def test_a_frame_of_another_format_is_refused() -> None:
+    current, base, item = _modes_case()["SPARSE"]
+    assert base is not None
+    frame = bytearray(encode_frame(current, base, item))
+    mode, size, version, reserved, raw, length, digest = HEADER.unpack_from(frame)
+    assert version == FORMAT
+    for other in (0, FORMAT + 1):
+        HEADER.pack_into(frame, 0, mode, size, other, reserved, raw, length, digest)
+        with pytest.raises(DeltaFrameError, match="format"):
+            decode_frame(frame, base.copy())
+
+
+def test_long_gaps_and_their_count_are_checked() -> None:
+    current, base, item = _modes_case()["SPARSE-long-gaps"]
+    assert base is not None
+    frame = bytearray(encode_frame(current, base, item))
+    # The sparse payload opens with: changes, long gaps, gap bytes' length.
+    changes, longs = np.frombuffer(frame, dtype="<u4", count=2, offset=HEADER_SIZE)
+    assert (changes, longs) == (5, 3)  # gaps of 299, 8698 and 7083 elements
+    for wrong in (2, 4, 6):
+        damaged = bytearray(frame)
+        damaged[HEADER_SIZE + 4 : HEADER_SIZE + 8] = wrong.to_bytes(4, "little")
+        with pytest.raises(DeltaFrameError):
+            decode_frame(damaged, base.copy())
+
+
+def _cast(master: np.ndarray, wire: str) -> np.ndarray:
+    """The bytes of an fp32 master cast to the wire dtype."""
+    if wire == "bf16":
+        return torch.from_numpy(master).to(torch.bfloat16).view(torch.uint8).numpy()
+    return master.astype(np.float16 if wire == "fp16" else np.float32).view(np.uint8)
+
+
+def _random_update(
+    rng: np.random.Generator, wire: str, kind: str, nbytes: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(base, current) of ``nbytes``: the sent bytes of a random master,
+    then of the same after an update of ``kind``."""
+    item = 4 if wire == "fp32" else 2
+    master = rng.standard_normal(nbytes // item + 1, dtype=np.float32) * np.float32(0.05)
+    base = _cast(master, wire)[:nbytes].copy()
+    if kind == "random":
+        return base, rng.integers(0, 256, nbytes, dtype=np.uint8)
+    if kind == "same":
+        return base, base.copy()
+    # A few elements (sparse), or all of them (dense), take a step of a
+    # random size, sign and learning rate.
+    share = {"sparse": rng.choice([1e-4, 3e-3, 0.04, 0.3]), "dense": 1.0}[kind]
+    lr = np.float32(rng.choice([1e-4, 1e-3, 3e-2]))
+    moved = master.copy()
+    chosen = rng.random(master.size) < share
+    moved[chosen] += lr * rng.standard_normal(int(chosen.sum()), dtype=np.float32) * np.abs(moved[chosen])
+    current = _cast(moved, wire)[:nbytes].copy()
+    if nbytes % item:  # the odd last byte changes too, sometimes
+        current[-1] ^= np.uint8(rng.integers(0, 2))
+    return base, current
+
+
+@pytest.mark.parametrize("compressor", ["lz4", "zstd"])
+@pytest.mark.parametrize("wire", ["bf16", "fp16", "fp32"])
+def test_random_updates_round_trip_bit_exact(wire: str, compressor: Compressor) -> None:
+    # Property-style: many random updates of every kind, sizes that are not
+    # a multiple of the element size, of 8 bytes or of the chunk; every send
+    # rebuilds the exact bytes, and no flipped byte goes unnoticed.
+    rng = np.random.default_rng(["bf16", "fp16", "fp32"].index(wire))
+    item = 4 if wire == "fp32" else 2
+    seen: collections.Counter[str] = collections.Counter()
+    for trial in range(24):
+        nbytes = int(rng.choice([1, 7, 4094, 3 * CHUNK + 5, 2 * CHUNK, 70_001]))
+        chunk = int(rng.choice([CHUNK, 4094, 1000]))
+        kind = ["sparse", "dense", "random", "same"][trial % 4]
+        base, current = _random_update(rng, wire, kind, nbytes)
+        encoder = DeltaEncoder(nbytes, item, chunk_bytes=chunk, compressor=compressor, threads=1 + trial % 2)
+        encoder.commit(base)
+        frames = list(encoder.frames(current))
+        host = base.copy()
+        decoder = DeltaDecoder(host, item, chunk_bytes=chunk)
+        seen.update(decoder.feed(frame).mode.name for frame in frames)
+        decoder.check(version_digest(current))
+        assert np.array_equal(host, current), (trial, kind, nbytes, chunk)
+        # The full bytes rebuild it over anything.
+        anything = np.full(nbytes, 7, dtype=np.uint8)
+        full = DeltaDecoder(anything, item, chunk_bytes=chunk)
+        for frame in encoder.frames(current, full=True):
+            full.feed(frame)
+        assert np.array_equal(anything, current)
+        # Damage: a flipped byte in a frame's payload raises, or (a spare
+        # bit of the compressor's header) still decodes exactly.
+        index = int(rng.integers(0, len(frames)))
+        start, stop = encoder.spans[index]
+        frame = frames[index]
+        if len(frame) > HEADER_SIZE:
+            damaged = bytearray(frame)
+            damaged[int(rng.integers(HEADER_SIZE, len(frame)))] ^= 1 << int(rng.integers(0, 8))
+            out = base[start:stop].copy()
+            try:
+                decode_frame(damaged, out)
+            except DeltaFrameError:
+                pass
+            else:
+                assert np.array_equal(out, current[start:stop])
+    assert {"SAME", "SPARSE", "DENSE", "RAW"} <= set(seen), seen
 
 
 def test_an_uncommitted_send_leaves_the_base() -> None:

@@ -8,25 +8,24 @@ and when a worker must get the full bytes instead.
 
 The staged bytes are cut into chunks (``_frames.frame_spans``); each chunk
 becomes one self-describing *frame*: a fixed :data:`HEADER` (mode, element
-size, raw length, payload length, XXH3-64 digest of the chunk's bytes), then
-the payload. A receiver reads :data:`HEADER_SIZE` bytes, learns the payload's
-length, reads it, and decodes the chunk. Each chunk picks its mode:
+size, format version, raw length, payload length, XXH3-64 digest of the
+chunk's bytes), then the payload. A receiver reads :data:`HEADER_SIZE`
+bytes, learns the payload's length, reads it, and decodes the chunk; a
+frame of another format version is refused. Each chunk picks its mode:
 
 ``SAME``
-    equal to the base chunk: no payload.
+    equal to the base chunk (one compare pass): no payload.
 ``SPARSE``
-    few elements changed: a bitmap of the changed elements and the XOR of
-    each changed element with its base, both compressed. On the measured
-    update trajectories this beats both the index/value format (an index
-    and a value per changed element) and the dense mode at every bf16
-    learning rate measured (``benchmarks/delta_codec.py``).
+    few elements changed: the gaps between changed elements (a byte each,
+    long ones in 4) and each changed element's difference from its base,
+    zigzagged (a step of -1 is 1, +1 is 2), both compressed. The changed
+    elements are found by one subtraction pass and a search of the 8-byte
+    words that are not zero; only what changed is compressed.
 ``DENSE``
-    the XOR with the base chunk, split into byte planes (blosc2's shuffle,
-    by the element size: equal exponents and high mantissa bytes XOR to
-    zero planes), compressed with zstd level 1.
+    the zigzagged difference of every element from its base, compressed.
 ``PACKED``
-    no base (a worker that needs the full bytes): the chunk itself, byte
-    planes, zstd level 1.
+    no base (a worker that needs the full bytes): the chunk itself,
+    compressed on bit planes.
 ``RAW``
     the chunk's bytes, when encoding would not save at least
     ``1 - RAW_RATIO`` of them (random updates): an incompressible update
@@ -34,13 +33,14 @@ length, reads it, and decodes the chunk. Each chunk picks its mode:
     dense chunk whose first :data:`PROBE_BYTES` do not compress is not
     compressed further.
 
-The compressor is blosc2 (the ``delta`` extra), zstd level 1 by default
-(``compressor='lz4'``: about 3x faster to encode, frames up to 2x larger),
-one thread per call; XOR, bitmaps and gathers are numpy. None of it runs on
-torch's intra-op pool, which belongs to the user's collectors: work runs on
-the calling thread, and :class:`DeltaEncoder` (``threads=N``) encodes up to
-N chunks at once on threads of its own. Digests are XXH3-64 (``xxhash``,
-also in the extra).
+The compressor is blosc2 (the ``delta`` extra), one thread per call, with
+its own SIMD shuffles: LZ4 on bit or byte planes by default, zstd level 1
+with ``compressor='zstd'`` (smaller frames, half the speed; see
+:data:`Compressor`); subtraction, search and gathers are numpy. None of it
+runs on torch's intra-op pool, which belongs to the user's collectors: work
+runs on the calling thread, and :class:`DeltaEncoder` (``threads=N``)
+encodes up to N chunks at once on threads of its own. Digests are XXH3-64
+(``xxhash``, also in the extra).
 
 How a transport uses it::
 
@@ -84,6 +84,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = [
+    "FORMAT",
     "HEADER",
     "HEADER_SIZE",
     "PROBE_BYTES",
@@ -122,12 +123,11 @@ HEADER_SIZE = HEADER.size
 #: without trying the rest (a multiple of every element size).
 PROBE_BYTES = 64 << 10
 
-#: The codec of ``DENSE`` and ``PACKED`` chunks. ``'lz4'``: LZ4 on bit
-#: planes, over 1 GB/s a core; ``'zstd'``: zstd level 1 on byte planes,
-#: dense frames about 10% smaller at half the speed, for links slower than
-#: about 1 Gbit/s per encoding core (see ``benchmarks/delta_codec.py``).
-#: ``SPARSE`` frames use zstd either way: their streams are a few percent of
-#: the chunk, and its entropy coding is what makes them small.
+#: The compressor of every payload. ``'lz4'`` (the default): LZ4 on bit
+#: planes (byte planes for dense chunks of wider elements), about 2 GB/s of
+#: a sparse bf16 update per core; ``'zstd'``: zstd level 1 on byte planes,
+#: frames 10-20% smaller at half the speed, for links much slower than the
+#: encoding cores (``benchmarks/delta_codec.py``).
 Compressor = Literal["zstd", "lz4"]
 #: ``SPARSE`` payload: changed elements, long gaps, length of the
 #: compressed gap bytes.
