@@ -448,9 +448,12 @@ def encode_frame(
                 (_SPARSE.pack(count, rest.size, len(gaps)), gaps, rest.astype("<u4").tobytes(), zigzag)
             )
             return _frame(Mode.SPARSE, item, size, digest, payload, current)
-    encoded = _zigzag(difference.view(_INT[item]), work.get("sign", elements, _INT[item]))
-    if not _worth_trying(blosc2, encoded, item, compressor, zigzagged=True):
+    # Whether it compresses, from its first elements alone: random bytes
+    # then cost no pass more.
+    head = _zigzag(difference[: PROBE_BYTES // item].view(_INT[item]).copy())
+    if not _worth_trying(blosc2, head, item, compressor, zigzagged=True, whole=elements * item):
         return _raw(item, digest, current)
+    encoded = _zigzag(difference.view(_INT[item]), work.get("sign", elements, _INT[item]))
     return _frame(Mode.DENSE, item, size, digest, _compress(blosc2, encoded, item, compressor), current)
 
 
@@ -461,6 +464,7 @@ def _worth_trying(
     compressor: Compressor,
     zigzagged: bool = False,
     bits: bool | None = None,
+    whole: int | None = None,
 ) -> bool:
     """Whether the first :data:`PROBE_BYTES` of a large chunk compress.
 
@@ -469,10 +473,11 @@ def _worth_trying(
     one. A chunk that is random only past its sample is still caught by
     :func:`_frame`. ``zigzagged`` differences of elements of 2 bytes or
     more whose high byte is mostly zero (a real update: random bytes have
-    it zero once in 256) are worth it without the trial compression."""
+    it zero once in 256) are worth it without the trial compression.
+    ``whole``: the chunk's size, when ``data`` is only its first bytes."""
     import numpy as np
 
-    if data.nbytes < 4 * PROBE_BYTES:
+    if (data.nbytes if whole is None else whole) < 4 * PROBE_BYTES:
         return True
     head = data[: PROBE_BYTES // data.itemsize]
     if zigzagged and item > 1 and np.count_nonzero(head >> (8 * item - 8)) < head.size // 2:
