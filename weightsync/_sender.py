@@ -42,7 +42,6 @@ from ._transports._base import EVERY_VERSION, LoopFreeStaging, SenderTransport, 
 __all__ = ["DEFAULT_TIMEOUT", "AsyncWeightSender", "Keys", "PendingSend", "SendReport"]
 
 
-
 @dataclass(frozen=True)
 class SendReport:
     """What a successful send did: the version and the workers that applied it."""
