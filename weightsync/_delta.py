@@ -131,8 +131,8 @@ PROBE_BYTES = 64 << 10
 #: The compressor of every payload. ``'lz4'`` (the default): LZ4 on bit
 #: planes (byte planes for dense chunks of wider elements), about 2 GB/s of
 #: a sparse bf16 update per core; ``'zstd'``: zstd level 1 on byte planes,
-#: frames 10-20% smaller at half the speed, for links much slower than the
-#: encoding cores (``benchmarks/delta_codec.py``).
+#: frames a sixth to a quarter smaller at 0.4 to 0.75 times the speed, for
+#: links much slower than the encoding cores (``benchmarks/delta_codec.py``).
 Compressor = Literal["zstd", "lz4"]
 #: ``SPARSE`` payload: changed elements, long gaps, length of the
 #: compressed gap bytes.
@@ -147,7 +147,7 @@ _SAMPLE = 16 << 10
 _DENSE_SAMPLE = 0.9
 # The bytes compared first to tell a changed chunk from an equal one.
 _PREFIX = 4 << 10
-# A gap of this many unchanged elements or more is sent in 4 bytes (_gaps).
+# A gap of this many unchanged elements or more takes 4 bytes more (_gaps).
 _LONG = 255
 
 
