@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import PROCS, reap
+from harness import reap, start_pipe_worker
 
 import weightsync as ws
 
@@ -101,16 +101,10 @@ class Placement:
 
     def _start(self, widths: list[int]) -> None:
         for width in widths:
-            ours, theirs = PROCS.Pipe()
-            ctrl, ctrl_child = PROCS.Pipe()
-            proc = PROCS.Process(
-                target=cuda_worker,
-                args=(self.scheme, theirs, ctrl_child, self.worker_device, width),
-                daemon=True,
+            proc, ours, ctrl = start_pipe_worker(
+                cuda_worker,
+                lambda pipe, ctrl, width=width: (self.scheme, pipe, ctrl, self.worker_device, width),
             )
-            proc.start()
-            theirs.close()
-            ctrl_child.close()
             self.procs.append(proc)
             self.ctrls.append(ctrl)
             self.pipes.append(ours)

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 from _workers import build_model, late_worker
-from harness import PROCS, make_scheme, reap, schemes
+from harness import make_scheme, reap, schemes, start_pipe_worker
 
 import weightsync as ws
 from weightsync import _acks
@@ -26,16 +26,9 @@ class LateWorkers:
         self.scheme = make_scheme(scheme_name, timeout)
         self.procs, self.ctrls, pipes = [], [], []
         for _ in range(count):
-            ours, theirs = PROCS.Pipe()
-            ctrl, ctrl_child = PROCS.Pipe()
-            proc = PROCS.Process(
-                target=late_worker,
-                args=(self.scheme, "policy", theirs, ctrl_child, "net", delay),
-                daemon=True,
+            proc, ours, ctrl = start_pipe_worker(
+                late_worker, lambda pipe, ctrl: (self.scheme, "policy", pipe, ctrl, "net", delay)
             )
-            proc.start()
-            theirs.close()
-            ctrl_child.close()
             self.procs.append(proc)
             self.ctrls.append(ctrl)
             pipes.append(ours)

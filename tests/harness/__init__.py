@@ -5,7 +5,17 @@ real workers over every scheme (:mod:`.clusters`), the session's Ray
 conftest.py holds only the fixtures built on it.
 """
 
-from .clusters import PROCS, READY_TIMEOUT, Cluster, RankCluster, RayCluster, ThreadCluster, new_cluster, reap
+from .clusters import (
+    PROCS,
+    READY_TIMEOUT,
+    Cluster,
+    RankCluster,
+    RayCluster,
+    ThreadCluster,
+    new_cluster,
+    reap,
+    start_pipe_worker,
+)
 from .leaks import fd_baseline, open_fds, shm_entries, weightsync_threads
 from .ray_runtime import RAY_NODES, RayRuntime
 from .schemes import REGISTRY, TEST_TIMEOUT, SchemeSpec, make_scheme, scheme_names, schemes, spec
@@ -31,5 +41,6 @@ __all__ = [
     "schemes",
     "shm_entries",
     "spec",
+    "start_pipe_worker",
     "weightsync_threads",
 ]

@@ -11,6 +11,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
@@ -29,6 +31,22 @@ from .schemes import TEST_TIMEOUT, make_scheme, spec
 PROCS = mp.get_context("forkserver")
 PROCS.set_forkserver_preload(["torch", "tensordict", "weightsync", "_workers", "_probe"])
 READY_TIMEOUT = 90.0
+
+
+def start_pipe_worker(
+    target: Callable[..., None], args: Callable[[Connection, Connection], tuple[Any, ...]]
+) -> tuple[Any, Connection, Connection]:
+    """Start ``target(*args(pipe, ctrl))`` in a worker process (of the fork
+    server): ``pipe`` is the worker's end of its scheme's pipe, ``ctrl`` its
+    end of the test's command pipe. Returns the process and the test's ends
+    of both pipes (the scheme's first); the worker's ends are closed here."""
+    ours, theirs = PROCS.Pipe()
+    ctrl, ctrl_child = PROCS.Pipe()
+    proc = PROCS.Process(target=target, args=args(theirs, ctrl_child), daemon=True)
+    proc.start()
+    theirs.close()
+    ctrl_child.close()
+    return proc, ours, ctrl
 
 
 def reap(procs: list[Any], timeout: float = 20.0) -> None:
@@ -71,16 +89,9 @@ class Cluster:
     def _start(self, kinds: list[str]) -> None:
         """Start a worker of each kind, then init the trainer on their pipes."""
         for kind in kinds:
-            ours, theirs = PROCS.Pipe()
-            ctrl, ctrl_child = PROCS.Pipe()
-            proc = PROCS.Process(
-                target=worker_main,
-                args=(self.scheme, self.model_id, theirs, ctrl_child, kind),
-                daemon=True,
+            proc, ours, ctrl = start_pipe_worker(
+                worker_main, lambda pipe, ctrl, kind=kind: (self.scheme, self.model_id, pipe, ctrl, kind)
             )
-            proc.start()
-            theirs.close()
-            ctrl_child.close()
             self.procs.append(proc)
             self.ctrls.append(ctrl)
             self.pipes.append(ours)
