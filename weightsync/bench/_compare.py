@@ -15,8 +15,8 @@ shared-buffer figure is never read as a private-copy one:
   (``ForkingPickler.dumps``): the trainer's tensors move to shared memory once
   and each round sends their file descriptors over the pipe; the worker maps
   them and copies them into its model. Private copy.
-- ``bare-shm``: the bare loop of ``benchmarks/small_vs_bare_loop.py``: the
-  trainer copies its tensors into one shared buffer and writes a version to
+- ``bare-shm``: the bare loop (``benchmarks/small_vs_bare_loop.py`` times
+  weightsync against it): the trainer copies its tensors into one shared buffer and writes a version to
   each pipe; each worker copies them out into its model and echoes it.
   Private copy.
 - ``cuda-ipc`` (a CUDA device on either side): the hand-written GPU loop

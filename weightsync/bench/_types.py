@@ -464,8 +464,12 @@ class BenchConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        if not (self.schemes and self.sizes_mib and self.workers and self.tensors):
-            raise ValueError("every list of schemes, sizes, workers and tensors needs a value")
+        # (An alternative alone is a run too: the reference of a script that
+        # times weightsync in a run of its own.)
+        if not ((self.schemes or self.compare) and self.sizes_mib and self.workers and self.tensors):
+            raise ValueError(
+                "every list of schemes (or alternatives), sizes, workers and tensors needs a value"
+            )
 
     @property
     def devices(self) -> tuple[str, str]:
