@@ -1,7 +1,7 @@
 """Delta frames on real update trajectories: size on the wire and speed.
 
 A small transformer is trained by AdamW (betas 0.9/0.95) on random data
-(``weightsync.bench._trajectories``); each step's sent bytes are compared
+(``weightsync.bench.TRAJECTORIES``); each step's sent bytes are compared
 with the previous step's: the bf16 cast of an fp32 master at lr 1e-6, 3e-6
 and 1e-5, fp32 at lr 3e-4, and random bytes (incompressible).
 
@@ -44,7 +44,7 @@ import numpy as np
 
 from weightsync import _delta
 from weightsync._delta import Compressor, DeltaDecoder, DeltaEncoder, read_header
-from weightsync.bench._trajectories import TRAJECTORIES, Trajectory, update_trajectory
+from weightsync.bench import TRAJECTORIES, Trajectory, update_trajectory
 
 MB = 1e6
 CHUNK = 1 << 20

@@ -4,7 +4,7 @@ trajectory.
 Makes an emulated cluster (``--rate`` NICs; the trainer on host 0, one Ray
 actor on each of ``--hosts`` receiving hosts), takes the bytes a trainer
 would send after each of ``--steps`` AdamW steps (``--trajectory``, from
-``weightsync.bench._trajectories``: by default the bf16 cast of an fp32
+``weightsync.bench.TRAJECTORIES``: by default the bf16 cast of an fp32
 master at lr 3e-6, ``--size`` MiB sent), and sends them step after step,
 first with ``delta=False`` then with ``delta=True``, each to a fresh scheme.
 The initial send and a few more of the same weights are untimed (the
@@ -44,7 +44,7 @@ def _driver(hosts: int, mib: float, steps: int, trajectory: str, delta_only: boo
     import torch
 
     import weightsync as ws
-    from weightsync.bench._trajectories import TRAJECTORIES, update_trajectory
+    from weightsync.bench import TRAJECTORIES, update_trajectory
 
     kind = TRAJECTORIES[trajectory]
     # The trajectory's master is fp32; a bf16 cast sends half its bytes.
@@ -126,7 +126,8 @@ def main() -> None:
         _driver(args.hosts, args.size, args.steps, args.trajectory, args.delta_only)
         return
 
-    from weightsync.bench._netns import EmulatedCluster, unavailable_reason
+    from weightsync.bench import EmulatedCluster
+    from weightsync.bench import emulation_unavailable_reason as unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:

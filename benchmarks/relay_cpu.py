@@ -27,7 +27,8 @@ import subprocess
 import sys
 import time
 
-from weightsync.bench._netns import EmulatedCluster, unavailable_reason
+from weightsync.bench import EmulatedCluster
+from weightsync.bench import emulation_unavailable_reason as unavailable_reason
 
 # Runs on host 0: the trainer. Prints READY, waits for a line, times the
 # sends, prints TIMES [...], waits for a line, shuts down.
@@ -37,7 +38,6 @@ import ray, torch
 import weightsync as ws
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from weightsync.bench import MIB, mlp_shapes
-from weightsync.bench._hosts import HostActor, receiving_nodes
 
 hosts, mib, sends = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)

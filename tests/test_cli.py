@@ -431,7 +431,7 @@ def test_bench_compares_torchrls_schemes(tmp_path: Path) -> None:
 
 
 def test_bench_delta_on_one_host(tmp_path: Path) -> None:
-    from weightsync.bench._netns import unavailable_reason
+    from weightsync.bench import emulation_unavailable_reason as unavailable_reason
 
     pytest.importorskip("blosc2")
     why = unavailable_reason()

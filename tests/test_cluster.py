@@ -1,5 +1,5 @@
 """RayWeightSyncScheme across hosts, on an emulated cluster: network
-namespaces with 1 Gbit/s NICs, a Ray node in each (weightsync.bench._netns).
+namespaces with 1 Gbit/s NICs, a Ray node in each (weightsync.bench.EmulatedCluster).
 
 The trainer runs on host 0 (tests/_cluster_driver.py); its actors on the
 other hosts get each send along the relay chain. Every scenario checks the

@@ -28,7 +28,7 @@ from weightsync._delta import (
 )
 from weightsync._exceptions import DeltaFrameError, MissingExtraError
 from weightsync._frames import CHUNK_BYTES, frame_spans, piece_spans
-from weightsync.bench._trajectories import TRAJECTORIES, update_trajectory
+from weightsync.bench import TRAJECTORIES, update_trajectory
 
 pytest.importorskip("blosc2")
 

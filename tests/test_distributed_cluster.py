@@ -1,5 +1,5 @@
 """DistributedWeightSyncScheme across hosts, on an emulated cluster: network
-namespaces with 1 Gbit/s NICs (weightsync.bench._netns), no Ray.
+namespaces with 1 Gbit/s NICs (weightsync.bench.EmulatedCluster), no Ray.
 
 The trainer runs on host 0 (tests/_distributed_cluster_driver.py), one
 worker on each of hosts 1..3 (tests/_distributed_workers.py, rank = host),

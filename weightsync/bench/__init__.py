@@ -2,6 +2,13 @@
 every one, and compare them with memcpy of the same bytes and with
 alternatives to weightsync, measured in the same run.
 
+Scripts and tests also use, by these names: the emulated cluster
+(:class:`EmulatedCluster`: network namespaces joined by a bridge, each
+with a rate-limited NIC; :func:`emulation_unavailable_reason` says why it
+cannot run here), the hosts' Ray actors (:class:`HostActor`,
+:func:`receiving_nodes`) and the update trajectories of the delta bench
+(:data:`TRAJECTORIES`, :func:`update_trajectory`).
+
 The command line is :func:`main` (the ``weightsync bench`` script, and
 ``python -m weightsync bench``); scripts run the same engine with
 :func:`run_bench`::
@@ -28,12 +35,16 @@ from __future__ import annotations
 
 from ._cli import main
 from ._compare import resolve
+from ._hosts import HostActor, receiving_nodes
 from ._machine import describe_machine, machine_facts
 from ._memcpy import floor_seconds, memcpy_floor_seconds, memcpy_seconds
 from ._model import GeneratedMLP, mlp_shapes, model_nbytes, tensor_checksums
+from ._netns import EmulatedCluster, parse_rate
+from ._netns import unavailable_reason as emulation_unavailable_reason
 from ._plot import PlotUnavailableError, write_plot
 from ._run import run_bench
 from ._table import format_row, format_table, table_header
+from ._trajectories import TRAJECTORIES, Trajectory, update_trajectory
 from ._types import (
     ALTERNATIVES,
     DTYPES,
@@ -63,19 +74,24 @@ __all__ = [
     "MEMORY_METHOD",
     "MIB",
     "SCHEMES",
+    "TRAJECTORIES",
     "AlternativeInfo",
     "BenchConfig",
     "BenchError",
     "BenchRun",
     "Case",
     "CaseResult",
+    "EmulatedCluster",
     "GeneratedMLP",
+    "HostActor",
     "PeakMemory",
     "PlotUnavailableError",
     "SchemeInfo",
+    "Trajectory",
     "VerificationError",
     "WorkerStartup",
     "describe_machine",
+    "emulation_unavailable_reason",
     "floor_seconds",
     "format_row",
     "format_table",
@@ -87,10 +103,13 @@ __all__ = [
     "memcpy_seconds",
     "mlp_shapes",
     "model_nbytes",
+    "parse_rate",
     "pool_of",
+    "receiving_nodes",
     "resolve",
     "run_bench",
     "table_header",
     "tensor_checksums",
+    "update_trajectory",
     "write_plot",
 ]
