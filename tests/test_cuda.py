@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import reap, start_pipe_worker
+from harness import start_pipe_worker, stop_pipe_workers
 
 import weightsync as ws
 
@@ -129,13 +129,7 @@ class Placement:
                 t.add_(torch.randn_like(t))
 
     def close(self) -> None:
-        for proc, ctrl in zip(self.procs, self.ctrls, strict=True):
-            if proc.is_alive():
-                ctrl.send("stop")
-        reap(self.procs)
-        self.scheme.shutdown()
-        for conn in self.ctrls + self.pipes:
-            conn.close()
+        stop_pipe_workers(self.scheme, self.procs, self.ctrls, self.pipes)
 
 
 @pytest.fixture

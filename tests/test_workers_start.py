@@ -11,7 +11,7 @@ import logging
 
 import pytest
 from _workers import build_model, late_worker
-from harness import make_scheme, reap, schemes, start_pipe_worker
+from harness import make_scheme, schemes, start_pipe_worker, stop_pipe_workers
 
 import weightsync as ws
 from weightsync import _acks
@@ -39,12 +39,7 @@ class LateWorkers:
         for proc, ctrl in zip(self.procs, self.ctrls, strict=True):
             if not ctrl.poll():
                 proc.kill()  # still asleep: it would hear no "stop"
-            elif proc.is_alive():
-                ctrl.send("stop")
-        reap(self.procs)
-        self.scheme.shutdown()
-        for conn in self.ctrls + self.pipes:
-            conn.close()
+        stop_pipe_workers(self.scheme, self.procs, self.ctrls, self.pipes)
 
 
 @pytest.fixture

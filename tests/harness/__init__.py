@@ -15,6 +15,7 @@ from .clusters import (
     new_cluster,
     reap,
     start_pipe_worker,
+    stop_pipe_workers,
 )
 from .leaks import fd_baseline, open_fds, shm_entries, weightsync_threads
 from .ray_runtime import RAY_NODES, RayRuntime
@@ -42,5 +43,6 @@ __all__ = [
     "shm_entries",
     "spec",
     "start_pipe_worker",
+    "stop_pipe_workers",
     "weightsync_threads",
 ]

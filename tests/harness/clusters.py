@@ -49,6 +49,24 @@ def start_pipe_worker(
     return proc, ours, ctrl
 
 
+def stop_pipe_workers(
+    scheme: ws.WeightSyncScheme, procs: list[Any], ctrls: list[Connection], pipes: list[Connection]
+) -> None:
+    """End what :func:`start_pipe_worker` started: "stop" to every worker
+    still running, reap them all (killing any late one), shut the trainer's
+    side of ``scheme`` down and close the test's ends of the pipes."""
+    for proc, ctrl in zip(procs, ctrls, strict=True):
+        if proc.is_alive():
+            with contextlib.suppress(OSError):
+                ctrl.send("stop")
+    reap(procs)
+    for proc in procs:
+        proc.close()
+    scheme.shutdown()
+    for conn in ctrls + pipes:
+        conn.close()
+
+
 def reap(procs: list[Any], timeout: float = 20.0) -> None:
     """Join worker processes; kill any that did not exit in time."""
     for proc in procs:
@@ -153,16 +171,7 @@ class Cluster:
             assert torch.equal(got[name], value), f"worker {i}: {name} differs"
 
     def close(self) -> None:
-        for i, proc in enumerate(self.procs):
-            if proc.is_alive():
-                with contextlib.suppress(OSError):
-                    self.ctrls[i].send("stop")
-        reap(self.procs)
-        for proc in self.procs:
-            proc.close()
-        self.scheme.shutdown()
-        for conn in self.ctrls + self.pipes:
-            conn.close()
+        stop_pipe_workers(self.scheme, self.procs, self.ctrls, self.pipes)
 
 
 class RankCluster(Cluster):
