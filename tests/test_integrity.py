@@ -142,6 +142,7 @@ import asyncio
 import multiprocessing as mp
 import torch
 import weightsync as ws
+from weightsync._packing import Packer
 
 ours, theirs = mp.Pipe()
 scheme = ws.SharedMemWeightSyncScheme(timeout=30)
@@ -149,7 +150,7 @@ model = {"w": torch.ones(1 << 16)}
 scheme.init_on_sender("policy", pipes=[ours], model=model)
 staging = scheme.staging
 # Staged (checked and published) with no worker: the packet goes no further.
-packet = scheme.get_async_sender().prepare(model)
+packet = Packer("policy", None, None).packet(1, model)
 asyncio.run(staging.stage(packet, True))
 slot = staging.current
 print("published", slot.published(), flush=True)

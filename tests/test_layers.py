@@ -33,6 +33,7 @@ LAYERS: list[set[str]] = [
         "_transports._distributed",
     },
     {"_acks", "_targets", "_packing"},
+    {"_send"},
     {"_sender", "_receiver", "_legacy"},
     {"_runtime"},
     {"_facade"},

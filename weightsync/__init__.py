@@ -6,7 +6,6 @@ what a transport implements and how blocking calls enter the event loop are
 described in ``docs/architecture.md``.
 """
 
-
 # Errors
 from ._exceptions import (
     AckTimeoutError,

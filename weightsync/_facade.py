@@ -23,11 +23,11 @@ from ._exceptions import (
     WeightSyncStateError,
     out_of_resources,
 )
-from ._offload import NEEDS_LOOP, NeedsLoop
+from ._offload import NEEDS_LOOP
 from ._packet import DEFAULT_TIMEOUT
 from ._receiver import AsyncWeightReceiver
 from ._runtime import RUNTIME
-from ._sender import AsyncWeightSender, Keys, PendingSend, SendReport
+from ._sender import AsyncWeightSender, Keys, PendingSend, SendOptions, SendPlan, SendReport
 from ._stepguard import StepGuard
 
 __all__ = ["WeightReceiver", "WeightSender"]
@@ -114,25 +114,30 @@ class WeightSender:
         :raises RuntimeError: a ``send_async()`` is pending.
         """
         self._check("send()")
-        options: dict[str, Any] = {"timeout": timeout, "keys": keys, "partial": partial, "verify": verify}
-        # Staged and gathered under one Ctrl-C guard: no moment between the
-        # two where an interruption would leave a staged send to nobody.
-        got = RUNTIME.run_waiting(self._send_now, weights, worker_ids, options)
-        if isinstance(got, SendReport):
-            return got
-        if isinstance(got, PendingSend):
-            return RUNTIME.call(got.wait)  # told; an ack needs the loop after all
-        return RUNTIME.call(lambda: self._sender.send(weights, worker_ids, **options))
+        plan = self._sender.plan(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
+        try:
+            if not (plan.loop_free and RUNTIME.blocks_here()):
+                return RUNTIME.call(self._send_in_loop, plan)
+            # Staged and gathered under one Ctrl-C guard: no moment between
+            # the two where an interruption would leave a staged send to nobody.
+            staged: list[PendingSend] = []
+            report = RUNTIME.run_waiting(self._send_now, plan, staged)
+        except BaseException:
+            plan.release()  # (a no-op once the send itself gave the sender back)
+            raise
+        # None: told, but an ack needs the loop after all.
+        return report if report is not None else RUNTIME.call(staged[0].wait)
+
+    async def _send_in_loop(self, plan: SendPlan) -> SendReport:
+        return await (await self._sender.stage(plan)).wait()
 
     def _send_now(
-        self, weights: Any, worker_ids: Any, options: dict[str, Any], *, interrupted: Callable[[], bool]
-    ) -> SendReport | PendingSend | NeedsLoop:
+        self, plan: SendPlan, staged: list[PendingSend], *, interrupted: Callable[[], bool]
+    ) -> SendReport | None:
         """``send()`` over pipes on this thread with no event loop (see
-        ``AsyncWeightSender.start_send_now`` and ``finish_now``)."""
-        staged = self._sender.start_send_now(weights, worker_ids, interrupted=interrupted, **options)
-        if isinstance(staged, PendingSend):
-            return self._sender.finish_now(staged, interrupted=interrupted)
-        return staged
+        ``AsyncWeightSender.stage_now`` and ``PendingSend.wait_now``)."""
+        staged.append(self._sender.stage_now(plan, interrupted=interrupted))
+        return staged[0].wait_now(interrupted)
 
     def send_async(
         self,
@@ -163,9 +168,7 @@ class WeightSender:
         """
         self._check("send_async()")
         try:
-            pending = self._stage(
-                weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
-            )
+            pending = self._stage(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
         except Exception as exc:
             # As torchrl's send_async: the send's errors come from wait_async().
             failed: concurrent.futures.Future[SendReport] = concurrent.futures.Future()
@@ -212,38 +215,44 @@ class WeightSender:
             if future.done():
                 self._pending = None
 
-    def _stage(self, weights: Any, worker_ids: int | Iterable[int] | None, **options: Any) -> PendingSend:
+    def _stage(
+        self, weights: Any, worker_ids: int | Iterable[int] | None, options: SendOptions
+    ) -> PendingSend:
         """Stage a send (``AsyncWeightSender.start_send``), blocking: over
         pipes on this thread with no event loop, else on this thread's
         private loop. A Ctrl-C that lands once the weights are staged
         abandons the send (no worker was told of it), so the sender is free
         for the next one."""
-        staged = RUNTIME.run_waiting(self._sender.start_send_now, weights, worker_ids, **options)
-        if isinstance(staged, PendingSend):
-            return staged
+        plan = self._sender.plan(weights, worker_ids, options)
         made: list[PendingSend] = []
-
-        async def stage() -> PendingSend:
-            made.append(await self._sender.start_send(weights, worker_ids, **options))
-            return made[0]
-
         try:
-            return RUNTIME.call(stage)
-        except KeyboardInterrupt:
-            # (The coroutine ended before the cancel reached it: its send
-            # came back to nobody.)
+            if plan.loop_free and RUNTIME.blocks_here():
+                made.append(RUNTIME.run_waiting(self._sender.stage_now, plan))
+            else:
+
+                async def stage() -> PendingSend:
+                    made.append(await self._sender.stage(plan))
+                    return made[0]
+
+                RUNTIME.call(stage)
+            return made[0]
+        except BaseException:
             if made:
+                # Staged, then interrupted (the coroutine ended before the
+                # cancel reached it): the send came back to nobody.
                 made[0].abandon()
+            plan.release()  # (a no-op once the send itself gave the sender back)
             raise
 
     def _finish(self, pending: PendingSend) -> SendReport:
         """Tell the workers of a staged send and gather their acks, blocking:
         over pipes on this thread with no event loop, else (or where an
         ack needs it after all) on this thread's private loop."""
-        got = RUNTIME.run_waiting(self._sender.finish_now, pending)
-        if isinstance(got, SendReport):
-            return got
-        return RUNTIME.call((got if isinstance(got, PendingSend) else pending).wait)
+        if RUNTIME.blocks_here():
+            report = RUNTIME.run_waiting(pending.wait_now)
+            if report is not None:
+                return report
+        return RUNTIME.call(pending.wait)
 
     def add_worker(self, worker_id: int, transport: Any) -> None:
         """See :meth:`AsyncWeightSender.add_worker` (schemes call it)."""

@@ -46,7 +46,7 @@ import anyio
 from anyio.from_thread import BlockingPortal
 
 from ._exceptions import WeightSyncStateError, out_of_resources
-from ._offload import NEEDS_LOOP, NeedsLoop, caller_blocked
+from ._offload import caller_blocked
 
 __all__ = ["RUNTIME", "LOOP_THREAD_NAME", "Runtime"]
 
@@ -314,20 +314,24 @@ class Runtime:
         """
         return _run_guarded(_Interruptible(None), func, *args)
 
-    def run_waiting(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T | NeedsLoop:
-        """Run ``func(*args, **kwargs, interrupted=...)`` on the calling
-        thread, for a step that blocks without an event loop (a send's acks
-        awaited in a poll): ``interrupted()`` says whether Ctrl-C came, and
-        ``func`` must look at it while it waits, then stop. Returns
-        :data:`NEEDS_LOOP` without calling ``func`` on a thread that runs an
-        event loop (a blocking call there goes through :meth:`call`).
+    def blocks_here(self) -> bool:
+        """Whether the calling thread may block in a step of its own, with
+        no event loop (:meth:`run_waiting`): it runs no loop. Never blocks.
 
         :raises WeightSyncStateError: called from the loop thread itself.
-        :raises KeyboardInterrupt: Ctrl-C, once ``func`` returned or stopped.
         """
         self._check_not_loop_thread()
-        if _thread_runs_a_loop():
-            return NEEDS_LOOP
+        return not _thread_runs_a_loop()
+
+    def run_waiting(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``func(*args, **kwargs, interrupted=...)`` on the calling
+        thread, for a step that blocks without an event loop (a send's acks
+        awaited in a poll), where :meth:`blocks_here`: ``interrupted()``
+        says whether Ctrl-C came, and ``func`` must look at it while it
+        waits, then stop.
+
+        :raises KeyboardInterrupt: Ctrl-C, once ``func`` returned or stopped.
+        """
         guard = _Interruptible(None)
         return _run_guarded(guard, func, *args, interrupted=guard.was_interrupted, **kwargs)
 

@@ -44,6 +44,7 @@ __all__ = [
     "short_message",
 ]
 
+
 class ChainBroken(RuntimeError):
     """A hop of the chain failed: the message says which frame and why
     (``stalled N s`` when the peer took or gave nothing for a stall limit)."""
