@@ -26,7 +26,7 @@ from ._exceptions import AckTimeoutError, WorkerError, combine_worker_errors
 from ._offload import inline_allowed
 from ._packet import Packet
 from ._readiness import ReadyWatch
-from ._transports._base import SenderTransport
+from ._transports._base import ChannelTransport, Outgoing, SenderTransport, SendHandler
 
 __all__ = ["AckGather"]
 
@@ -79,10 +79,10 @@ class _Round:
         """Read what each worker whose descriptors are in ``ready`` sent; one
         that acked goes to ``done``, one that failed to ``failures``, one that
         needs ``deliver`` to ``spilled``; either way it is no longer awaited."""
-        transports = self._gather.transports
+        channels = self._gather.channels
         for wid in [w for w, fds in self.waiting.items() if not ready.isdisjoint(fds)]:
             try:
-                got = transports[wid].try_ack(self._packet)
+                got = channels[wid].try_ack(self._packet)
             except WorkerError as exc:
                 self.failures[wid] = exc
                 got = True
@@ -104,6 +104,20 @@ class AckGather:
         self.model_id = model_id
         # One epoll set, kept from send to send; made on first use.
         self._ready_watch: ReadyWatch | None = None
+
+    @property
+    def channels(self) -> Mapping[int, ChannelTransport]:
+        """The transports, as channels that carry sends to their workers
+        (the sender's staging is no :class:`SendHandler`)."""
+        return self.transports  # type: ignore[return-value]
+
+    async def handed_over(self, handler: SendHandler, send: Outgoing, what: str) -> None:
+        """Have ``handler`` carry ``send`` to its workers, under its deadline;
+        then an AckTimeoutError for each worker that neither acked nor
+        failed (with what its channel knows of why)."""
+        with anyio.move_on_after(max(send.deadline - anyio.current_time(), 0)):
+            await handler.handle_send(send, self.transports)
+        self.late(send.worker_ids, send.done, send.failures, what, send.packet.version)
 
     def _watch(self) -> ReadyWatch:
         if self._ready_watch is None:
@@ -185,7 +199,7 @@ class AckGather:
         waiter can gather: posted, and watchable by descriptor."""
         watched = {}
         for wid in targets:
-            fds = self.transports[wid].ack_fds(packet)
+            fds = self.channels[wid].ack_fds(packet)
             if fds is not None:
                 watched[wid] = fds
         return watched
@@ -236,7 +250,7 @@ class AckGather:
                     ready = watch.poll(0)
         for wid in round_.spilled:  # only without a task group: rare (a restarted worker)
             try:
-                await self.transports[wid].deliver(packet)
+                await self.channels[wid].deliver(packet)
                 done.add(wid)
             except WorkerError as exc:
                 failures[wid] = exc

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import anyio
 
@@ -24,7 +24,7 @@ from ._exceptions import WeightSyncStateError, WorkerError, combine_worker_error
 from ._packet import Packet
 from ._packing import Keys, Packer
 from ._targets import Workers
-from ._transports._base import LoopFreeStaging, Staging
+from ._transports._base import ChannelTransport, LoopFreeStaging, Outgoing, SendHandler, Staging
 
 __all__ = ["Claim", "Keys", "PendingSend", "SendOptions", "SendPlan", "SendReport", "Stager"]
 
@@ -120,6 +120,7 @@ class PendingSend:
         packet: Packet,
         targets: list[int],
         loop_free: bool,
+        handler: SendHandler | None,
         reachable: list[int],
         failures: dict[int, WorkerError],
         deadline: float,
@@ -135,6 +136,8 @@ class PendingSend:
         #: The workers targeted.
         self.worker_ids: tuple[int, ...] = tuple(targets)
         self._loop_free = loop_free
+        # The staging that carries the send to its workers, if it does (a chain).
+        self._handler = handler
         #: Those that announced themselves in time, and that are told.
         self.reachable = reachable
         self.failures = failures
@@ -203,7 +206,7 @@ class PendingSend:
     def _post(self) -> None:
         """Tell every reachable worker, without waiting; one whose pipe is
         full is told by ``deliver`` when the acks are gathered."""
-        transports = self._workers.transports
+        transports = self._acks.channels
         for wid in self.reachable:
             try:
                 transports[wid].post(self.packet)
@@ -245,8 +248,13 @@ class PendingSend:
         """
         self._claim_wait()
         packet = self.packet
+        what = f"ack version {packet.version}"
         try:
-            if self.reachable:
+            if self.reachable and self._handler is not None:
+                # The staging carries the send to all its workers at once (a chain).
+                send = Outgoing(packet, self._awaited(), self.deadline, self.done, self.failures)
+                await self._acks.handed_over(self._handler, send, what)
+            elif self.reachable:
                 # Notify every worker first, so none waits for the task
                 # group's bookkeeping; the tasks then only gather the acks.
                 # (Not before the caller got its weights back: on a machine
@@ -256,10 +264,10 @@ class PendingSend:
                     self._post()
                 await self._acks.fan_out(
                     self._awaited(),
-                    lambda t: t.deliver(packet),
+                    lambda t: cast(ChannelTransport, t).deliver(packet),
                     self.deadline,
                     self.failures,
-                    f"ack version {packet.version}",
+                    what,
                     packet.version,
                     acks_of=packet,
                 )
@@ -327,6 +335,16 @@ class Stager:
         self.workers, self._acks, self._packer, self.staging = workers, acks, packer, staging
         # The staging's loop-free way to stage, where it has one.
         self._stage_now = staging.stage_now if isinstance(staging, LoopFreeStaging) else None
+        # The staging that carries whole sends, where it does (a chain); else
+        # each worker's channel carries its own.
+        self._handler = staging if isinstance(staging, SendHandler) else None
+        if self._handler is None:
+            odd = [w for w, t in workers.transports.items() if not isinstance(t, ChannelTransport)]
+            if odd:
+                raise TypeError(
+                    f"the transports of worker(s) {odd} carry no send (no post/deliver), and the "
+                    "staging carries none either (no handle_send)"
+                )
         self.timeout = timeout
         self.verify = verify
         self._cast = cast
@@ -513,6 +531,7 @@ class Stager:
             packet,
             targets,
             plan.loop_free,
+            self._handler,
             reachable,
             failures,
             deadline,

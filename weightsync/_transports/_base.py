@@ -2,7 +2,11 @@
 
 Sender side, per scheme: one :class:`Staging` (where a send's bytes wait for
 the workers; written once per send, however many workers there are) and one
-:class:`SenderTransport` per worker (the control channel to it). Worker side:
+:class:`SenderTransport` per worker (the control channel to it). A send is
+carried either by the channels, each to its worker (:class:`ChannelTransport`:
+pipes), or by the staging, to all the send's workers at once
+(:class:`SendHandler`: a chain), which gets the whole send
+(:class:`Outgoing`) and reports an outcome per worker. Worker side:
 one :class:`WorkerEndpoint`, which yields :class:`Incoming` updates.
 
 A pull endpoint (pipes) holds updates until the worker's ``receive()`` asks
@@ -19,18 +23,23 @@ cancellable.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .._exceptions import WorkerApplyError, WorkerLostError
+from .._exceptions import WorkerApplyError, WorkerError, WorkerLostError
 from .._packet import Manifest, Packet, Signature
 
 __all__ = [
     "EVERY_VERSION",
     "Applier",
+    "ChannelTransport",
     "Incoming",
     "LoopFreeStaging",
+    "Outgoing",
+    "SendHandler",
     "SenderTransport",
     "Staging",
     "StagingReader",
@@ -117,7 +126,11 @@ class LoopFreeStaging(Staging, Protocol):
 
 @runtime_checkable
 class SenderTransport(Protocol):
-    """The sender's channel to one worker."""
+    """The sender's channel to one worker: its announcement, why it is late,
+    its close. How a send reaches the worker is the channel's own where it
+    is a :class:`ChannelTransport` (pipes: a channel per worker), else the
+    staging's, for every worker of the send at once (a :class:`SendHandler`:
+    a chain)."""
 
     worker_id: int
     #: The worker's model layout once it announced itself (None before, or
@@ -130,6 +143,22 @@ class SenderTransport(Protocol):
 
         :raises WorkerLostError: the worker died or its channel closed.
         """
+
+    def why_late(self) -> str | None:
+        """What the transport knows of why the worker has not acked the
+        current send (a chain that broke before it, say), for the error
+        raised at the deadline; None when it knows nothing. Never blocks."""
+
+    async def aclose(self) -> None:
+        """Close the channel; the worker's next receive reports the sender
+        gone. Idempotent."""
+
+
+@runtime_checkable
+class ChannelTransport(SenderTransport, Protocol):
+    """A channel that carries each send to its worker itself: the sender
+    posts to every worker, then gathers the acks (by descriptor where
+    :meth:`ack_fds` gives some, else through :meth:`deliver`)."""
 
     def post(self, packet: Packet) -> bool:
         """Start delivering ``packet`` (already staged) if that can be done
@@ -165,14 +194,38 @@ class SenderTransport(Protocol):
         :raises: as :meth:`deliver`.
         """
 
-    def why_late(self) -> str | None:
-        """What the transport knows of why the worker has not acked the
-        current send (a chain that broke before it, say), for the error
-        raised at the deadline; None when it knows nothing. Never blocks."""
 
-    async def aclose(self) -> None:
-        """Close the channel; the worker's next receive reports the sender
-        gone. Idempotent."""
+@dataclass
+class Outgoing:
+    """One send, as a :class:`SendHandler` takes it: the staged packet, the
+    workers to tell, and where each one's outcome goes. The sender keeps
+    the policy (the deadline's scope, the errors of the late, versions,
+    who acked what); the handler only records what each worker answered."""
+
+    packet: Packet
+    #: The workers to tell (each announced, none failed yet).
+    worker_ids: list[int]
+    #: When the sender stops waiting (``time.monotonic()``); the handler
+    #: runs inside a cancel scope that ends then.
+    deadline: float
+    #: Filled by the handler: the workers that acked ``packet``'s version.
+    done: set[int]
+    #: Filled by the handler: the workers that failed, with their errors.
+    failures: dict[int, WorkerError]
+
+
+@runtime_checkable
+class SendHandler(Staging, Protocol):
+    """A :class:`Staging` that also carries whole sends to their workers
+    (a chain: torch.distributed, Ray's relay), like httpx's
+    ``handle_async_request``: one call per send, with its targets."""
+
+    async def handle_send(self, send: Outgoing, channels: Mapping[int, SenderTransport]) -> None:
+        """Tell every worker of ``send`` (``channels``: the sender's, by
+        worker id) and record each one's answer in ``send.done`` or
+        ``send.failures``, until every one answered or the caller's cancel
+        scope ends (the send's deadline: a worker with no answer by then is
+        the sender's to report). Raises nothing for a worker's failure."""
 
 
 # -- worker side ---------------------------------------------------------------

@@ -29,10 +29,10 @@ class DeltaBase:
         self.encoder: DeltaEncoder | None = None
         #: The workers that acked the base's version.
         self.holders: frozenset[int] = frozenset()
-        #: The last send: (version, its workers, whether it was whole).
-        self.last: tuple[int, frozenset[int], bool] | None = None
-        #: The last version each worker acked.
-        self.acked: dict[int, int] = {}
+        #: The last send: its version, its workers (rank -> worker id),
+        #: whether it was whole, and the worker ids that acked it (the
+        #: sender's own record of that send, filled as the acks come).
+        self.last: tuple[int, dict[int, int], bool, set[int]] | None = None
 
     def keep(self, staged: torch.Tensor, nbytes: int) -> tuple[bool, torch.Tensor | None]:
         """Before the next send is staged: if the last one was whole and
@@ -44,8 +44,8 @@ class DeltaBase:
         encoder = self.encoder
         if last is None or encoder is None or encoder.nbytes != nbytes:
             return False, None
-        version, ranks, whole = last
-        holders = frozenset(rank for rank in ranks if self.acked.get(rank) == version)
+        version, ranks, whole, done = last
+        holders = frozenset(rank for rank, wid in ranks.items() if wid in done)
         if not whole or not holders:
             return False, None
         previous = encoder.adopt(staged[:nbytes], version)

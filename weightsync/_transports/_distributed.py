@@ -26,7 +26,7 @@ import pickle
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
@@ -34,12 +34,12 @@ import torch
 
 from .._copy import usable_cores
 from .._digest import copy_out
-from .._exceptions import SenderLostError, WorkerLostError
+from .._exceptions import SenderLostError, WorkerError, WorkerLostError
 from .._frames import CHUNK_BYTES
 from .._offload import run_blocking
 from .._packet import Manifest, Packet
 from .._readiness import wait_readable_any
-from ._base import worker_failed, worker_lost
+from ._base import Outgoing, SenderTransport, worker_failed, worker_lost
 from ._chain import ChainDriver
 from ._channel import describe_exit, exit_status, started_here
 from ._dist_chain import WorkerChain
@@ -82,11 +82,13 @@ _CHAIN_END_WAIT = 0.05
 
 @dataclasses.dataclass
 class _Send:
-    """The current send: what its workers are told, and who is in it."""
+    """The current send: what its workers are told, and once its chain
+    started, its workers by rank (rank -> worker id) and who acked it (the
+    sender's record of that send: ``Outgoing.done``, by worker id)."""
 
     info: SendInfo
-    enlisted: list[int]
-    started: bool = False
+    ranks: dict[int, int] = dataclasses.field(default_factory=dict)
+    done: set[int] = dataclasses.field(default_factory=set)
 
 
 class ChainStaging:
@@ -95,8 +97,9 @@ class ChainStaging:
     a :class:`WorkerChain`), and what the transports share: the store, the
     liveness socket, the workers' hellos.
 
-    :meth:`start` (called by the first ``deliver()`` of a send) runs the
-    chain on a thread of its own; it never waits on the caller's loop.
+    It carries each send to all its workers at once (:meth:`handle_send`):
+    the chain runs on a thread of its own, which never waits on the
+    caller's loop, while the replies are read from the store.
     """
 
     def __init__(
@@ -179,7 +182,7 @@ class ChainStaging:
         threads = max(1, usable_cores() // packet.fanout)
         info = SendInfo(packet.version, manifest.layout_id, packet.subset, None, threads, manifest.nbytes, "")
         self._manifest = manifest
-        self._send = _Send(info, [])
+        self._send = _Send(info)
         self._forget_replies(packet.version)
         self.driver.forget()
         return sums
@@ -200,32 +203,52 @@ class ChainStaging:
         """Nothing to do: each worker holds copies of its own."""
 
     # -- one send ----------------------------------------------------------------
-    def enlist(self, rank: int, digests: tuple[int, ...] | None) -> None:
-        """Add ``rank`` to the current send's chain (before :meth:`start`)."""
-        send = self._send
-        assert send is not None, "stage() comes first"
-        if digests is not None:
-            send.info = dataclasses.replace(send.info, digests=digests)
-        if rank not in send.enlisted and not send.started:
-            send.enlisted.append(rank)
+    async def handle_send(self, send: Outgoing, channels: Mapping[int, SenderTransport]) -> None:
+        """Start the chain of ``send`` over its workers that are alive, and
+        gather their replies (see :class:`~._base.SendHandler`)."""
+        current = self._send
+        assert current is not None and not current.ranks, "stage() comes first, once per send"
+        links: dict[int, DistributedSenderTransport] = {}
+        for wid in send.worker_ids:
+            link = channels[wid]
+            assert isinstance(link, DistributedSenderTransport)
+            try:
+                link.check_alive()
+            except WorkerError as exc:
+                send.failures[wid] = exc
+                continue
+            links[wid] = link
+        if send.packet.digests is not None:
+            current.info = dataclasses.replace(current.info, digests=send.packet.digests)
+        current.ranks = {link.rank: wid for wid, link in links.items()}
+        current.done = send.done
+        self._start(send.deadline)
 
-    def start(self, deadline: float) -> None:
-        """Start the chain of the current send over the enlisted workers
-        (once per send; never waits). ``deadline``: ``time.monotonic()``."""
+        async def answer(wid: int, link: DistributedSenderTransport) -> None:
+            try:
+                await link.reply(send.packet.version)
+                send.done.add(wid)
+            except WorkerError as exc:
+                send.failures[wid] = exc
+
+        async with anyio.create_task_group() as group:
+            for wid, link in links.items():
+                group.start_soon(answer, wid, link)
+
+    def _start(self, deadline: float) -> None:
+        """Start the chain of the current send over its workers (never
+        waits). ``deadline``: ``time.monotonic()``."""
         send = self._send
-        if send is None or send.started:
-            return
-        send.started = True
-        if not send.enlisted:
+        if send is None or not send.ranks:
             return
         assert self._buffer is not None
         self.workers.info = send.info
         source = self._buffer[: send.info.nbytes]
-        ranks = sorted(send.enlisted)
+        ranks = sorted(send.ranks)
         encoded = None
         if self._delta is not None:
             whole = send.info.subset is None
-            self._delta.last = (send.info.version, frozenset(ranks), whole)
+            self._delta.last = (send.info.version, dict(send.ranks), whole, send.done)
             if whole and self._manifest is not None:
                 encoded = self._delta.encoded(self._buffer, self._manifest, ranks)
         self._thread = threading.Thread(
@@ -277,7 +300,7 @@ class ChainStaging:
         reported its chain before it applied, so the thread ends at its
         next poll, and no thread of a send then outlives the send."""
         send, thread = self._send, self._thread
-        if send is None or thread is None or not set(send.enlisted) <= self._replies.keys():
+        if send is None or thread is None or not send.ranks.keys() <= self._replies.keys():
             return
         with anyio.move_on_after(_CHAIN_END_WAIT):
             while thread.is_alive():
@@ -303,11 +326,6 @@ class ChainStaging:
     def _wake(self) -> None:
         self._came.set()
         self._came = anyio.Event()
-
-    def acked(self, rank: int, version: int) -> None:
-        """Worker ``rank`` applied ``version`` (its ack came)."""
-        if self._delta is not None:
-            self._delta.acked[rank] = version
 
     def notify(self, rank: int, notice: CloseNotice) -> str:
         """Leave ``notice`` for worker ``rank``; its key."""
@@ -368,17 +386,12 @@ class DistributedSenderTransport:
             )
         return self._gone
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """:raises WorkerLostError: the worker is known to be gone."""
         if self._gone is not None:
             raise self._gone
         if self._member is not None and self._staging.liveness.state(self.rank, self._member.nonce) == "gone":
             raise self._lost(f"its connection to the trainer closed (rank {self.rank})")
-
-    def ack_fds(self, packet: Packet) -> tuple[int, ...] | None:
-        return None  # acks come through deliver()
-
-    def try_ack(self, packet: Packet) -> bool | None:
-        return None
 
     def why_late(self) -> str | None:
         return self._staging.why(self.rank)
@@ -404,24 +417,19 @@ class DistributedSenderTransport:
         while self._staging.liveness.state(self.rank, self._member.nonce) == "unknown":
             await anyio.sleep(delay)
             delay = min(delay * 2, _POLL[1])
-        self._check_alive()
+        self.check_alive()
         return self.layout
 
-    def post(self, packet: Packet) -> bool:
-        self._check_alive()
-        self._staging.enlist(self.rank, packet.digests)
-        return True
+    async def reply(self, version: int) -> None:
+        """Wait for the worker's reply to ``version`` (the chain of that
+        send started), under the caller's cancel scope.
 
-    async def deliver(self, packet: Packet) -> None:
-        self._check_alive()
-        self._staging.enlist(self.rank, packet.digests)
-        deadline = anyio.current_effective_deadline()
-        left = 3600.0 if deadline == float("inf") else deadline - anyio.current_time()
-        self._staging.start(time.monotonic() + left)
-        error = await self._staging.reply_of(self.rank, packet.version, self._check_alive)
+        :raises WorkerLostError: the worker died or its connection closed.
+        :raises WorkerApplyError: the worker reported a failure.
+        """
+        error = await self._staging.reply_of(self.rank, version, self.check_alive)
         if error is not None:
-            raise worker_failed(self.worker_id, self.model_id, packet.version, error)
-        self._staging.acked(self.rank, packet.version)
+            raise worker_failed(self.worker_id, self.model_id, version, error)
 
     async def aclose(self) -> None:
         """Tell the worker the trainer shut down (a clean close). Idempotent."""

@@ -38,7 +38,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,12 +52,13 @@ from .._exceptions import (
     WeightMismatchError,
     WeightSyncStateError,
     WorkerApplyError,
+    WorkerError,
     WorkerLostError,
     import_extra,
 )
 from .._offload import inline_allowed, run_blocking
 from .._packet import Manifest, Packet, Signature
-from ._base import Applier, worker_failed, worker_lost
+from ._base import Applier, Outgoing, SenderTransport, worker_failed, worker_lost
 from ._host_copy import HostCopy, HostCopyError, HostReader, UnmappedError
 from ._ray_relay import HostRelay, SendKind
 
@@ -147,9 +148,9 @@ class RayStaging:
         self.replies: dict[int, Any] = {}
         self.failed: dict[int, ray.exceptions.RayError] = {}
         self._finished: set[int] = set()
-        # The last version each worker acked, and what a delta needs to
-        # know of the current send.
-        self._acked: dict[int, int] = {}
+        # Who acked the current send (the sender's record of it:
+        # ``Outgoing.done``), and what a delta needs to know of it.
+        self._done: set[int] = set()
         self._kind: SendKind | None = None
 
     @property
@@ -164,16 +165,12 @@ class RayStaging:
         (0: the send did not use the relay)."""
         return self.relay.last_wire_bytes if self.relay is not None and self._routes else 0
 
-    def acked(self, worker_id: int, version: int) -> None:
-        """Worker ``worker_id`` applied ``version`` (its ack came)."""
-        self._acked[worker_id] = version
-
     def _settle(self) -> None:
         """Before the next send: tell the relay whether every actor of the
         current one acked it (a whole relayed send then becomes its base)."""
         if self.relay is not None and self.version:
             targets = self.calls.keys() | self.deferred
-            acked = bool(targets) and all(self._acked.get(w) == self.version for w in targets)
+            acked = bool(targets) and targets <= self._done
             self.relay.settle(self.version, acked)
 
     def _put(self, packet: Packet, model_id: str | None, digest: bool) -> tuple[int, ...] | None:
@@ -183,6 +180,7 @@ class RayStaging:
         sums = digests(packet.tensors, usable_cores()) if digest else None
         self._settle()
         self.calls, self.replies, self.failed, self._finished = {}, {}, {}, set()
+        self._done = set()
         threads = max(1, usable_cores() // packet.fanout)
         # Everything an actor needs is in the one stored object, the same for
         # all actors: each call then has just two arguments (the function
@@ -269,6 +267,55 @@ class RayStaging:
                 )
         return self._routes
 
+    async def handle_send(self, send: Outgoing, channels: Mapping[int, SenderTransport]) -> None:
+        """Call every actor of ``send``: at once where the trainer's object
+        reaches it, once its node's copy is there where the relay feeds it;
+        and gather their replies (see :class:`~._base.SendHandler`)."""
+        assert self.ref is not None and self.version == send.packet.version, "stage() comes first"
+        version = send.packet.version
+        self._done = send.done
+        links: dict[int, RaySenderTransport] = {}
+        for wid in send.worker_ids:
+            link = channels[wid]
+            assert isinstance(link, RaySenderTransport)
+            links[wid] = link
+            if self._relayed(wid):
+                self.deferred.add(wid)  # called once its node's copy is there
+                continue
+            try:
+                # The ObjectRef is a top-level argument, so Ray resolves it on
+                # the actor's node before the call runs: the actor sees numpy views.
+                self.calls[wid] = link.apply_call(self.ref)
+            except WorkerError as exc:
+                send.failures[wid] = exc
+                self.released(wid, version)
+        if self.deferred:
+            self._start_routes()  # the chain runs while the other actors' calls are waited for
+        elif inline_allowed():
+            self.wait_all()
+
+        async def answer(wid: int, link: RaySenderTransport) -> None:
+            try:
+                if wid in self.deferred:
+                    self.calls[wid] = link.apply_call(await self.route(wid))
+                failure = self.failed.get(wid)
+                if failure is not None:
+                    raise link.error_of(failure, version) from failure
+                reply = self.replies.get(wid)
+                if reply is None:
+                    reply = await link.result(self.calls[wid], version)
+                link.check_reply(reply, version)
+                send.done.add(wid)
+            except WorkerError as exc:
+                send.failures[wid] = exc
+            finally:
+                self.released(wid, version)
+
+        async with anyio.create_task_group() as group:
+            for wid, link in links.items():
+                if wid not in send.failures:
+                    group.start_soon(answer, wid, link)
+
     def why(self, worker_id: int) -> str | None:
         """Why the relay did not bring worker ``worker_id``'s node its copy
         of the current send (None: it did, or the worker is not relayed)."""
@@ -281,23 +328,15 @@ class RayStaging:
         caller's deadline (the enclosing cancel scope's), and collect each
         returned call's reply, or its error (:attr:`failed`).
 
-        Only for a caller that is blocked anyway: one ``ray.wait`` and one
-        ``ray.get`` for all the actors cost far less than one asyncio future
-        per actor, and a dead actor's call returns at once, so deaths are
-        still seen promptly.
-
-        Returns at once while a relayed actor's call is not yet made: that
-        call is made by its own ``deliver`` on this loop when its node's
-        copy arrives, and blocking the loop here would hold it back until
-        every call made so far returned (measured, 64 MiB relayed to 5
-        hosts: each host's apply began only after the previous host's
-        ended, about 20 ms each). The last ``deliver`` to make its call
-        waits for them all.
+        Only for a caller that is blocked anyway, and a send with no relayed
+        actor: one ``ray.wait`` and one ``ray.get`` for all the actors cost
+        far less than one asyncio future per actor, and a dead actor's call
+        returns at once, so deaths are still seen promptly. (A relayed
+        actor's call is made on this loop when its node's copy arrives:
+        blocking the loop would hold it back until every call made so far
+        returned. Measured, 64 MiB relayed to 5 hosts: each host's apply
+        began only after the previous host's ended, about 20 ms each.)
         """
-        if self.deferred:
-            self._start_routes()  # the chain runs while the other actors' calls are waited for
-            if not self.deferred <= self.calls.keys():
-                return
         pending = [w for w in self.calls if w not in self.replies and w not in self.failed]
         if not pending:
             return
@@ -356,12 +395,6 @@ class RaySenderTransport:
         why = self._staging.why(self.worker_id)
         return worker_lost(self.worker_id, self.model_id, f"{reason}; {why}" if why else reason)
 
-    def ack_fds(self, packet: Packet) -> tuple[int, ...] | None:
-        return None  # acks come through deliver()
-
-    def try_ack(self, packet: Packet) -> bool | None:
-        return None
-
     def why_late(self) -> str | None:
         return self._staging.why(self.worker_id)
 
@@ -377,7 +410,11 @@ class RaySenderTransport:
         except ray.exceptions.RayError as exc:
             raise self._lost(f"{type(exc).__name__}: {exc}") from exc
 
-    def _apply_call(self, payload: Any) -> ray.ObjectRef:
+    def apply_call(self, payload: Any) -> ray.ObjectRef:
+        """Start the actor's apply call of ``payload``, without waiting.
+
+        :raises WorkerLostError: the actor cannot be called.
+        """
         if self._has_method is None:
             # An actor handle lists the methods of its class.
             self._has_method = hasattr(self.actor, "weightsync_apply")
@@ -385,14 +422,15 @@ class RaySenderTransport:
             return self._invoke(self.actor.weightsync_apply, payload)
         return self._invoke(self.actor.__ray_call__, apply_on_actor, payload)
 
-    async def _await(self, ref: ray.ObjectRef, version: int) -> Any:
+    async def result(self, ref: ray.ObjectRef, version: int) -> Any:
         """The call's result, with every Ray error turned into weightsync's."""
         try:
             return await asyncio.wrap_future(ref.future())
         except ray.exceptions.RayError as exc:
-            raise self._error_of(exc, version) from exc
+            raise self.error_of(exc, version) from exc
 
-    def _error_of(self, exc: ray.exceptions.RayError, version: int) -> WorkerLostError | WorkerApplyError:
+    def error_of(self, exc: ray.exceptions.RayError, version: int) -> WorkerLostError | WorkerApplyError:
+        """weightsync's error for a Ray error of a call for ``version``."""
         if isinstance(exc, ray.exceptions.RayActorError):
             # The actor died, was killed, or cannot be reached.
             return self._lost(f"the Ray actor died ({type(exc).__name__}: {_first_line(exc)})")
@@ -405,7 +443,7 @@ class RaySenderTransport:
             return self.layout
         pause, most = _CONNECT_POLL
         while True:
-            described = await self._await(
+            described = await self.result(
                 self._invoke(self.actor.__ray_call__, _describe_on_actor, self.model_id), 0
             )
             if described is not None:
@@ -418,46 +456,23 @@ class RaySenderTransport:
             await anyio.sleep(pause)
             pause = min(pause * 2, most)
 
-    def post(self, packet: Packet) -> bool:
-        staging = self._staging
-        assert staging.ref is not None and staging.version == packet.version, "stage() comes first"
-        ref = staging.descriptor(self.worker_id)
-        if ref is None:
-            return False  # called once its node's copy is there (deliver)
-        # The ObjectRef is a top-level argument, so Ray resolves it on the
-        # actor's node before the call runs: the actor sees numpy views.
-        staging.calls[self.worker_id] = self._apply_call(ref)
-        return True
+    def check_reply(self, reply: tuple[Any, ...], version: int) -> None:
+        """Check the actor's reply to its apply call for ``version``.
 
-    async def deliver(self, packet: Packet) -> None:
-        staging = self._staging
-        try:
-            if self.worker_id not in staging.calls and not self.post(packet):
-                payload = await staging.route(self.worker_id)
-                staging.calls[self.worker_id] = self._apply_call(payload)
-            call = staging.calls[self.worker_id]
-            if inline_allowed():
-                staging.wait_all()
-            failure = staging.failed.get(self.worker_id)
-            if failure is not None:
-                raise self._error_of(failure, packet.version) from failure
-            reply = staging.replies.get(self.worker_id)
-            if reply is None:
-                reply = await self._await(call, packet.version)
-        finally:
-            staging.released(self.worker_id, packet.version)
+        :raises WorkerApplyError: it failed to apply it.
+        :raises WorkerLostError: its model is gone.
+        """
         kind = reply[0]
         if kind == "ack":
             # The version applied, or a newer one of the same sender that
             # was already there (only a late call of an abandoned send can
             # find that).
-            staging.acked(self.worker_id, packet.version)
             return
         if kind == "error":
-            raise self._failed(packet.version, reply[2])
+            raise self._failed(version, reply[2])
         if kind == "absent":
             raise self._lost(reply[1])
-        raise self._failed(packet.version, f"unexpected reply {reply!r}")
+        raise self._failed(version, f"unexpected reply {reply!r}")
 
     async def aclose(self) -> None:
         self._closed = True
