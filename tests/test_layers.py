@@ -32,7 +32,7 @@ LAYERS: list[set[str]] = [
         "_transports._none",
         "_transports._distributed",
     },
-    {"_acks", "_targets", "_packing"},
+    {"_acks", "_targets", "_packing", "_model_targets"},
     {"_send"},
     {"_sender", "_receiver", "_legacy"},
     {"_runtime"},

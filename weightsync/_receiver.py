@@ -9,8 +9,6 @@ from typing import Any, NamedTuple
 import anyio
 import torch
 
-from ._copy import check_writable_in_place
-from ._digest import mismatched
 from ._exceptions import (
     ResourceExhaustedError,
     SenderLostError,
@@ -18,9 +16,9 @@ from ._exceptions import (
     WeightMismatchError,
     WeightSyncStateError,
 )
+from ._model_targets import ModelTargets
 from ._offload import NEEDS_LOOP, NeedsLoop, require_asyncio
-from ._packet import DEFAULT_TIMEOUT, Manifest, Signature
-from ._strategy import materialize, model_tensors
+from ._packet import DEFAULT_TIMEOUT, Manifest
 from ._transports._base import Applier, Incoming, WorkerEndpoint
 
 __all__ = ["AsyncWeightReceiver"]
@@ -47,12 +45,6 @@ class _Step(NamedTuple):
     error: BaseException | None = None
 
 
-def _still_fit(targets: list[torch.Tensor], manifest: Manifest) -> bool:
-    """Whether cached targets still have their layout's shapes and dtypes."""
-    # (One comparison of two lists: this runs on every update.)
-    return [(t.shape, t.dtype) for t in targets] == manifest.fit
-
-
 class AsyncWeightReceiver:
     """Applies updates of one model on a worker, as coroutines.
 
@@ -76,14 +68,11 @@ class AsyncWeightReceiver:
         on_update: Callable[[int], Any] | None = None,
     ) -> None:
         self.model_id = model_id
-        self.model = model
-        self.device = torch.device("cpu") if device is None else torch.device(device)
+        device = torch.device("cpu") if device is None else torch.device(device)
+        self._model = ModelTargets(model, model_id, device)
         self.on_update = on_update
         #: The last version applied; None before the first.
         self.version: int | None = None
-        self._layout: tuple[str, Manifest, list[torch.Tensor]] | None = None
-        # The layouts of partial updates seen: layout id -> (manifest, targets).
-        self._subsets: dict[str, tuple[Manifest, list[torch.Tensor]]] = {}
         self._closed = False
         self._announced = False
         # Updates applied so far, and how many of them receive() reported.
@@ -99,85 +88,22 @@ class AsyncWeightReceiver:
     def set_model(self, model: Any) -> None:
         """Apply the next updates to ``model`` (same layout) instead. Not
         while an update is being applied."""
-        self.model = model
-        self._layout = None
-        self._subsets = {}
+        self._model.set_model(model)
 
-    def _manifest(self) -> tuple[Manifest, list[torch.Tensor]]:
-        tensors = model_tensors(self.model, model_id=self.model_id)
-        manifest = Manifest.of(tensors)
-        return manifest, manifest.ordered(tensors)
+    @property
+    def model(self) -> Any:
+        """The model updates are applied to."""
+        return self._model.model
 
     def manifest(self) -> Manifest:
         """The layout of the model as it is now."""
-        return self._manifest()[0]
+        return self._model.manifest()
 
     async def announce(self) -> None:
         """Tell the sender this worker exists and what its model looks like."""
         require_asyncio(self.model_id)
-        manifest, _ = self._manifest()
-        await self.endpoint.announce(manifest)
+        await self.endpoint.announce(self._model.manifest())
         self._announced = True
-
-    def _targets(self, incoming: Incoming) -> tuple[list[torch.Tensor], Manifest]:
-        """The model's tensors in the update's layout, checked before any write.
-
-        Looked up once per layout: replacing a parameter object of the model
-        (instead of writing into it) needs a new ``init_on_receiver``.
-
-        :raises WeightMismatchError: the update does not fit the model.
-        """
-        if incoming.subset is not None:
-            return self._subset_targets(incoming.layout_id, incoming.subset, incoming.version)
-        layout = self._layout
-        if layout is not None and layout[0] == incoming.layout_id:
-            _, manifest, targets = layout
-            if _still_fit(targets, manifest):
-                return targets, manifest
-            # A tensor of the model was re-pointed to another shape since
-            # the layout was cached: look the model up again (this raises).
-        self._layout = None
-        manifest, targets = self._manifest()
-        if manifest.layout_id == incoming.layout_id and materialize(self.model, self.device):
-            # A model built on the meta device gets its storage now, once the
-            # update is known to fit it; it is acked only once it holds the
-            # update. Its tensors are new objects: look them up again.
-            manifest, targets = self._manifest()
-        if manifest.layout_id != incoming.layout_id:
-            raise WeightMismatchError(
-                f"version {incoming.version} has layout {incoming.layout_id}, but this worker's model "
-                f"has layout {manifest.layout_id} (names, shapes or dtypes changed since init)",
-                model_id=self.model_id,
-            )
-        check_writable_in_place(zip(manifest.names, targets, strict=True), model_id=self.model_id)
-        self._layout = (manifest.layout_id, manifest, targets)
-        return targets, manifest
-
-    def _subset_targets(
-        self, layout_id: str, subset: Signature, version: int
-    ) -> tuple[list[torch.Tensor], Manifest]:
-        """The model's tensors that a partial update writes, in its order."""
-        cached = self._subsets.get(layout_id)
-        if cached is not None and _still_fit(cached[1], cached[0]):
-            return cached[1], cached[0]
-        manifest = Manifest.from_signature(subset)
-        tensors = model_tensors(self.model, model_id=self.model_id)
-        manifest.check_within(
-            Manifest.of(tensors),
-            model_id=self.model_id,
-            where=f"this worker's model (version {version})",
-            sides=("trainer", "worker"),
-        )
-        targets = manifest.ordered(tensors)
-        if any(t.is_meta for t in tensors.values()):
-            raise WeightMismatchError(
-                f"version {version} is a partial update, but this worker's model is on the meta device "
-                "(no storage yet): it needs a whole update first",
-                model_id=self.model_id,
-            )
-        check_writable_in_place(zip(manifest.names, targets, strict=True), model_id=self.model_id)
-        self._subsets[layout_id] = (manifest, targets)
-        return targets, manifest
 
     def apply(self, incoming: Incoming) -> int:
         """Apply ``incoming`` now, on the calling thread, and return its version.
@@ -188,37 +114,13 @@ class AsyncWeightReceiver:
         :raises WeightMismatchError: the update does not fit the model
             (nothing was written).
         """
-        targets, manifest = self._targets(incoming)
-        refused = self._corrupt(incoming, manifest)
+        targets, manifest = self._model.of(incoming)
+        refused = self._model.corrupt(incoming, manifest)
         if refused is not None:
             raise WeightMismatchError(refused, model_id=self.model_id)
         incoming.apply(self.model, targets, manifest)
         self._mark_applied(incoming.version)
         return incoming.version
-
-    def _corrupt(self, incoming: Incoming, manifest: Manifest) -> str | None:
-        """Why the update's bytes are not what the sender digested (None:
-        they are, or it sent no digests). Read before the model is written."""
-        if incoming.digests is None:
-            return None
-        if incoming.checked_on_host:
-            # The sender checked these bytes for the whole host, in memory
-            # that nothing can write any more: make sure it is that memory.
-            wrong = incoming.check_mapping(manifest)
-            if wrong is None:
-                return None
-            return (
-                f"version {incoming.version} failed its integrity check: {wrong}; the model was "
-                "left as it was"
-            )
-        bad = mismatched(manifest.names, incoming.sources(manifest), incoming.digests, incoming.threads)
-        if not bad:
-            return None
-        shown = ", ".join(bad[:5]) + (f", ... ({len(bad)} in all)" if len(bad) > 5 else "")
-        return (
-            f"version {incoming.version} failed its integrity check: the bytes of {shown} differ from "
-            "what the sender sent; the model was left as it was"
-        )
 
     def _updated(self, version: int) -> Exception | None:
         """Run ``on_update``; what it raised, if it did."""
@@ -359,7 +261,7 @@ class AsyncWeightReceiver:
         check it, apply it, and say what to tell the sender and what next.
         Never waits (but for the copy)."""
         try:
-            targets, manifest = self._targets(incoming)
+            targets, manifest = self._model.of(incoming)
         except WeightMismatchError as exc:
             return _Step(_Then.DONE, (incoming.version, str(exc)))
         except Exception as exc:
@@ -370,7 +272,7 @@ class AsyncWeightReceiver:
             if not incoming.is_current():
                 # Superseded before we began: the newer update is queued or coming.
                 return _Step(_Then.SUPERSEDED)
-            refused = self._corrupt(incoming, manifest)
+            refused = self._model.corrupt(incoming, manifest)
             if refused is not None:
                 if not incoming.is_current():
                     return _Step(_Then.SUPERSEDED)  # overwritten while we read it: not corrupt
