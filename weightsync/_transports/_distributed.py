@@ -42,8 +42,8 @@ from .._readiness import wait_readable_any
 from ._base import Outgoing, SenderTransport, worker_failed, worker_lost
 from ._chain import ChainDriver
 from ._channel import describe_exit, exit_status, started_here
+from ._delta_base import DeltaBase, element_size
 from ._dist_chain import WorkerChain
-from ._dist_delta import DeltaBase
 from ._dist_protocol import (
     CloseNotice,
     Hello,
@@ -115,7 +115,11 @@ class ChainStaging:
         delta: bool = False,
     ) -> None:
         self.model_id = model_id
+        # delta=True: the base, the workers that hold it, and the last send
+        # (its version, its workers by rank, whether it was whole, who acked it).
         self._delta = DeltaBase() if delta else None
+        self._holders: frozenset[int] = frozenset()
+        self._last: tuple[int, dict[int, int], bool, set[int]] | None = None
         self.store = store
         self.prefix = prefix
         self.keys = SessionKeys(prefix)
@@ -166,11 +170,7 @@ class ChainStaging:
             await anyio.sleep(0.005)
         self._thread = None
         manifest = packet.manifest
-        if self._delta is not None and self._buffer is not None:
-            # The last send's bytes may become the base: stage elsewhere then.
-            kept, spare = self._delta.keep(self._buffer, manifest.nbytes)
-            if kept:
-                self._buffer, self._views = spare, None
+        self._keep_base(manifest.nbytes)
         if self._buffer is None or self._buffer.numel() < manifest.nbytes:
             self._views = None
             self._buffer = None
@@ -186,6 +186,25 @@ class ChainStaging:
         self._forget_replies(packet.version)
         self.driver.forget()
         return sums
+
+    def _keep_base(self, nbytes: int) -> None:
+        """Before the next send (of ``nbytes``) is staged: if the last one
+        was whole and acked, its staged bytes become the delta base, held by
+        the workers that acked it (those that did not, dead or late, get
+        the full bytes next), and the next send is staged in the old base's
+        memory."""
+        last, self._last = self._last, None
+        delta, buffer = self._delta, self._buffer
+        if delta is None or last is None or buffer is None or not delta.fits(nbytes):
+            return
+        version, ranks, whole, done = last
+        holders = frozenset(rank for rank, wid in ranks.items() if wid in done)
+        if not whole or not holders:
+            return
+        previous = delta.adopt(buffer[:nbytes], version)
+        self._holders = holders
+        self._buffer = None if previous is None else torch.from_numpy(previous)
+        self._views = None
 
     def _forget_replies(self, version: int) -> None:
         """Drop the last send's replies (and its key, for a late one's sake:
@@ -248,9 +267,13 @@ class ChainStaging:
         encoded = None
         if self._delta is not None:
             whole = send.info.subset is None
-            self._delta.last = (send.info.version, dict(send.ranks), whole, send.done)
-            if whole and self._manifest is not None:
-                encoded = self._delta.encoded(self._buffer, self._manifest, ranks)
+            self._last = (send.info.version, dict(send.ranks), whole, send.done)
+            manifest = self._manifest
+            if whole and manifest is not None:
+                if not self._delta.fit(manifest.nbytes, element_size(manifest)):
+                    self._holders = frozenset()  # a new layout: the encoder starts again
+                elif self._holders.intersection(ranks):
+                    encoded = self._delta.chain(source, set(self._holders))
         self._thread = threading.Thread(
             target=self.driver.run, args=([source], ranks, deadline, encoded), daemon=True,
             name=f"weightsync-chain-{self.model_id}",

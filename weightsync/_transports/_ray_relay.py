@@ -62,10 +62,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from .._delta import DeltaEncoder
 from .._frames import CHUNK_BYTES
 from .._segment import Segment
-from ._chain import ChainDriver, ChainMember, Encoded, EncodedSend, Link, Report, Route
+from ._chain import ChainDriver, ChainMember, EncodedSend, Link, Report, Route
+from ._delta_base import DeltaBase
 from ._gloo_chain import connect_store
 from ._gloo_chain import seconds as _seconds
 from ._host_copy import HostBuffers, HostCopy
@@ -265,9 +265,9 @@ class SendKind(NamedTuple):
 
 
 class RelayDelta:
-    """``delta=True``: the trainer's base, the encoder of each send against
-    it, and the buffer each relayed send is gathered into (the
-    concatenation of its arrays: what the chain carries).
+    """``delta=True``: the trainer's base and encoder (a
+    :class:`~._delta_base.DeltaBase`), and the buffer each relayed send is
+    gathered into (the concatenation of its arrays: what the chain carries).
 
     A send's gathered buffer becomes the base, kept instead of copied, at
     the next relayed send, once the trainer said that every actor of the
@@ -278,8 +278,7 @@ class RelayDelta:
     but :meth:`settle`."""
 
     def __init__(self, chunk: int) -> None:
-        self.chunk = chunk
-        self.encoder: DeltaEncoder | None = None
+        self.base = DeltaBase(chunk)
         self._gathered: np.ndarray | None = None
         # The send gathered in it, and the trainer's word on a send: (version, every actor acked).
         self._kind: SendKind | None = None
@@ -300,9 +299,7 @@ class RelayDelta:
         if not kind.whole:
             return None
         nbytes = sum(s.numel() for s in sources)
-        encoder = self.encoder
-        if encoder is not None and (encoder.nbytes != nbytes or encoder.element_size != kind.element_size):
-            self.encoder = None  # a new layout: start again
+        self.base.fit(nbytes, kind.element_size)  # (a new layout: it starts again)
         gathered = self._gathered
         if gathered is None or gathered.nbytes != nbytes:
             gathered = self._gathered = None
@@ -315,33 +312,26 @@ class RelayDelta:
             # A memmove on this thread (numpy's), off torch's intra-op pool.
             gathered[offset : offset + source.numel()] = source.numpy()
             offset += source.numel()
-        if self.encoder is None and nbytes:
-            self.encoder = DeltaEncoder(nbytes, kind.element_size, chunk_bytes=self.chunk)
         return torch.from_numpy(gathered)
 
     def _adopt_last(self) -> None:
         """The last gathered send becomes the base if it is settled as acked
-        by every actor; its buffer is then the encoder's, and the old
-        base's memory gathers the next send."""
-        encoder, last, gathered = self.encoder, self._kind, self._gathered
-        if encoder is None or last is None or gathered is None or gathered.nbytes != encoder.nbytes:
+        by every actor; its buffer is then the base's, and the old base's
+        memory gathers the next send."""
+        last, gathered = self._kind, self._gathered
+        if last is None or gathered is None or not self.base.fits(gathered.nbytes):
             return
         if self._settled == (last.version, True):
-            self._gathered, self._kind = encoder.adopt(gathered, last.version), None
+            self._gathered, self._kind = self.base.adopt(gathered, last.version), None
 
     def encoded(self, flat: torch.Tensor, holds: dict[str, int | None]) -> EncodedSend | None:
         """The delta chain of the send gathered in ``flat``, for the agents
         whose buffer ``holds`` the base version; None when there is no base
         or the send is not whole."""
-        encoder, kind = self.encoder, self._kind
-        if encoder is None or encoder.base_version is None or kind is None or not kind.whole:
+        kind, base = self._kind, self.base.version
+        if kind is None or not kind.whole or base is None:
             return None
-        base = encoder.base_version
-        eligible = {node for node, version in holds.items() if version == base}
-        if not eligible:
-            return None
-        link = Encoded(base, encoder.element_size, len(encoder.spans))
-        return EncodedSend(link, lambda: encoder.frames(flat), eligible)
+        return self.base.chain(flat, {node for node, version in holds.items() if version == base})
 
 
 class HostRelay:
