@@ -26,6 +26,18 @@ def test_send_reaches_every_worker_in_place(cluster: Cluster) -> None:
         assert cluster.state(i)["applied"][-1] == report.version
 
 
+def test_workers_announce_their_device_and_the_report_says_how_each_was_reached(cluster: Cluster) -> None:
+    """Each worker names the device its model is on when it says hello (the
+    host here: a GPU would be named by its UUID, see tests/test_cuda.py),
+    and every report says how the weights reached each worker."""
+    cluster.sender.wait_for_workers()
+    assert cluster.sender.worker_devices == {0: ("cpu",), 1: ("cpu",), 2: ("cpu",)}
+    cluster.bump()
+    report = cluster.sender.send()
+    assert report.placements == {0: "host", 1: "host", 2: "host"}
+    report = cluster.sender.send(worker_ids=[1])
+    assert report.placements == {1: "host"}
+
 def test_versions_increase_and_acks_match(cluster: Cluster) -> None:
     versions = []
     for _ in range(5):
@@ -333,3 +345,4 @@ def test_a_clean_shutdown_is_told_apart_from_a_lost_sender(make_cluster, scheme_
             assert time.monotonic() < deadline, "the worker was not told of the shutdown"
             time.sleep(0.02)
         assert c.state(i)["errors"][0].startswith("SenderClosedError"), c.state(i)["errors"]
+

@@ -31,7 +31,7 @@ class FakeWorker:
         self.ours, self.theirs = mp.Pipe()
         self.scheme.init_on_sender("policy", pipes=[self.ours], model=self.model)
         signature = Manifest.of(self.model.state_dict()).signature
-        self.theirs.send(("hello", "policy", os.getpid(), signature))
+        self.theirs.send(("hello", "policy", os.getpid(), signature, ("cpu",)))
         self.sender = self.scheme.get_sender()
 
     def next_update(self) -> int:
@@ -99,7 +99,7 @@ def test_an_ack_of_a_version_never_sent_completes_nothing(worker: FakeWorker) ->
 
 def test_an_announcement_for_another_model_is_refused(worker: FakeWorker) -> None:
     signature = Manifest.of(worker.model.state_dict()).signature
-    message = _send_expecting_protocol_error(worker, ("hello", "value", os.getpid(), signature))
+    message = _send_expecting_protocol_error(worker, ("hello", "value", os.getpid(), signature, ("cpu",)))
     assert "'value'" in message
     _a_good_send_works(worker)
 
@@ -123,7 +123,7 @@ def test_a_duplicate_ack_is_harmless_and_completes_no_later_send(worker: FakeWor
 
 def test_garbage_reaches_the_user_as_weightsync_errors_only(worker: FakeWorker) -> None:
     """Nothing raw (KeyError, IndexError, an anyio ExceptionGroup) escapes."""
-    for garbage in (("hello",), ("hello", "policy", "not a pid", ()), ("error", "x", "y")):
+    for garbage in (("hello",), ("hello", "policy", "not a pid", (), ("cpu",)), ("error", "x", "y")):
         worker.sender.send_async()
         worker.next_update()
         worker.theirs.send(garbage)
@@ -139,7 +139,7 @@ def test_a_worker_that_announces_itself_again_mid_send_is_told_the_update_again(
     worker.sender.send_async()
     version = worker.next_update()
     signature = Manifest.of(worker.model.state_dict()).signature
-    worker.theirs.send(("hello", "policy", os.getpid(), signature))
+    worker.theirs.send(("hello", "policy", os.getpid(), signature, ("cpu",)))
     assert worker.next_update() == version  # told again
     worker.theirs.send(("ack", version, None))
     report = worker.sender.wait_async()
@@ -211,7 +211,7 @@ def test_a_blocking_send_to_a_worker_announcing_itself_again_tells_it_again(work
 
     def play() -> None:
         version = worker.next_update()
-        worker.theirs.send(("hello", "policy", os.getpid(), signature))
+        worker.theirs.send(("hello", "policy", os.getpid(), signature, ("cpu",)))
         told.extend([version, worker.next_update()])
         worker.theirs.send(("ack", version, None))
 

@@ -39,6 +39,22 @@ PLACEMENTS = [
     pytest.param("cpu", "cuda", id="cpu-cuda", marks=needs_cuda),
 ]
 SCHEMES = {"multiprocess": ws.MultiProcessWeightSyncScheme, "shared": ws.SharedMemWeightSyncScheme}
+# What SendReport.placements says of each placement (one GPU: the same device).
+PLACEMENT_OF = {
+    ("cpu", "cpu"): "host",
+    ("cuda", "cuda"): "same-device",
+    ("cuda", "cpu"): "device-to-host",
+    ("cpu", "cuda"): "host-to-device",
+}
+
+
+def device_label(device: str) -> str:
+    """How a worker names ``device`` when it announces itself: the GPU by its
+    UUID, as nvidia-smi -L shows it (``GPU-...``), not by its index."""
+    if device == "cpu":
+        return "cpu"
+    uuid = str(torch.cuda.get_device_properties(0).uuid)
+    return f"cuda:{uuid if uuid.startswith('GPU-') else 'GPU-' + uuid}"
 
 
 def make_model(device: str, seed: int, width: int = 64) -> torch.nn.Module:
@@ -152,10 +168,17 @@ def test_workers_get_the_weights_bit_exact_and_keep_their_device(
 ) -> None:
     p = placement(scheme_name, trainer_device, worker_device)
     before = [p.state(i) for i in range(2)]
+    # Each worker named its device by the GPU's UUID, and the report says how
+    # the weights reached it.
+    p.scheme.get_sender().wait_for_workers()
+    announced = p.scheme.get_sender().worker_devices
+    assert announced == {i: (device_label(worker_device),) for i in range(2)}, announced
+    how = PLACEMENT_OF[(trainer_device, worker_device)]
     for _ in range(3):
         p.bump()
         report = p.scheme.get_sender().send()
         assert report.worker_ids == (0, 1)
+        assert report.placements == {0: how, 1: how}, report.placements
         expected = p.expected()
         for i in range(2):
             state = p.state(i)

@@ -28,7 +28,7 @@ TRAINER = textwrap.dedent(
     scheme = getattr(ws, which)(timeout=5)
     ours, theirs = mp.Pipe()
     scheme.init_on_sender("policy", pipes=[ours], model=model)
-    theirs.send(("hello", "policy", os.getpid(), Manifest.of(model).signature))
+    theirs.send(("hello", "policy", os.getpid(), Manifest.of(model).signature, ("cpu",)))
 
     def memfds():
         out = []

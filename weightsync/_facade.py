@@ -64,6 +64,12 @@ class WeightSender:
         return self._sender.worker_versions
 
     @property
+    def worker_devices(self) -> dict[int, tuple[str, ...] | None]:
+        """The devices each worker's model is on, as it announced them; see
+        :attr:`AsyncWeightSender.worker_devices`."""
+        return self._sender.worker_devices
+
+    @property
     def pending(self) -> bool:
         """Whether a ``send_async()`` is not waited for yet (see :meth:`wait_async`)."""
         return self._pending is not None

@@ -12,6 +12,7 @@ from ._copy import check_writable_in_place
 from ._digest import mismatched
 from ._exceptions import WeightMismatchError
 from ._packet import Manifest, Signature
+from ._placement import devices_of
 from ._strategy import materialize, model_tensors
 from ._transports._base import Incoming
 
@@ -49,6 +50,10 @@ class ModelTargets:
         tensors = model_tensors(self.model, model_id=self.model_id)
         manifest = Manifest.of(tensors)
         return manifest, manifest.ordered(tensors)
+
+    def devices(self) -> tuple[str, ...]:
+        """The devices the model's tensors are on (see ``_placement``)."""
+        return devices_of(model_tensors(self.model, model_id=self.model_id).values())
 
     def manifest(self) -> Manifest:
         """The layout of the model as it is now."""

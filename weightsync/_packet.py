@@ -267,6 +267,8 @@ class Packet:
     #: With ``verify``: one digest per tensor, in manifest order (see
     #: ``_digest``), which each worker checks before it applies the update.
     digests: tuple[int, ...] | None = None
+    #: The devices the trainer's tensors are on (``_placement``).
+    devices: tuple[str, ...] = ("cpu",)
 
     @property
     def subset(self) -> Signature | None:

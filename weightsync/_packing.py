@@ -20,6 +20,7 @@ from ._digest import digests
 from ._exceptions import WeightMismatchError
 from ._offload import run_blocking
 from ._packet import Manifest, Packet, describe_mismatch, signature_of
+from ._placement import devices_of
 from ._strategy import ModuleReads
 from ._transports._base import Staging
 
@@ -38,7 +39,9 @@ class Packer:
         self._wire = wire
         self._manifests: dict[Any, Manifest] = {}
         self._reads = ModuleReads()
-        self._derived: tuple[dict[str, torch.Tensor], Manifest, list[torch.Tensor]] | None = None
+        self._derived: (
+            tuple[dict[str, torch.Tensor], Manifest, list[torch.Tensor], tuple[str, ...]] | None
+        ) = None
 
     def packet(
         self, version: int, weights: Any, *, fanout: int = 1, keys: Keys | None = None, partial: bool = False
@@ -57,9 +60,10 @@ class Packer:
         derived = self._derived
         if derived is None or derived[0] is not tensors:
             manifest = self._manifest(tensors)
+            ordered = manifest.ordered(tensors)
             # (The same list, send after send, lets the staging keep its copy plan.)
-            derived = self._derived = (tensors, manifest, manifest.ordered(tensors))
-        return Packet(version, derived[1], derived[2], fanout, partial)
+            derived = self._derived = (tensors, manifest, ordered, devices_of(ordered))
+        return Packet(version, derived[1], derived[2], fanout, partial, devices=derived[3])
 
     def _manifest(self, tensors: Mapping[str, torch.Tensor]) -> Manifest:
         key = signature = signature_of(tensors)

@@ -99,10 +99,14 @@ class AsyncWeightReceiver:
         """The layout of the model as it is now."""
         return self._model.manifest()
 
+    def devices(self) -> tuple[str, ...]:
+        """The devices the model is on (see ``_placement``)."""
+        return self._model.devices()
+
     async def announce(self) -> None:
         """Tell the sender this worker exists and what its model looks like."""
         require_asyncio(self.model_id)
-        await self.endpoint.announce(self._model.manifest())
+        await self.endpoint.announce(self._model.manifest(), self._model.devices())
         self._announced = True
 
     def apply(self, incoming: Incoming) -> int:

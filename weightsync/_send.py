@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import anyio
@@ -100,6 +100,12 @@ class SendReport:
     #: ``AsyncWeightSender.wait_for_workers``). Not part of the send's
     #: ``timeout``, which starts once they have.
     announce_seconds: float = 0.0
+    #: How the weights reached each worker, from where the trainer's tensors
+    #: and that worker's model are: ``"host"`` (both in host memory),
+    #: ``"device-to-host"`` (trainer on a GPU, worker on the CPU),
+    #: ``"host-to-device"``, ``"same-device"`` (one GPU), ``"peer"`` (two
+    #: GPUs), ``"mixed"`` (a side over several devices), by worker id.
+    placements: Mapping[int, str] = field(default_factory=dict)
 
 
 class PendingSend:
@@ -224,6 +230,8 @@ class PendingSend:
             self._workers.record(packet, self.reachable, self.failures)
         if self.failures:
             raise combine_worker_errors(self.failures, model_id=self._model_id, version=packet.version)
+        placements = {w: p for r in self._earlier for w, p in r.placements.items()}
+        placements.update(self._workers.placements(packet, self.reachable))
         return SendReport(
             packet.version,
             self.worker_ids,
@@ -231,6 +239,7 @@ class PendingSend:
             time.perf_counter() - self.started,
             self.staged_seconds,
             self.announce_seconds,
+            placements,
         )
 
     def _awaited(self) -> list[int]:

@@ -122,6 +122,13 @@ class AsyncWeightSender:
         return list(self.workers.transports)
 
     @property
+    def worker_devices(self) -> dict[int, tuple[str, ...] | None]:
+        """The devices each worker's model is on, as it announced them
+        (``"cpu"``, or ``"cuda:"`` and the GPU's UUID; None: not yet), by
+        worker id."""
+        return self.workers.devices
+
+    @property
     def worker_versions(self) -> dict[int, int | None]:
         """The last version each worker acked (None: none yet), by worker id."""
         return self.workers.versions

@@ -12,6 +12,7 @@ from typing import Any
 
 from ._exceptions import UnknownWorkerError, WeightSyncStateError
 from ._packet import Packet
+from ._placement import choose
 from ._strategy import is_tensordict
 from ._transports._base import SenderTransport
 
@@ -33,6 +34,17 @@ class Workers:
         # The workers that may take a partial update: they acked a whole one,
         # and every send to them since.
         self._whole: set[int] = set()
+
+    @property
+    def devices(self) -> dict[int, tuple[str, ...] | None]:
+        """The devices each worker's model is on, as it announced them
+        (None: not yet, or its transport cannot tell), by worker id."""
+        return {wid: t.devices for wid, t in self.transports.items()}
+
+    def placements(self, packet: Packet, workers: Iterable[int]) -> dict[int, str]:
+        """How ``packet`` reaches each of ``workers``, from where the
+        trainer's tensors and that worker's model are (``_placement``)."""
+        return {wid: choose(packet.devices, self.transports[wid].devices).value for wid in workers}
 
     @property
     def versions(self) -> dict[int, int | None]:

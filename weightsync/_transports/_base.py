@@ -136,6 +136,9 @@ class SenderTransport(Protocol):
     #: The worker's model layout once it announced itself (None before, or
     #: when the transport cannot tell).
     layout: Manifest | None
+    #: The devices its model is on, as it announced them (``_placement``:
+    #: ``"cpu"``, ``"cuda:<uuid>"``); None before, or when it cannot tell.
+    devices: tuple[str, ...] | None
 
     async def connect(self) -> Manifest | None:
         """Wait until the worker is known, and return its model's layout
@@ -274,6 +277,9 @@ class Applier(Protocol):
     def manifest(self) -> Manifest:
         """The layout of the worker's model as it is now."""
 
+    def devices(self) -> tuple[str, ...]:
+        """The devices the worker's model is on (``_placement.devices_of``)."""
+
     def apply(self, incoming: Incoming) -> int:
         """Apply ``incoming`` now, on the calling thread; its version.
 
@@ -290,8 +296,9 @@ class WorkerEndpoint(Protocol):
     #: whose updates wait for ``next_update``.
     pushes: bool
 
-    async def announce(self, manifest: Manifest) -> None:
-        """Tell the sender this worker exists and what its model looks like."""
+    async def announce(self, manifest: Manifest, devices: tuple[str, ...]) -> None:
+        """Tell the sender this worker exists, what its model looks like,
+        and the devices it is on (``_placement.devices_of``)."""
 
     async def next_update(self, timeout: float) -> Incoming | None:
         """The newest pending update, or None if none came within ``timeout``

@@ -155,6 +155,8 @@ class Hello:
     signature: Signature
     #: Tells its liveness connection from an earlier worker's of the same rank.
     nonce: int
+    #: The devices its model is on (``_placement``).
+    devices: tuple[str, ...] = ("cpu",)
 
 
 @dataclass(frozen=True)

@@ -385,6 +385,7 @@ class DistributedSenderTransport:
         self.worker_id = worker_id
         self.model_id = model_id
         self.layout: Manifest | None = None
+        self.devices: tuple[str, ...] | None = None
         self._staging = staging
         self._member: Hello | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
@@ -428,6 +429,7 @@ class DistributedSenderTransport:
             if value is not None:
                 self._member = decode(value, Hello)
                 self.layout = Manifest.from_signature(self._member.signature)
+                self.devices = tuple(self._member.devices)
                 # Its Process object, when multiprocessing started it here:
                 # it tells how the worker ended even after the user joined it.
                 self._process = started_here(self._member.pid)
@@ -526,8 +528,10 @@ class ChainEndpoint:
             f"the sender of model {self.model_id!r} is gone: {reason}", model_id=self.model_id
         )
 
-    async def announce(self, manifest: Manifest) -> None:
-        hello = Hello(os.getpid(), socket.gethostname(), self.address, manifest.signature, self._nonce)
+    async def announce(self, manifest: Manifest, devices: tuple[str, ...]) -> None:
+        hello = Hello(
+            os.getpid(), socket.gethostname(), self.address, manifest.signature, self._nonce, devices
+        )
         self._store.set(self.keys.hello(self.rank), encode(hello))
 
     async def next_update(self, timeout: float) -> ChainUpdate | None:

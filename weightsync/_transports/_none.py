@@ -13,6 +13,7 @@ class NoTransport:
 
     worker_id = 0
     layout: Manifest | None = None
+    devices: tuple[str, ...] | None = None
 
     async def connect(self) -> Manifest | None:
         return None
@@ -41,7 +42,7 @@ class NoEndpoint:
 
     pushes = True  # nothing to pull: a wait only waits
 
-    async def announce(self, manifest: Manifest) -> None:
+    async def announce(self, manifest: Manifest, devices: tuple[str, ...]) -> None:
         return None
 
     async def next_update(self, timeout: float) -> Incoming | None:

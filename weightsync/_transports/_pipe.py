@@ -5,7 +5,7 @@ versioned slots that they run on).
 Messages are small pickled tuples (see ``_channel``); bulk bytes never
 travel here::
 
-    worker -> sender   ("hello", model_id, pid, signature)
+    worker -> sender   ("hello", model_id, pid, signature, devices)
                        ("ack", version, holding)      holding: what the worker runs on now
                        ("error", version, message)
     sender -> worker   ("update", version, layout_id, descriptor, copy_threads, sender_pid, subset, digests)
@@ -41,7 +41,7 @@ __all__ = ["EncodedUpdates", "PipeEndpoint", "PipeSenderTransport", "PipeUpdate"
 # -- the sender's channel to one worker ----------------------------------------
 
 # What a worker may send: kind -> length of the tuple.
-_WORKER_MESSAGES = {"hello": 4, "ack": 3, "error": 3}
+_WORKER_MESSAGES = {"hello": 5, "ack": 3, "error": 3}
 
 
 class EncodedUpdates:
@@ -83,6 +83,7 @@ class PipeSenderTransport:
         self._fault_hint = fault_hint
         self._channel = PipeChannel(pipe, self._lost, self._garbled)
         self.layout: Manifest | None = None
+        self.devices: tuple[str, ...] | None = None
         self.worker_pid: int | None = None
         # The worker's Process object, when multiprocessing started it here:
         # it tells how the worker ended even after the user joined it.
@@ -142,15 +143,17 @@ class PipeSenderTransport:
         return message
 
     def _handle_hello(self, message: tuple) -> None:
-        _, _model_id, pid, signature = message
+        _, _model_id, pid, signature, devices = message
         try:
             layout = Manifest.from_signature(signature)
             pid = int(pid)
+            devices = tuple(str(d) for d in devices)
         except Exception as exc:
             raise self._garbled(f"it announced a model that cannot be read ({exc})") from exc
         self.worker_pid = pid
         self._process = started_here(pid)
         self._channel.watch(pid)
+        self.devices = devices
         self.layout = layout
         # A fresh worker runs on its own memory.
         self._staging.released(self.worker_id, 0, None)
@@ -317,8 +320,8 @@ class PipeEndpoint:
             f"the sender of model {self.model_id!r} is gone: {reason}", model_id=self.model_id
         )
 
-    async def announce(self, manifest: Manifest) -> None:
-        await self._channel.send(("hello", self.model_id, os.getpid(), manifest.signature))
+    async def announce(self, manifest: Manifest, devices: tuple[str, ...]) -> None:
+        await self._channel.send(("hello", self.model_id, os.getpid(), manifest.signature, devices))
 
     def _handle(self, message: tuple, latest: PipeUpdate | None) -> PipeUpdate | None:
         kind = message[0]

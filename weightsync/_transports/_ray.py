@@ -387,6 +387,7 @@ class RaySenderTransport:
         self.model_id = model_id
         self._staging = staging
         self.layout: Manifest | None = None
+        self.devices: tuple[str, ...] | None = None
         # Whether the actor's class has RayWeightSyncMixin's method.
         self._has_method: bool | None = None
         self._closed = False
@@ -447,8 +448,9 @@ class RaySenderTransport:
                 self._invoke(self.actor.__ray_call__, _describe_on_actor, self.model_id), 0
             )
             if described is not None:
-                signature, node = described
+                signature, node, devices = described
                 self._staging.add_node(self.worker_id, node)
+                self.devices = tuple(devices)
                 self.layout = Manifest.from_signature(signature)
                 return self.layout
             # The actor exists but has not registered its model yet (its
@@ -501,13 +503,14 @@ _ENDPOINTS: dict[str | None, RayEndpoint] = {}
 _ENDPOINTS_LOCK = threading.Lock()
 
 
-def _describe_on_actor(actor: Any, model_id: str | None) -> tuple[Signature, str] | None:
+def _describe_on_actor(actor: Any, model_id: str | None) -> tuple[Signature, str, tuple[str, ...]] | None:
     """Runs on the actor (through ``__ray_call__``): the layout of the model
-    registered under ``model_id`` and the actor's node, or None."""
+    registered under ``model_id``, the actor's node and the model's devices,
+    or None."""
     endpoint = _ENDPOINTS.get(model_id)
     if endpoint is None:
         return None
-    return endpoint.signature, ray.get_runtime_context().get_node_id()
+    return endpoint.signature, ray.get_runtime_context().get_node_id(), endpoint.devices
 
 
 def apply_on_actor(actor: Any, update: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -616,6 +619,7 @@ class RayEndpoint:
         #: This actor's mappings of its host's relayed copies.
         self.host = HostReader()
         self.signature: Signature = receiver.manifest().signature
+        self.devices: tuple[str, ...] = receiver.devices()
         with _ENDPOINTS_LOCK:
             _ENDPOINTS[model_id] = self
 
@@ -662,9 +666,9 @@ class RayEndpoint:
         return ("ack", update.version)
 
     # -- the WorkerEndpoint interface ---------------------------------------------
-    async def announce(self, manifest: Manifest) -> None:
+    async def announce(self, manifest: Manifest, devices: tuple[str, ...]) -> None:
         """Nothing to send: the sender asks the actor (see ``connect``)."""
-        self.signature = manifest.signature
+        self.signature, self.devices = manifest.signature, devices
 
     async def next_update(self, timeout: float) -> None:
         """Never an update to pull (they are applied as they arrive); never waits.

@@ -1,0 +1,50 @@
+"""How a send reaches a worker, from where the trainer's tensors and the
+worker's model are (``_placement``): the choice over every pair of
+devices, named as workers announce them. The announcements themselves are
+checked over every scheme (tests/test_conformance.py) and on a GPU
+(tests/test_cuda.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightsync._placement import Placement, choose, devices_of
+
+GPU_A = "cuda:GPU-0b42632a-bc5c-f731-724b-6936a19c4b24"
+GPU_B = "cuda:GPU-5e9b0c41-0d8e-2a71-93c4-1f2e3d4c5b6a"
+
+
+@pytest.mark.parametrize(
+    "trainer, worker, expected",
+    [
+        (("cpu",), ("cpu",), Placement.HOST),
+        (("cpu",), None, Placement.HOST),  # a worker that did not say: host memory
+        ((GPU_A,), ("cpu",), Placement.DEVICE_TO_HOST),
+        (("cpu",), (GPU_A,), Placement.HOST_TO_DEVICE),
+        ((GPU_A,), (GPU_A,), Placement.SAME_DEVICE),
+        ((GPU_A,), (GPU_B,), Placement.PEER),
+        ((GPU_A, "cpu"), ("cpu",), Placement.MIXED),
+        (("cpu",), ("cpu", GPU_A), Placement.MIXED),
+        (("cpu",), ("mps",), Placement.MIXED),
+        (("meta",), ("cpu",), Placement.MIXED),
+    ],
+)
+def test_the_placement_of_every_pair_of_devices(
+    trainer: tuple[str, ...], worker: tuple[str, ...] | None, expected: Placement
+) -> None:
+    assert choose(trainer, worker) is expected
+
+
+def test_devices_are_named_once_each_in_the_order_met() -> None:
+    tensors = [torch.zeros(2), torch.zeros(3, device="meta"), torch.ones(1)]
+    assert devices_of(tensors) == ("cpu", "meta")
+    assert devices_of([]) == ()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is visible")
+def test_a_gpu_is_named_by_its_uuid_not_its_index() -> None:
+    name = devices_of([torch.zeros(1, device="cuda:0")])[0]
+    assert name.startswith("cuda:GPU-") and name != "cuda:0"
+    assert choose((name,), (name,)) is Placement.SAME_DEVICE

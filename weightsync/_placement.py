@@ -1,0 +1,88 @@
+"""Where weights live, and what that asks of a send.
+
+A worker announces the devices its model's tensors are on (with its layout,
+when it says hello), each named so that another process can tell whether it
+is the same device: ``"cpu"``, or ``"cuda:"`` followed by the GPU's UUID (an
+index names another GPU under another ``CUDA_VISIBLE_DEVICES``, a UUID never
+does). The sender knows the devices of the trainer's tensors, and from both
+chooses a :class:`Placement` per worker: what kind of memory a send to it
+stages through and what copies it costs. ``SendReport.placements`` says
+which one each worker's send took.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["Placement", "choose", "device_name", "devices_of"]
+
+_UUIDS: dict[int, str] = {}
+
+
+def device_name(device: torch.device) -> str:
+    """``device`` named for another process: ``"cpu"``, ``"cuda:<uuid>"``
+    (the GPU's UUID, as ``nvidia-smi -L`` shows it), or the device type
+    (``"meta"``, ``"mps"``)."""
+    if device.type != "cuda":
+        return device.type
+    index = torch.cuda.current_device() if device.index is None else device.index
+    uuid = _UUIDS.get(index)
+    if uuid is None:
+        raw = str(torch.cuda.get_device_properties(index).uuid)
+        uuid = _UUIDS[index] = raw if raw.startswith("GPU-") else f"GPU-{raw}"
+    return f"cuda:{uuid}"
+
+
+def devices_of(tensors: Iterable[torch.Tensor]) -> tuple[str, ...]:
+    """The devices ``tensors`` are on, each once, in the order first met
+    (see :func:`device_name`)."""
+    seen: dict[torch.device, None] = {}
+    for tensor in tensors:
+        seen.setdefault(tensor.device, None)
+    return tuple(dict.fromkeys(device_name(d) for d in seen))
+
+
+class Placement(enum.Enum):
+    """Where the trainer's weights are and where a worker's model is, as a
+    send sees it."""
+
+    #: Both in host memory: one shared host staging, each worker copies
+    #: (or, under the zero-copy scheme, maps) it.
+    HOST = "host"
+    #: Trainer on a GPU, worker on the CPU: a device-to-host copy into the
+    #: host staging, which the worker then reads as from a CPU trainer.
+    DEVICE_TO_HOST = "device-to-host"
+    #: Trainer on the CPU, worker on a GPU: the worker copies from the host
+    #: staging into its device (host-to-device).
+    HOST_TO_DEVICE = "host-to-device"
+    #: Both on the same GPU: device-to-device copies.
+    SAME_DEVICE = "same-device"
+    #: On two GPUs: device to device across them (peer to peer where the
+    #: GPUs allow it, else through host memory).
+    PEER = "peer"
+    #: A side spans several devices, or one weightsync does not stage for:
+    #: through host memory, each tensor copied to its own device.
+    MIXED = "mixed"
+
+
+def choose(trainer: tuple[str, ...], worker: tuple[str, ...] | None) -> Placement:
+    """The placement of a send from tensors on the ``trainer`` devices to a
+    worker whose model is on the ``worker`` devices (None: it did not say;
+    an older or a pushing endpoint is taken as host memory)."""
+    worker = worker or ("cpu",)
+    if len(trainer) != 1 or len(worker) != 1:
+        return Placement.MIXED
+    (source,), (target,) = trainer, worker
+    if source == "cpu" and target == "cpu":
+        return Placement.HOST
+    on_gpu = source.startswith("cuda:"), target.startswith("cuda:")
+    if on_gpu == (True, False) and target == "cpu":
+        return Placement.DEVICE_TO_HOST
+    if on_gpu == (False, True) and source == "cpu":
+        return Placement.HOST_TO_DEVICE
+    if on_gpu == (True, True):
+        return Placement.SAME_DEVICE if source == target else Placement.PEER
+    return Placement.MIXED
