@@ -38,9 +38,13 @@ its own SIMD shuffles: LZ4 on bit or byte planes by default, zstd level 1
 with ``compressor='zstd'`` (smaller frames, half the speed; see
 :data:`Compressor`); subtraction, search and gathers are numpy. None of it
 runs on torch's intra-op pool, which belongs to the user's collectors: work
-runs on the calling thread, and :class:`DeltaEncoder` (``threads=N``)
-encodes up to N chunks at once on threads of its own. Digests are XXH3-64
-(``xxhash``, also in the extra).
+runs on the calling thread, and :class:`DeltaEncoder` and
+:class:`DeltaDecoder` (``threads=N``, :func:`default_threads` for a scheme
+that does not say) work on up to N chunks at once on threads of their own,
+with blosc2 told to release the GIL while it compresses. Most of a chunk's
+numpy steps hold the GIL, or take it back between short calls, so threads
+gain less than cores (``benchmarks/delta_codec.py --threads``). Digests
+are XXH3-64 (``xxhash``, also in the extra).
 
 How a transport uses it::
 
@@ -70,12 +74,15 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import struct
+import threading
+import time
 from collections import deque
-from collections.abc import Generator, Sequence
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar
 
 import torch
 
+from ._copy import usable_cores
 from ._digest import digests
 from ._exceptions import DeltaFrameError, import_extra
 from ._frames import CHUNK_BYTES, frame_spans
@@ -95,12 +102,15 @@ __all__ = [
     "FrameHeader",
     "Mode",
     "decode_frame",
+    "default_threads",
     "encode_frame",
     "read_header",
     "require_codec",
     "version_digest",
 ]
 
+
+T = TypeVar("T")
 
 #: A chunk is sent raw unless encoding makes it smaller than this fraction.
 RAW_RATIO = 0.95
@@ -583,15 +593,58 @@ def _apply_sparse(blosc2: Any, payload: memoryview, elements: np.ndarray) -> Non
     elements[positions] = changed
 
 
+def default_threads() -> int:
+    """The codec threads of a scheme that does not say: ``min(4, usable
+    cores)``; the user's collectors keep the other cores."""
+    return max(1, min(4, usable_cores()))
+
+
+def _gil_free_compression() -> None:
+    """Let blosc2 release the GIL while it compresses and decompresses
+    (process-wide, once; only the GIL's handling changes): without it a
+    codec thread's compression holds every other Python thread, the
+    other codec threads included."""
+    global _GIL_RELEASED
+    if not _GIL_RELEASED:
+        blosc2, _ = require_codec()
+        blosc2.set_releasegil(True)
+        _GIL_RELEASED = True
+
+
+_GIL_RELEASED = False
+
+
+class _Scratches:
+    """Work buffers of a codec's threads, one :class:`_Scratch` per chunk in
+    progress (at most ``threads``), kept from send to send."""
+
+    def __init__(self) -> None:
+        self._free: list[_Scratch] = []
+        self._lock = threading.Lock()
+
+    def run(self, work: Callable[[_Scratch], T]) -> tuple[T, float]:
+        """``work(scratch)`` on this thread; its result and this thread's CPU seconds."""
+        with self._lock:
+            scratch = self._free.pop() if self._free else _Scratch()
+        try:
+            started = time.thread_time()
+            result = work(scratch)
+            return result, time.thread_time() - started
+        finally:
+            with self._lock:
+                self._free.append(scratch)
+
+
 class DeltaEncoder:
     """The trainer's side: holds one base copy (``nbytes``, +S of memory) of
     the last version every receiver applied, and encodes staged versions
     against it, chunk by chunk.
 
     Not thread-safe: one send at a time. The encoder never reads torch's
-    intra-op pool; with ``threads > 1`` it encodes up to ``threads`` chunks
-    at once on threads of its own, started and ended within each
-    :meth:`frames` iteration.
+    intra-op pool; with ``threads > 1`` it encodes up to ``2 x threads``
+    chunks ahead on threads of its own (named ``weightsync-delta``),
+    started and ended within each :meth:`frames` iteration, so the first
+    frame leaves while the later chunks are encoded.
     """
 
     def __init__(
@@ -611,25 +664,48 @@ class DeltaEncoder:
         self.spans = frame_spans(nbytes, chunk_bytes, element_size)
         self.threads = max(1, threads)
         self.compressor: Compressor = compressor
-        # A few chunks of work buffers per thread, kept from send to send.
-        self._scratches = [_Scratch() for _ in range(self.threads)]
+        self._scratches = _Scratches()
         self._base: np.ndarray | None = None
         self.base_version: int | None = None
+        #: Of the last :meth:`frames` iteration that ended: the CPU seconds
+        #: its chunks took, over all threads, and its wall seconds from the
+        #: first ``next()`` to the last frame.
+        self.last_cpu = 0.0
+        self.last_wall = 0.0
 
     @property
     def has_base(self) -> bool:
         """Whether a base is held (else every frame carries the full bytes)."""
         return self._base is not None
 
-    def frames(self, current: Any, *, full: bool = False) -> Generator[bytes, None, None]:
+    def encode(self, current: Any, index: int, *, full: bool = False) -> tuple[bytes, float]:
+        """The frame of chunk ``index`` of ``current`` (see :meth:`frames`),
+        on the calling thread; with the CPU seconds it took."""
+        data = _flat_bytes(current)
+        if data.nbytes != self.nbytes:
+            raise ValueError(f"{data.nbytes} bytes staged for an encoder of {self.nbytes}")
+        return self._encode(data, None if full else self._base, index)
+
+    def _encode(self, data: np.ndarray, base: np.ndarray | None, index: int) -> tuple[bytes, float]:
+        start, stop = self.spans[index]
+        chunk = data[start:stop]
+        before = None if base is None else base[start:stop]
+        return self._scratches.run(
+            lambda scratch: encode_frame(chunk, before, self.element_size, scratch, self.compressor)
+        )
+
+    def frames(
+        self, current: Any, *, full: bool = False, ready: dict[int, bytes] | None = None
+    ) -> Generator[bytes, None, None]:
         """Yield one frame per chunk of ``current`` (a flat buffer or CPU
         tensor of ``nbytes`` bytes, read while iterating: it must not change
         until the iteration ends), in chunk order: against the base, or the
         full bytes (``PACKED``/``RAW``) when there is none or with ``full``.
-        Each ``next()`` blocks until that chunk is encoded; a chunk is
-        encoded while the caller sends the previous one when
-        ``threads > 1``. Closing the iterator early waits for the chunks in
-        progress.
+        ``ready``: frames already encoded (by :meth:`encode`, of this
+        ``current`` and base), by chunk index. Each ``next()`` blocks until
+        that chunk is encoded; with ``threads > 1`` the chunks after it are
+        encoded meanwhile. Closing the iterator early waits for the chunks
+        in progress.
 
         :raises ValueError: ``current`` is not ``nbytes`` long.
         """
@@ -637,29 +713,39 @@ class DeltaEncoder:
         if data.nbytes != self.nbytes:
             raise ValueError(f"{data.nbytes} bytes staged for an encoder of {self.nbytes}")
         base = None if full else self._base
-        scratches = self._scratches
+        ready = ready or {}
+        count = len(self.spans)
+        self.last_cpu = self.last_wall = 0.0
+        started: float | None = None
 
-        def encode(index: int, scratch: _Scratch) -> bytes:
-            start, stop = self.spans[index]
-            chunk = data[start:stop]
-            before = None if base is None else base[start:stop]
-            return encode_frame(chunk, before, self.element_size, scratch, self.compressor)
+        def frame(index: int) -> tuple[bytes, float]:
+            done = ready.get(index)
+            return (done, 0.0) if done is not None else self._encode(data, base, index)
 
-        if self.threads == 1:
-            for index in range(len(self.spans)):
-                yield encode(index, scratches[0])
+        if self.threads == 1 or count - len(ready) <= 1:
+            for index in range(count):
+                started = time.perf_counter() if started is None else started
+                out, cpu = frame(index)
+                self.last_cpu += cpu
+                yield out
+            self.last_wall = 0.0 if started is None else time.perf_counter() - started
             return
-        # Each chunk in flight has a scratch: at most ``threads`` of them,
-        # of consecutive indices.
+        _gil_free_compression()
+        # Up to two chunks a thread in flight: a thread that finished one
+        # starts the next while the caller sends.
         pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="weightsync-delta")
-        pending: deque[concurrent.futures.Future[bytes]] = deque()
+        pending: deque[concurrent.futures.Future[tuple[bytes, float]]] = deque()
         try:
             submitted = 0
-            for _ in range(len(self.spans)):
-                while submitted < len(self.spans) and len(pending) < self.threads:
-                    pending.append(pool.submit(encode, submitted, scratches[submitted % self.threads]))
+            for _ in range(count):
+                started = time.perf_counter() if started is None else started
+                while submitted < count and len(pending) < 2 * self.threads:
+                    pending.append(pool.submit(frame, submitted))
                     submitted += 1
-                yield pending.popleft().result()
+                out, cpu = pending.popleft().result()
+                self.last_cpu += cpu
+                yield out
+            self.last_wall = 0.0 if started is None else time.perf_counter() - started
         finally:
             for future in pending:
                 future.cancel()
@@ -697,6 +783,13 @@ class DeltaEncoder:
         previous, self._base, self.base_version = self._base, data, version
         return previous
 
+    def base_chunk(self, index: int) -> np.ndarray | None:
+        """The base's bytes of chunk ``index`` (None: no base), read only."""
+        if self._base is None:
+            return None
+        start, stop = self.spans[index]
+        return self._base[start:stop]
+
     def forget(self) -> None:
         """Drop the base (and its memory): the next send carries full bytes."""
         self._base = None
@@ -707,11 +800,23 @@ class DeltaDecoder:
     """A receiving host's side: rebuilds a version, in place, in ``buffer``
     (a flat buffer or CPU tensor that holds the base the frames were taken
     against, or anything when every frame is full), from frames fed in
-    chunk order. Costs no memory beyond ``buffer`` and one chunk.
+    chunk order. Costs no memory beyond ``buffer`` and a chunk a thread
+    (and the frames not yet rebuilt).
+
+    With ``threads > 1`` :meth:`feed` hands each chunk to one of ``threads``
+    threads of its own (named ``weightsync-delta``) and returns: chunks are
+    rebuilt in parallel, while the caller passes the next frame on;
+    :meth:`finish` (or :meth:`check`) waits for them and ends the threads.
     """
 
     def __init__(
-        self, buffer: Any, element_size: int, *, chunk_bytes: int = CHUNK_BYTES, base: Any = None
+        self,
+        buffer: Any,
+        element_size: int,
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+        base: Any = None,
+        threads: int = 1,
     ) -> None:
         """``base``: another buffer of the same size that holds the base
         (read only; each chunk a frame needs it for is copied into
@@ -726,17 +831,39 @@ class DeltaDecoder:
         if self._base is not None and self._base.nbytes != self._data.nbytes:
             raise ValueError(f"a base of {self._base.nbytes} bytes for a buffer of {self._data.nbytes}")
         self.spans = frame_spans(self._data.nbytes, chunk_bytes, element_size)
+        self.threads = max(1, threads)
         self._next = 0
-        self._scratch = _Scratch()
+        self._scratches = _Scratches()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: deque[concurrent.futures.Future[tuple[FrameHeader, float]]] = deque()
+        # Chunks rebuilt in order from the first (the others may be in progress).
+        self._rebuilt = 0
+        #: CPU seconds the chunks took so far, over all threads.
+        self.cpu = 0.0
 
     @property
     def done(self) -> bool:
-        """Whether every chunk has been decoded."""
+        """Whether every chunk's frame has been fed."""
         return self._next == len(self.spans)
 
+    def _rebuild(self, index: int, frame: Any) -> tuple[FrameHeader, float]:
+        start, stop = self.spans[index]
+        out = self._data[start:stop]
+
+        def work(scratch: _Scratch) -> FrameHeader:
+            if self._base is not None and read_header(frame).mode.needs_base:
+                out[:] = self._base[start:stop]
+            return decode_frame(frame, out, scratch)
+
+        return self._scratches.run(work)
+
     def feed(self, frame: Any) -> FrameHeader:
-        """Decode the next chunk's frame into the buffer (see
-        :func:`decode_frame`). Blocks the calling thread.
+        """Rebuild the next chunk from its frame into the buffer (see
+        :func:`decode_frame`): on the calling thread, or with
+        ``threads > 1`` on the decoder's threads (returns its header at
+        once; an error of an earlier chunk is raised here or by
+        :meth:`finish`). Blocks the calling thread while ``2 x threads``
+        chunks are in progress.
 
         :raises DeltaFrameError: a damaged frame, a frame past the last
             chunk, or a result that is not the trainer's; the buffer no
@@ -744,26 +871,75 @@ class DeltaDecoder:
         """
         if self.done:
             raise DeltaFrameError(f"a frame past the last of {len(self.spans)} chunks")
-        start, stop = self.spans[self._next]
-        out = self._data[start:stop]
-        if self._base is not None and read_header(frame).mode.needs_base:
-            out[:] = self._base[start:stop]
-        head = decode_frame(frame, out, self._scratch)
+        index = self._next
         self._next += 1
+        if self.threads == 1:
+            head, cpu = self._rebuild(index, frame)
+            self.cpu += cpu
+            self._rebuilt = self._next
+            return head
+        head = read_header(frame)
+        if self._pool is None:
+            _gil_free_compression()
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self.threads, thread_name_prefix="weightsync-delta"
+            )
+        self._pending.append(self._pool.submit(self._rebuild, index, frame))
+        self._collect(wait=len(self._pending) > 2 * self.threads)
         return head
+
+    def _collect(self, wait: bool) -> None:
+        """Take the chunks rebuilt in order (waiting for the first one in
+        progress with ``wait``); raises the first one's error."""
+        while self._pending and (wait or self._pending[0].done()):
+            wait = False
+            try:
+                _, cpu = self._pending.popleft().result()
+            except BaseException:
+                self._stop()
+                raise
+            self.cpu += cpu
+            self._rebuilt += 1
+
+    def _stop(self) -> None:
+        for future in self._pending:
+            future.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._pool, self._pending = None, deque()
+
+    def finish(self) -> None:
+        """Wait for every chunk in progress, and end the decoder's threads.
+        Idempotent.
+
+        :raises DeltaFrameError: a chunk could not be rebuilt.
+        """
+        try:
+            while self._pending:
+                self._collect(wait=True)
+        finally:
+            self._stop()
+
+    def finish_quietly(self) -> None:
+        """Stop: drop the chunks not started, wait for those in progress,
+        end the threads; no error is raised (the buffer holds no base)."""
+        self._stop()
 
     @property
     def decoded(self) -> int:
         """The leading bytes of the buffer rebuilt so far."""
-        return self.spans[self._next - 1][1] if self._next else 0
+        if self._pending:
+            self._collect(wait=False)
+        return self.spans[self._rebuilt - 1][1] if self._rebuilt else 0
 
     def check(self, expected: Sequence[int], threads: int = 1) -> None:
         """Check that the whole rebuilt version is the trainer's: its
         :func:`version_digest` equals ``expected``. Call before a worker's
-        model is touched. Blocks the calling thread.
+        model is touched. Blocks the calling thread (see :meth:`finish`).
 
         :raises DeltaFrameError: chunks are missing, or a digest differs.
         """
+        self.finish()
         if not self.done:
             raise DeltaFrameError(f"{len(self.spans) - self._next} of {len(self.spans)} chunks never came")
         if version_digest(self._data, threads) != tuple(expected):

@@ -34,6 +34,7 @@ from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 
+from .._copy import usable_cores
 from .._delta import HEADER_SIZE, DeltaDecoder, read_header
 from .._exceptions import DeltaFrameError
 from .._frames import CHUNK_BYTES
@@ -95,6 +96,8 @@ class Encoded:
     base_version: int
     element_size: int
     count: int
+    #: The threads a member rebuilds the chunks on (at most its usable cores).
+    threads: int = 1
 
 
 class EncodedSend(NamedTuple):
@@ -147,6 +150,9 @@ class Report(NamedTuple):
     error: str | None = None
     #: It is gone (its process died, its agent was lost): not in the next chain.
     gone: bool = False
+    #: Of an encoded chain: the CPU seconds its rebuild took, over its threads,
+    #: and how many threads it used.
+    rebuild: tuple[float, int] | None = None
 
 
 @dataclass
@@ -164,6 +170,10 @@ class Route(Generic[M]):
     broke: str | None = field(default=None)
     #: It carries encoded frames (None: the bytes).
     encoded: Encoded | None = None
+    #: Once it ran: the bytes the trainer put on it, and the seconds from
+    #: its first frame until every member's report came (or the chain broke).
+    sent: int = field(default=0)
+    seconds: float = field(default=0.0)
 
     def link(self, member: M) -> Link:
         """``member``'s place in this chain (a member of :attr:`chain`)."""
@@ -231,6 +241,8 @@ class ChainDriver(Generic[M]):
         self.outcome: dict[M, bool | str] = {}
         #: Per send: the bytes the trainer put on the chains (frames with their headers).
         self.sent_bytes = 0
+        #: Per send: member -> its rebuild's CPU seconds and threads (an encoded chain's).
+        self.rebuilds: dict[M, tuple[float, int]] = {}
         # Per send: member -> where the chain it missed broke.
         self._broke_for: dict[M, str] = {}
         # The members whose report on the running chain has not come, and since when.
@@ -268,7 +280,7 @@ class ChainDriver(Generic[M]):
         carries the bytes themselves. Blocks; never raises (a failure is an
         outcome)."""
         self.routes, self.outcome, self._broke_for, self._silent = [], {}, {}, (set(), 0.0)
-        self.sent_bytes = 0
+        self.sent_bytes, self.rebuilds = 0, {}
         try:
             self._chains(sources, list(members), deadline, encoded)
         except Exception as exc:  # the store or gloo failed outright
@@ -308,6 +320,7 @@ class ChainDriver(Generic[M]):
                     continue
             self.routes.append(route)
             sent_error: str | None = None
+            before, began = self.sent_bytes, time.monotonic()
             if nbytes:
                 try:
                     if use is not None:
@@ -318,8 +331,12 @@ class ChainDriver(Generic[M]):
                         send_chain(self._group, sources, self.chunk, 1, stall)
                 except RuntimeError as exc:
                     sent_error = str(exc)
-            began = time.monotonic()
+            sending = time.monotonic() - began
             reports, waiting = self._gather(route, deadline, broken=sent_error is not None)
+            route.sent, route.seconds = self.sent_bytes - before, time.monotonic() - began
+            for member, report in reports.items():
+                if report.rebuild is not None:
+                    self.rebuilds[member] = report.rebuild
             for member, report in reports.items():
                 if report.gone:
                     excluded.add(member)
@@ -328,7 +345,7 @@ class ChainDriver(Generic[M]):
             # One that never answered is stopped, cut off or dead: not in the next chain.
             excluded |= waiting
             for member in waiting:
-                silence = f"it did not report on its chain within {time.monotonic() - began:.1f} s"
+                silence = f"it did not report on its chain within {time.monotonic() - began - sending:.1f} s"
                 self.outcome.setdefault(member, silence)
             route.broke = self._where(route, reports, sent_error)
             if route.broke is not None:
@@ -509,17 +526,20 @@ class ChainMember:
             )
         else:
             rebuild = _Rebuild(buffer, base, link, progress)
-            complete, error = relay_frames(
-                group, link.encoded.count, HEADER_SIZE, rebuild.payload_length, link.src, link.dst,
-                link.stall, link.first, rebuild.feed,
-            )  # fmt: skip
+            try:
+                complete, error = relay_frames(
+                    group, link.encoded.count, HEADER_SIZE, rebuild.payload_length, link.src, link.dst,
+                    link.stall, link.first, rebuild.feed,
+                )  # fmt: skip
+            finally:
+                rebuild.finish()
             rebuilt = rebuild.error
         if error is not None and self._generation == generation:
             self.leave()
         if rebuilt is not None:
             # The chain itself is whole: the frames went on to the next member.
             return Report(False, f"it could not rebuild the delta: {rebuilt}")
-        return Report(complete, error)
+        return Report(complete, error, rebuild=None if link.encoded is None else rebuild.cost)
 
     def leave(self) -> None:
         """Let go of the group (the next generation forms a new one)."""
@@ -528,8 +548,10 @@ class ChainMember:
 
 class _Rebuild:
     """A member's rebuilding of an encoded chain's frames into its buffer,
-    frame by frame as they arrive; the first failure stops it (later frames
-    are still passed on) and is kept in :attr:`error`."""
+    frame by frame as they arrive (each passed on first), its chunks
+    rebuilt in parallel on ``link.encoded.threads`` threads (at most its
+    usable cores); the first failure stops it (later frames are still
+    passed on) and is kept in :attr:`error`."""
 
     def __init__(
         self,
@@ -543,14 +565,21 @@ class _Rebuild:
         self.error: str | None = None
         self.base_version = link.encoded.base_version
         self._holds_base = base is not None
+        self.threads = max(1, min(link.encoded.threads, usable_cores()))
         self._decoder = DeltaDecoder(
             buffer,
             link.encoded.element_size,
             chunk_bytes=link.chunk,
             base=None if base is None or base.data_ptr() == buffer.data_ptr() else base,
+            threads=self.threads,
         )
         if len(self._decoder.spans) != link.encoded.count:
             self.error = f"{link.encoded.count} frames for {len(self._decoder.spans)} chunks"
+
+    @property
+    def cost(self) -> tuple[float, int]:
+        """The rebuild's CPU seconds, over its threads, and its threads."""
+        return self._decoder.cpu, self.threads
 
     @staticmethod
     def payload_length(header: torch.Tensor) -> int:
@@ -571,8 +600,24 @@ class _Rebuild:
             if not self._holds_base and read_header(data).mode.needs_base:
                 raise DeltaFrameError(f"it does not hold version {self.base_version}, the delta's base")
             self._decoder.feed(data)
+            decoded = self._decoder.decoded
         except DeltaFrameError as exc:
-            self.error = str(exc)
+            self._fail(exc)
             return
-        if self.progress is not None:
+        if self.progress is not None and decoded:
+            self.progress(decoded)
+
+    def finish(self) -> None:
+        """Wait for the chunks still being rebuilt (the threads end)."""
+        try:
+            self._decoder.finish()
+        except DeltaFrameError as exc:
+            self._fail(exc)
+            return
+        if self.error is None and self.progress is not None and self._decoder.done:
             self.progress(self._decoder.decoded)
+
+    def _fail(self, exc: DeltaFrameError) -> None:
+        if self.error is None:
+            self.error = str(exc)
+        self._decoder.finish_quietly()
