@@ -419,3 +419,128 @@ def test_lz4_frames_round_trip(name: str) -> None:
         assert np.array_equal(host, current)
         zstd.commit(current)
     assert sum(map(len, lz4.frames(a, full=True))) > sum(map(len, zstd.frames(a, full=True)))
+
+
+def test_threads_rebuild_in_parallel_bit_exact() -> None:
+    """A decoder with threads rebuilds chunks on its own threads, reports
+    only the chunks rebuilt in order, ends its threads, and raises the
+    first failed chunk's error (at the latest by finish)."""
+    import threading
+
+    v0, v1 = _trajectory("bf16-lr1e-5", 1)
+    encoder = DeltaEncoder(v0.nbytes, 2, chunk_bytes=CHUNK, threads=2)
+    encoder.commit(v0)
+    frames = list(encoder.frames(v1))
+    assert encoder.last_cpu > 0 and encoder.last_wall > 0
+    host = v0.copy()
+    decoder = DeltaDecoder(host, 2, chunk_bytes=CHUNK, threads=3)
+    seen = []
+    for frame in frames:
+        decoder.feed(frame)
+        seen.append(decoder.decoded)
+    assert seen == sorted(seen)
+    decoder.check(version_digest(v1))
+    assert np.array_equal(host, v1) and decoder.decoded == v1.nbytes and decoder.cpu > 0
+    assert not [t for t in threading.enumerate() if t.name.startswith("weightsync-delta")]
+    # A damaged frame in the middle: never silent, and the threads end.
+    bad = bytearray(frames[len(frames) // 2])
+    bad[-1] ^= 0xFF
+    damaged = [*frames[: len(frames) // 2], bytes(bad), *frames[len(frames) // 2 + 1 :]]
+    host = v0.copy()
+    decoder = DeltaDecoder(host, 2, chunk_bytes=CHUNK, threads=2)
+    with pytest.raises(DeltaFrameError):
+        for frame in damaged:
+            decoder.feed(frame)
+        decoder.finish()
+    decoder.finish_quietly()
+    assert not [t for t in threading.enumerate() if t.name.startswith("weightsync-delta")]
+
+
+def test_frames_use_the_frames_already_encoded() -> None:
+    v0, v1 = _trajectory("bf16-lr1e-5", 1)
+    encoder = DeltaEncoder(v0.nbytes, 2, chunk_bytes=CHUNK, threads=2)
+    encoder.commit(v0)
+    whole = list(encoder.frames(v1))
+    ready = {1: encoder.encode(v1, 1)[0], 5: b"sentinel"}
+    got = list(encoder.frames(v1, ready=ready))
+    assert got[1] == whole[1] and got[5] == b"sentinel"
+    assert got[:5] == whole[:5] and got[6:] == whole[6:]
+
+
+def _route(seconds: float, encoded: bool, broke: str | None = None) -> object:
+    from weightsync._transports._chain import Encoded, Route
+
+    route: Route[int] = Route("ns", "g1", (1,), {}, 1.0, CHUNK, encoded=Encoded(0, 2, 1) if encoded else None)
+    route.seconds, route.broke = seconds, broke
+    return route
+
+
+def test_the_choice_sends_a_delta_only_where_it_pays() -> None:
+    """delta=True weighs each send: the encode, the wire and the rebuild of
+    a delta (a pipeline: the longest of them) against the full bytes' time
+    per byte seen on recent sends."""
+    from weightsync._transports._delta_base import DeltaChoice
+
+    size = 64 << 20
+    choice = DeltaChoice()
+    # No whole send measured yet: a delta, to measure it.
+    assert choice.decide(size, 0.03, 0.5e-9) and "no whole send" in choice.why
+    # 1 Gbit/s: 537 ms whole.
+    choice.observe(size, _route(size / 125e6, encoded=False), None, [])  # type: ignore[arg-type]
+    assert choice.decide(size, 0.03, 0.5e-9), choice.why  # bf16 at a low lr: a delta pays
+    assert not choice.decide(size, 1.0, 0.4e-9), choice.why  # random: the full bytes
+    assert "full bytes: expected" in choice.why
+    # fp32 at a high lr (0.75 of the bytes): a delta at 1 Gbit/s, whole at 10.
+    assert choice.decide(size, 0.75, 0.8e-9), choice.why
+    quicker = DeltaChoice()
+    quicker.observe(size, _route(size / 1.25e9, encoded=False), None, [])  # type: ignore[arg-type]
+    assert not quicker.decide(size, 0.75, 0.8e-9), quicker.why
+    # A link faster than the codec (10 GB/s): the full bytes.
+    fast = DeltaChoice()
+    fast.observe(size, _route(size / 10e9, encoded=False), None, [])  # type: ignore[arg-type]
+    assert not fast.decide(size, 0.03, 0.5e-9), fast.why
+    # A delta that took three times its guess makes the next guess warier;
+    # sends that go whole ease it back.
+    assert choice.decide(size, 0.03, 0.5e-9) and choice.guess is not None
+    slow = 3 * choice.guess[0]
+    choice.observe(size, _route(slow, encoded=True), None, [(0.2, 1)])  # type: ignore[arg-type]
+    assert choice.correction > 1.5 and choice.rebuild is not None
+    corrected = choice.expect(size, 0.03, 0.5e-9)
+    assert corrected is not None and corrected[0] > 1.5 * choice.guess[0]
+    for _ in range(10):
+        choice.observe(size, _route(size / 125e6, encoded=False), None, [])  # type: ignore[arg-type]
+    assert choice.correction == 1.0
+    # A broken chain teaches nothing.
+    before = choice.full
+    choice.observe(size, _route(99.0, encoded=False, broke="it broke"), None, [])  # type: ignore[arg-type]
+    assert choice.full == before
+
+
+def test_the_delta_base_samples_the_send_and_reuses_the_sample() -> None:
+    from weightsync._transports._delta_base import DeltaBase
+
+    v0, v1 = _trajectory("bf16-lr1e-5", 1)
+    rng = np.random.default_rng(1)
+    noise = rng.integers(0, 256, v0.nbytes, dtype=np.uint8)
+    for setting, slow_link, current, goes in [
+        (True, True, v1, True),  # pays
+        (True, True, noise, False),  # random: whole
+        (True, False, v1, False),  # a link faster than the codec: whole
+        ("always", False, noise, True),  # "always": never weighed
+    ]:
+        base = DeltaBase.of(setting, CHUNK, threads=2)
+        assert base is not None
+        base.fit(v0.nbytes, 2)
+        base.adopt(v0.copy(), 1)
+        base.choice.full = 1 / 125e6 if slow_link else 1 / 1e12
+        send = base.chain(current, {7})
+        assert (send is not None) == goes, (setting, base.choice.why)
+        assert base.choice.went == goes
+        if send is not None:
+            host = v0.copy()
+            decoder = DeltaDecoder(host, 2, chunk_bytes=CHUNK, threads=2)
+            for frame in send.frames():
+                decoder.feed(frame)
+            decoder.check(version_digest(current))
+            assert np.array_equal(host, current) and send.encoded.threads == 2
+    assert DeltaBase.of(False) is None

@@ -1,8 +1,9 @@
 """The trainer's delta base, for every chain that carries deltas
 (``delta=True``: torch.distributed's chain, Ray's relay): the last whole
 send that its receivers acked, kept as the encoder's base instead of
-copied, and the chain of encoded frames of each send against it
-(``_delta`` encodes, ``_chain`` carries the frames).
+copied, the chain of encoded frames of each send against it (``_delta``
+encodes, ``_chain`` carries the frames), and the choice, per send, of a
+delta or the full bytes (:class:`DeltaChoice`).
 
 Who holds the base is each chain's own to say (the workers of that send
 that acked it; the host agents whose buffer holds its version): a member
@@ -11,14 +12,33 @@ believed to hold it that does not says so and gets the full bytes.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal
 
-from .._delta import DeltaEncoder
+from .._delta import DeltaEncoder, default_threads
 from .._frames import CHUNK_BYTES
 from .._packet import Manifest
-from ._chain import Encoded, EncodedSend
+from ._chain import Encoded, EncodedSend, Route
 
-__all__ = ["DeltaBase", "element_size"]
+__all__ = ["DeltaBase", "DeltaChoice", "DeltaSetting", "element_size"]
+
+#: What a scheme's ``delta`` is: False (full bytes), True (a delta where it
+#: is expected to pay, :class:`DeltaChoice`), or ``"always"`` (a delta
+#: whenever the receivers hold a base: tests and measurements).
+DeltaSetting = bool | Literal["always"]
+
+# A delta goes only when it is expected to take at most this fraction of
+# the full send's time: the margin covers the error of the guess, so that
+# a send is never slower than the full bytes by much.
+_MARGIN = 0.9
+# The weight of the newest send in each kept rate.
+_NEW = 0.5
+# The chunks of a send encoded to judge it (a fraction of them, at least 2),
+# spread over the send; their frames are used if the delta goes.
+_SAMPLE_SHARE = 1 / 32
+# How much a wrong guess's correction eases back per send that went whole.
+_EASE = 0.8
 
 
 def element_size(manifest: Manifest) -> int:
@@ -30,17 +50,122 @@ def element_size(manifest: Manifest) -> int:
     return max(share, key=lambda size: share[size]) if share else 1
 
 
+def _kept(old: float | None, new: float) -> float:
+    return new if old is None else (1 - _NEW) * old + _NEW * new
+
+
+@dataclasses.dataclass
+class DeltaChoice:
+    """Whether a send goes as a delta, from what the scheme's recent sends
+    measured and a sample of this one.
+
+    A delta's chain is a pipeline: the trainer encodes, the links carry the
+    frames, each host rebuilds, so it takes about the longest of the three;
+    the full bytes take what the recent whole sends took per byte. The
+    sample (a few chunks of this send, encoded on the chain's thread; their
+    frames are sent if the delta goes) gives this send's encoded size and
+    the encoder's CPU per byte; the hosts' reports give the rebuild's; the
+    delta sends' own times correct the guess (a host slower than thought, a
+    busy machine). A delta goes where it is expected to take at most
+    :data:`_MARGIN` of the full send's time: random weights, a dense
+    update, or a link faster than the codec go whole.
+    """
+
+    #: Seconds per byte of a whole send's chain (None: none measured yet).
+    full: float | None = None
+    #: CPU seconds per byte of the encoder and of a host's rebuild.
+    encode: float | None = None
+    rebuild: float | None = None
+    #: How many times faster than one thread the encoder ran (its threads).
+    parallel: float = 1.0
+    #: A delta chain's time over its guess, as measured on recent ones.
+    correction: float = 1.0
+    #: Of the last send: whether it went as a delta, why, and the guesses (s).
+    went: bool = False
+    why: str = ""
+    guess: tuple[float, float] | None = None
+    #: Of the last delta send: encode and rebuild GB/s per core, and threads.
+    rates: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def expect(self, nbytes: int, ratio: float, encode: float) -> tuple[float, float] | None:
+        """(delta seconds, full seconds) expected for a send of ``nbytes``
+        whose sample encoded to ``ratio`` of its size at ``encode`` CPU
+        seconds per byte; None while no whole send was measured."""
+        if self.full is None:
+            return None
+        cpu = encode if self.encode is None else max(encode, (encode + self.encode) / 2)
+        rebuild = self.rebuild if self.rebuild is not None else cpu / 2
+        stages = (nbytes * cpu / self.parallel, ratio * nbytes * self.full, nbytes * rebuild)
+        return max(stages) * self.correction, nbytes * self.full
+
+    def decide(self, nbytes: int, ratio: float, encode: float) -> bool:
+        guess = self.guess = self.expect(nbytes, ratio, encode)
+        if guess is None:
+            self.went, self.why = True, "delta: no whole send measured yet to weigh it against"
+            return True
+        delta, full = guess
+        self.went = delta <= _MARGIN * full
+        verdict = "delta" if self.went else "full bytes"
+        self.why = (
+            f"{verdict}: expected {delta * 1e3:.0f} ms as a delta ({ratio:.3f} of the bytes) against "
+            f"{full * 1e3:.0f} ms whole"
+        )
+        return self.went
+
+    def observe(self, nbytes: int, route: Route[Any] | None, encoder: DeltaEncoder | None,
+                rebuilds: Sequence[tuple[float, int]]) -> None:  # fmt: skip
+        """What the first chain of a send of ``nbytes`` measured (``route``:
+        None when no chain ran); ``encoder``: the one that encoded it, if it
+        carried a delta; ``rebuilds``: the hosts' (CPU seconds, threads)."""
+        if route is None or not nbytes or route.seconds <= 0:
+            return
+        if route.encoded is None:
+            if route.broke is None:
+                self.full = _kept(self.full, route.seconds / nbytes)
+            # A wrong guess is not held against the next sends for ever.
+            self.correction = max(1.0, self.correction * _EASE)
+            return
+        if route.broke is not None:
+            return
+        rates: dict[str, float] = {}
+        if encoder is not None and encoder.last_cpu > 0:
+            self.encode = _kept(self.encode, encoder.last_cpu / nbytes)
+            if encoder.last_wall > 0:
+                self.parallel = max(1.0, min(encoder.threads, encoder.last_cpu / encoder.last_wall))
+            rates.update(encode_gbps=nbytes / encoder.last_cpu / 1e9, encode_threads=encoder.threads)
+        costs = [cpu for cpu, _ in rebuilds if cpu > 0]
+        if costs:
+            self.rebuild = _kept(self.rebuild, max(costs) / nbytes)
+            rates.update(rebuild_gbps=nbytes / max(costs) / 1e9, rebuild_threads=max(t for _, t in rebuilds))
+        self.rates = rates
+        if self.guess is not None and self.guess[0] > 0:
+            measured = route.seconds / (self.guess[0] / self.correction)
+            self.correction = min(max(_kept(self.correction, measured), 0.5), 8.0)
+
+
 class DeltaBase:
-    """The encoder of one model's sends and its base.
+    """The encoder of one model's sends, its base, and the choice per send.
 
     The base is the buffer of a send that was whole and acked, kept rather
     than copied (:meth:`adopt`): the caller gathers or stages its next send
     in the memory of the base it replaces, so the base costs one buffer of
-    the model's size and no copy."""
+    the model's size and no copy. ``threads``: the encoder's threads, and
+    those a host rebuilds with (0: :func:`~.._delta.default_threads`);
+    ``always``: a delta whenever a base is held, without weighing it."""
 
-    def __init__(self, chunk: int = CHUNK_BYTES) -> None:
+    def __init__(self, chunk: int = CHUNK_BYTES, *, threads: int = 0, always: bool = False) -> None:
         self.chunk = chunk
+        self.threads = threads if threads > 0 else default_threads()
+        self.always = always
         self.encoder: DeltaEncoder | None = None
+        self.choice = DeltaChoice()
+
+    @classmethod
+    def of(cls, setting: DeltaSetting, chunk: int = CHUNK_BYTES, threads: int = 0) -> DeltaBase | None:
+        """The delta base of a scheme's ``delta`` setting (None: no delta)."""
+        if not setting:
+            return None
+        return cls(chunk, threads=threads, always=setting == "always")
 
     @property
     def version(self) -> int | None:
@@ -58,7 +183,11 @@ class DeltaBase:
         encoder = self.encoder
         if encoder is not None and encoder.nbytes == nbytes and encoder.element_size == element_size:
             return True
-        self.encoder = DeltaEncoder(nbytes, element_size, chunk_bytes=self.chunk) if nbytes else None
+        self.encoder = (
+            DeltaEncoder(nbytes, element_size, chunk_bytes=self.chunk, threads=self.threads)
+            if nbytes
+            else None
+        )
         return False
 
     def adopt(self, buffer: Any, version: int) -> Any | None:
@@ -72,10 +201,38 @@ class DeltaBase:
     def chain(self, current: Any, eligible: set[Any]) -> EncodedSend | None:
         """The delta chain of ``current`` (the send's flat bytes, unchanged
         until its frames are taken) for the ``eligible`` members (those
-        believed to hold the base); None where there is no base or no
-        member is eligible (the send goes as full bytes)."""
-        encoder = self.encoder
+        believed to hold the base); None where there is no base, no member
+        is eligible, or the delta is not expected to pay (the send goes as
+        full bytes). Blocks to encode a sample of the send (see
+        :class:`DeltaChoice`): call it on the chain's thread."""
+        encoder, choice = self.encoder, self.choice
+        choice.went, choice.guess = False, None
         if encoder is None or encoder.base_version is None or not eligible:
+            choice.why = "full bytes: no receiver holds a base"
             return None
-        link = Encoded(encoder.base_version, encoder.element_size, len(encoder.spans))
-        return EncodedSend(link, lambda: encoder.frames(current), eligible)
+        ready: dict[int, bytes] = {}
+        if self.always:
+            choice.went, choice.why = True, "delta: always (delta='always')"
+        else:
+            count = len(encoder.spans)
+            picks = max(2, round(count * _SAMPLE_SHARE))
+            indices = sorted({min(count - 1, int((k + 0.5) * count / picks)) for k in range(picks)})
+            sampled = cpu = 0.0
+            encoded = 0
+            for index in indices:
+                frame, seconds = encoder.encode(current, index)
+                ready[index] = frame
+                start, stop = encoder.spans[index]
+                sampled, cpu, encoded = sampled + stop - start, cpu + seconds, encoded + len(frame)
+            if not choice.decide(encoder.nbytes, encoded / sampled, cpu / sampled):
+                return None
+        link = Encoded(encoder.base_version, encoder.element_size, len(encoder.spans), self.threads)
+        return EncodedSend(link, lambda: encoder.frames(current, ready=ready), eligible)
+
+    def observe(self, routes: Sequence[Route[Any]], rebuilds: Sequence[tuple[float, int]]) -> None:
+        """After a send: what its first chain measured (see :meth:`DeltaChoice.observe`)."""
+        encoder = self.encoder
+        if not routes or encoder is None:
+            return
+        first = routes[0]
+        self.choice.observe(encoder.nbytes, first, encoder if first.encoded is not None else None, rebuilds)

@@ -42,7 +42,7 @@ from .._readiness import wait_readable_any
 from ._base import Outgoing, SenderTransport, worker_failed, worker_lost
 from ._chain import ChainDriver
 from ._channel import describe_exit, exit_status, started_here
-from ._delta_base import DeltaBase, element_size
+from ._delta_base import DeltaBase, DeltaChoice, DeltaSetting, element_size
 from ._dist_chain import WorkerChain
 from ._dist_protocol import (
     CloseNotice,
@@ -112,12 +112,13 @@ class ChainStaging:
         *,
         share_on_host: bool = True,
         chunk: int = CHUNK_BYTES,
-        delta: bool = False,
+        delta: DeltaSetting = False,
+        delta_threads: int = 0,
     ) -> None:
         self.model_id = model_id
         # delta=True: the base, the workers that hold it, and the last send
         # (its version, its workers by rank, whether it was whole, who acked it).
-        self._delta = DeltaBase() if delta else None
+        self._delta = DeltaBase.of(delta, chunk, delta_threads)
         self._holders: frozenset[int] = frozenset()
         self._last: tuple[int, dict[int, int], bool, set[int]] | None = None
         self.store = store
@@ -157,6 +158,12 @@ class ChainStaging:
     def last_delta(self) -> list[bool]:
         """Per chain of the last send: whether it carried a delta."""
         return [route.encoded is not None for route in self.driver.routes]
+
+    @property
+    def delta_choice(self) -> DeltaChoice | None:
+        """``delta=True``: why the last send went as a delta or whole, and the
+        rates measured (None: no delta)."""
+        return None if self._delta is None else self._delta.choice
 
     def why(self, rank: int) -> str | None:
         """Why worker ``rank`` did not get the current send's bytes, if a chain said so."""
@@ -264,7 +271,7 @@ class ChainStaging:
         self.workers.info = send.info
         source = self._buffer[: send.info.nbytes]
         ranks = sorted(send.ranks)
-        encoded = None
+        eligible: set[int] | None = None
         if self._delta is not None:
             whole = send.info.subset is None
             self._last = (send.info.version, dict(send.ranks), whole, send.done)
@@ -273,12 +280,31 @@ class ChainStaging:
                 if not self._delta.fit(manifest.nbytes, element_size(manifest)):
                     self._holders = frozenset()  # a new layout: the encoder starts again
                 elif self._holders.intersection(ranks):
-                    encoded = self._delta.chain(source, set(self._holders))
+                    eligible = set(self._holders)
         self._thread = threading.Thread(
-            target=self.driver.run, args=([source], ranks, deadline, encoded), daemon=True,
+            target=self._chain, args=(source, ranks, deadline, eligible), daemon=True,
             name=f"weightsync-chain-{self.model_id}",
         )  # fmt: skip
         self._thread.start()
+
+    def _chain(
+        self, source: torch.Tensor, ranks: list[int], deadline: float, eligible: set[int] | None
+    ) -> None:
+        """The chain thread of one send: with ``delta=True``, whether it goes
+        as a delta to the ``eligible`` workers (a sample of it is encoded
+        here), then the chains, then what they measured for the next
+        send's choice."""
+        delta = self._delta
+        encoded = None
+        if delta is not None:
+            if eligible is None:
+                delta.choice.went, delta.choice.why = False, "full bytes: no worker of the send holds a base"
+            else:
+                with contextlib.suppress(Exception):  # any doubt: the full bytes
+                    encoded = delta.chain(source, eligible)
+        self.driver.run([source], ranks, deadline, encoded)
+        if delta is not None:
+            delta.observe(self.driver.routes, list(self.driver.rebuilds.values()))
 
     # -- replies -----------------------------------------------------------------
     async def reply_of(self, rank: int, version: int, check_alive: Callable[[], None]) -> str | None:

@@ -65,7 +65,7 @@ import torch
 from .._frames import CHUNK_BYTES
 from .._segment import Segment
 from ._chain import ChainDriver, ChainMember, EncodedSend, Link, Report, Route
-from ._delta_base import DeltaBase
+from ._delta_base import DeltaBase, DeltaChoice, DeltaSetting
 from ._gloo_chain import connect_store
 from ._gloo_chain import seconds as _seconds
 from ._host_copy import HostBuffers, HostCopy
@@ -130,11 +130,12 @@ class RelayAgent:
         """Take part in the chain of ``link`` (joining its group, in the
         trainer's store at ``store``, when it is a new one): receive one send
         (tensors of ``sizes`` bytes) and pass it on. Blocks until the send
-        ended here. Returns ``("ok", copy, error, holds)`` with the
+        ended here. Returns ``("ok", copy, error, rebuild, holds)`` with the
         :class:`~._host_copy.HostCopy` the host's actors read (``error`` is
         None, or why the next host did not get it all), or ``("error", why,
-        holds)``; ``holds``: the version this host's segment now holds whole
-        (None: none), the base of a later delta.
+        rebuild, holds)``; ``rebuild``: of a delta, its CPU seconds and
+        threads (else None); ``holds``: the version this host's segment now
+        holds whole (None: none), the base of a later delta.
 
         Of an encoded chain (``link.encoded``), the frames are rebuilt
         against the segment if it holds the delta's base version; else (or
@@ -170,9 +171,9 @@ class RelayAgent:
         finally:
             self._buffers.release(segment, keep=self._holder)
         if not report.complete:
-            return ("error", report.error, self._holds)
+            return ("error", report.error, report.rebuild, self._holds)
         # The chain broke after this host (error set): it still has it all.
-        return ("ok", copy, report.error, self._holds)
+        return ("ok", copy, report.error, report.rebuild, self._holds)
 
     def leave(self) -> None:
         self._member.leave()
@@ -245,9 +246,9 @@ class _RelayControl:
             self.holds[node] = result[-1]
             if result[0] == "ok":
                 _resolve(self._futures[node], result[1])
-                came.append((node, Report(True, result[2])))
+                came.append((node, Report(True, result[2], rebuild=result[3])))
             else:
-                came.append((node, Report(False, result[1])))
+                came.append((node, Report(False, result[1], rebuild=result[2])))
         return came
 
     def settle(self, route: Route[str]) -> None:
@@ -277,8 +278,8 @@ class RelayDelta:
     their buffer holds the base version. Used from the chain's thread only,
     but :meth:`settle`."""
 
-    def __init__(self, chunk: int) -> None:
-        self.base = DeltaBase(chunk)
+    def __init__(self, chunk: int, *, threads: int = 0, always: bool = False) -> None:
+        self.base = DeltaBase(chunk, threads=threads, always=always)
         self._gathered: np.ndarray | None = None
         # The send gathered in it, and the trainer's word on a send: (version, every actor acked).
         self._kind: SendKind | None = None
@@ -326,10 +327,16 @@ class RelayDelta:
 
     def encoded(self, flat: torch.Tensor, holds: dict[str, int | None]) -> EncodedSend | None:
         """The delta chain of the send gathered in ``flat``, for the agents
-        whose buffer ``holds`` the base version; None when there is no base
-        or the send is not whole."""
+        whose buffer ``holds`` the base version; None when there is no base,
+        the send is not whole, or a delta is not expected to pay
+        (:class:`~._delta_base.DeltaChoice`). Blocks to encode a sample."""
         kind, base = self._kind, self.base.version
         if kind is None or not kind.whole or base is None:
+            choice = self.base.choice
+            choice.went, choice.guess = False, None
+            choice.why = (
+                "full bytes: a partial send" if kind is None or not kind.whole else "full bytes: no base"
+            )
             return None
         return self.base.chain(flat, {node for node, version in holds.items() if version == base})
 
@@ -345,11 +352,18 @@ class HostRelay:
     where no chain reached it (:meth:`why` then says why).
     """
 
-    def __init__(self, model_id: str | None, chunk: int = CHUNK_BYTES, *, delta: bool = False) -> None:
+    def __init__(
+        self,
+        model_id: str | None,
+        chunk: int = CHUNK_BYTES,
+        *,
+        delta: DeltaSetting = False,
+        delta_threads: int = 0,
+    ) -> None:
         self.model_id = model_id
         self.chunk = chunk
         #: ``delta=True``: the base and the encoder (see :class:`RelayDelta`).
-        self.delta = RelayDelta(chunk) if delta else None
+        self.delta = RelayDelta(chunk, threads=delta_threads, always=delta == "always") if delta else None
         self._agents: dict[str, Any] = {}
         self.address = ""
         self.port = 0
@@ -375,6 +389,12 @@ class HostRelay:
     def last_wire_bytes(self) -> int:
         """The bytes the trainer put on the chains of the last send."""
         return 0 if self._driver is None else self._driver.sent_bytes
+
+    @property
+    def delta_choice(self) -> DeltaChoice | None:
+        """``delta=True``: why the last send went as a delta or whole, and the
+        rates measured (None: no delta)."""
+        return None if self.delta is None else self.delta.base.choice
 
     def why(self, node: str) -> str | None:
         """Why no chain of the last send brought ``node`` its copy (None: one did, or it was not in it)."""
@@ -474,12 +494,15 @@ class HostRelay:
                 flat = self.delta.gather(sources, kind)
                 if flat is not None:
                     sources = [flat]
-                    encoded = self.delta.encoded(flat, self._control.holds)
+                    with contextlib.suppress(Exception):  # any doubt: the full bytes
+                        encoded = self.delta.encoded(flat, self._control.holds)
             for node in nodes:
                 # In doubt until its agent answers for this send.
                 self._control.holds[node] = None
             self._control.begin(header, sizes, futures)
             self._driver.run(sources, nodes, deadline, encoded)
+            if self.delta is not None:
+                self.delta.base.observe(self._driver.routes, list(self._driver.rebuilds.values()))
         except BaseException:  # never leave a waiting deliver() without an answer
             pass
         finally:
