@@ -174,6 +174,52 @@ def test_bench_fails_when_a_worker_holds_other_weights() -> None:
     assert "worker 0 does not hold the trainer's weights after version 1" in proc.stderr
 
 
+def test_bench_tight_loop_against_blocking_sends_checked_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # What benchmarks/small_vs_bare_loop.py runs: weightsync's blocking send()
+    # against bare-tight, alternating, both checked once after their last send.
+    out = tmp_path / "bench.json"
+    shm_before = shm_entries()
+    args = ["--scheme", "multiprocess", "--compare", "bare-tight", "--blocking", "--check-once"]
+    args += ["--size", "0.25", "0.25", "--workers", "2", "--repeats", "3", "--warmup", "1"]
+    code = main(["bench", *args, "--json", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    report = json.loads(out.read_text())
+    assert report["config"]["blocking"] and report["config"]["check_once"]
+    names = [case["scheme"] for case in report["cases"]]
+    assert names == ["multiprocess", "bare-tight"] * 2
+    for case in report["cases"]:
+        assert len(case["samples"]["send_s"]) == 3 and all(s > 0 for s in case["samples"]["send_s"])
+        # A blocking send() has no stall of its own to time.
+        assert case["samples"]["stall_s"] == []
+    assert mp.active_children() == []
+    assert shm_entries() <= shm_before
+
+
+@pytest.mark.parametrize("name", ["multiprocess", "bare-tight"])
+def test_a_check_once_still_fails_when_a_worker_holds_other_weights(name: str) -> None:
+    from weightsync.bench import BenchConfig, VerificationError, run_bench
+
+    schemes, compare = ((name,), ()) if name == "multiprocess" else ((), (name,))
+    config = BenchConfig(
+        schemes=schemes,
+        compare=compare,
+        sizes_mib=(0.25,),
+        workers=(2,),
+        repeats=2,
+        warmup=1,
+        blocking=True,
+        check_once=True,
+    )
+    wrong = "worker 1 does not hold the trainer's weights after version 3"
+    with pytest.raises(VerificationError, match=wrong):
+        run_bench(config, corrupt_worker=1)
+    with pytest.raises(ValueError, match="check_once is for worker processes"):
+        BenchConfig(schemes=("ray",), check_once=True)
+
+
 def test_bench_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--workers", "0"])
@@ -188,7 +234,10 @@ def test_bench_help_lists_known_schemes(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--help"])
     assert exc.value.code == 0
-    assert "multiprocess" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "multiprocess" in printed
+    for name in ("bare-shm", "bare-tight", "--blocking", "--check-once"):
+        assert name in printed
 
 
 @pytest.mark.parametrize(("mib", "tensors"), [(0.25, 8), (1, 1), (16, 128), (128, 8), (0.001, 3)])

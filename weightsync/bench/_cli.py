@@ -148,6 +148,19 @@ def _parser() -> argparse.ArgumentParser:
         help="run each of weightsync's cases twice: unchecked, and with send(verify=True) (every "
         "tensor digested by the trainer and checked by each worker); needs the verify extra",
     )
+    bench.add_argument(
+        "--blocking",
+        action="store_true",
+        help="time each of weightsync's sends as one blocking send(), as the README's trainer calls "
+        "it, instead of send_async() then wait_async() (no stall is measured)",
+    )
+    bench.add_argument(
+        "--check-once",
+        action="store_true",
+        help="check each worker of weightsync's cases once, after the last send, instead of after "
+        "every send, so that no worker's check runs while another still applies a timed send (as "
+        "bare-tight checks; worker processes only, not ray)",
+    )
     for side, who in (("trainer", "the trainer's model"), ("worker", "every worker's model")):
         bench.add_argument(
             f"--{side}-device",
@@ -494,6 +507,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             worker_threads=args.worker_threads or None,
             trainer_device=args.trainer_device,
             worker_device=args.worker_device,
+            blocking=args.blocking,
+            check_once=args.check_once,
         )
     except ValueError as exc:
         parser.error(str(exc))

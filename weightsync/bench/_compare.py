@@ -4,7 +4,8 @@ the schemes.
 
 Each round is timed from the trainer's first action until every worker has
 applied the weights and replied; after it, outside the timing, every worker's
-CRC32 per tensor is compared with the trainer's, as for the schemes. Each
+CRC32 per tensor is compared with the trainer's, as for the schemes (for
+``bare-tight``, once after the last round instead). Each
 alternative is labelled by what it guarantees (``copy``, ``torn``), so a
 shared-buffer figure is never read as a private-copy one:
 
@@ -15,10 +16,19 @@ shared-buffer figure is never read as a private-copy one:
   (``ForkingPickler.dumps``): the trainer's tensors move to shared memory once
   and each round sends their file descriptors over the pipe; the worker maps
   them and copies them into its model. Private copy.
-- ``bare-shm``: the bare loop (``benchmarks/small_vs_bare_loop.py`` times
-  weightsync against it): the trainer copies its tensors into one shared buffer and writes a version to
-  each pipe; each worker copies them out into its model and echoes it.
-  Private copy.
+- ``bare-shm``: a bare loop checked like every case: the trainer copies its
+  tensors into one shared buffer and writes a version to each pipe (a
+  framed message); each worker copies them out into its model and echoes
+  it. Private copy.
+- ``bare-tight``: the bare loop as tightly as a user could write it, the
+  reference ``benchmarks/small_vs_bare_loop.py`` times weightsync against:
+  the same shared buffer, then one byte written to each worker's socket
+  (no framing, no poll); each worker blocks in ``os.read``, copies the
+  tensors out into its model and writes one byte back, which the trainer
+  reads from each worker in turn. Nothing is checked between rounds: the
+  model still changes before each round (outside the timing), and every
+  worker's checksums and count of applied rounds are compared with the
+  trainer's once, after the last round. CPU only. Private copy.
 - ``cuda-ipc`` (a CUDA device on either side): the hand-written GPU loop
   torchrl's schemes stand for: one staging tensor on the GPU (the
   trainer's, else the workers'), shared once with every worker through
@@ -71,7 +81,9 @@ itself allows.
 from __future__ import annotations
 
 import multiprocessing.reduction
+import os
 import pickle
+import socket
 import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -83,7 +95,7 @@ import torch
 import torch.multiprocessing  # registers torch's reductions on ForkingPickler
 from torch import nn
 
-from ._model import GeneratedMLP, corrupt_model, tensor_checksums
+from ._model import GeneratedMLP, change_model, corrupt_model, tensor_checksums
 from ._pools import Pool, WorkerPool, timed_rounds
 from ._ray_pool import RayActorPool
 from ._torchrl import run_on_actors as run_torchrl_on_actors
@@ -98,7 +110,7 @@ from ._types import (
     placement_unavailable,
 )
 
-__all__ = ["resolve", "run_alternative", "serve_alternative"]
+__all__ = ["resolve", "run_alternative", "serve_alternative", "serve_tight"]
 
 _VERSION = struct.Struct("<q")
 _ALIGN = 64
@@ -310,6 +322,9 @@ def run_alternative(
             run_torchrl_over_pipes(pool, index, config, shapes, model, named, result)
     elif isinstance(pool, RayActorPool):
         _run_on_actors(pool, index, config, shapes, named, result)
+    elif case.scheme == "bare-tight":
+        assert isinstance(pool, WorkerPool), f"no pool runs {case.scheme!r}"
+        _run_tight(pool, index, config, shapes, named, result)
     else:
         assert isinstance(pool, WorkerPool), f"no pool runs {case.scheme!r}"
         _run_over_pipes(pool, index, config, shapes, named, result)
@@ -346,6 +361,88 @@ def _run_over_pipes(
                 pool.end_case(index)
             finally:
                 sender.close()
+
+
+# -- bare-tight -------------------------------------------------------------------
+
+# One byte each way per round: "go" (the buffer holds the next round) and
+# its echo once applied; "end" after the last round.
+_GO = b"\x01"
+_END = b"\x00"
+
+
+def _bound_reads(fd: int, seconds: float) -> None:
+    """Make a blocking read of socket ``fd`` fail after ``seconds`` (the
+    kernel's ``SO_RCVTIMEO``: no poll per read), so a silent worker cannot
+    hang the trainer."""
+    sock = socket.socket(fileno=fd)
+    try:
+        whole = int(seconds)
+        sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6))
+        )
+    finally:
+        sock.detach()  # the fd stays the pipe's
+
+
+def _run_tight(
+    pool: WorkerPool,
+    index: int,
+    config: BenchConfig,
+    shapes: dict[str, tuple[int, ...]],
+    named: dict[str, torch.Tensor],
+    result: CaseResult,
+) -> None:
+    """``bare-tight``: every round timed on its own, the model changed
+    before each (outside the timing), every worker checked once after the
+    last."""
+    case = pool.cases[index]
+    what = f"{case.scheme} round of {case.size_mib:g} MiB to {case.workers} worker(s)"
+    conns = pool.pipes(index)
+    fds = [conn.fileno() for conn in conns]
+    staging = _BareShm(named, shapes, case.dtype, None)
+    pairs = staging.pairs
+    tensors = list(named.values())
+    rounds = config.warmup + config.repeats
+    ended = False
+    try:
+        pool.start_alternative(index, case.scheme, shapes, staging.payload, serve_tight)
+        for fd in fds:
+            _bound_reads(fd, config.timeout)
+        clock = time.perf_counter
+        with torch.no_grad():
+            for step in range(rounds):
+                change_model(tensors, step)
+                start = clock()
+                for target, source in pairs:
+                    target.copy_(source)
+                for fd in fds:
+                    os.write(fd, _GO)
+                for slot, fd in enumerate(fds):
+                    try:
+                        reply = os.read(fd, 1)
+                    except OSError as exc:  # EAGAIN: SO_RCVTIMEO ran out
+                        raise BenchError(f"{what}: worker {slot} did not reply to round {step + 1}") from exc
+                    if reply != _GO:
+                        raise BenchError(f"{what}: worker {slot} replied {reply!r} to round {step + 1}")
+                elapsed = clock() - start
+                if step >= config.warmup:
+                    result.send_s.append(elapsed)
+        result.packet_nbytes = staging.packet_nbytes
+        expected = tensor_checksums(named)
+        ended = True
+        for fd in fds:
+            os.write(fd, _END)
+        # Once: every worker applied every round, and holds the last one bit for bit.
+        pool.verify(rounds, list(named), expected)
+    finally:
+        try:
+            if not ended:
+                for fd in fds:
+                    with suppress(OSError):
+                        os.write(fd, _END)
+        finally:
+            pool.end_case(index)
 
 
 def _run_on_actors(
@@ -455,3 +552,39 @@ def serve_alternative(
                 pinned.release()
         finally:
             ctrl.send(("ended",))
+
+
+def serve_tight(
+    ctrl: Connection,
+    pipe: Connection,
+    name: str,
+    shapes: dict[str, tuple[int, ...]],
+    dtype: str,
+    device: str,
+    payload: Any,
+    corrupt: bool,
+) -> None:
+    """A bench worker's side of ``bare-tight``: for each byte "go" on
+    ``pipe``'s socket, copy the shared buffer ``payload`` into its model and
+    write the byte back; at "end" (or the trainer's exit), report the rounds
+    it applied and its checksums over ``ctrl``, once."""
+    model = GeneratedMLP(shapes, dtype=dtype, device=device)
+    sources = _views(payload, shapes, dtype)
+    named = model.state_dict()
+    pairs = [(named[key], sources[key]) for key in sorted(named)]
+    fd = pipe.fileno()
+    applied = 0
+    try:
+        ctrl.send(("ready",))
+        with torch.no_grad():
+            while os.read(fd, 1) == _GO:
+                for target, source in pairs:
+                    target.copy_(source)
+                os.write(fd, _GO)
+                applied += 1
+        tensors = model.state_dict()
+        if corrupt:
+            corrupt_model(tensors)
+        ctrl.send(("applied", applied, tensor_checksums(tensors)))
+    finally:
+        ctrl.send(("ended",))

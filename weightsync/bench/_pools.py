@@ -132,8 +132,18 @@ class Pool(ABC):
         """What ``init_on_sender`` needs, besides the model, to reach case ``index``'s workers."""
 
     @abstractmethod
-    def start_case(self, index: int, scheme: ws.WeightSyncScheme, shapes: dict[str, tuple[int, ...]]) -> None:
-        """Have the case's workers build their models and initialise ``scheme``."""
+    def start_case(
+        self,
+        index: int,
+        scheme: ws.WeightSyncScheme,
+        shapes: dict[str, tuple[int, ...]],
+        *,
+        check_once: bool = False,
+    ) -> None:
+        """Have the case's workers build their models and initialise
+        ``scheme``. ``check_once``: each worker reports its checksums once,
+        when the trainer's scheme is shut down, instead of after every
+        update (:attr:`BenchConfig.check_once`)."""
 
     @abstractmethod
     def end_case(self, index: int) -> None:
@@ -242,32 +252,43 @@ def _serve_case(
     dtype: str,
     device: str,
     reach: str,
+    check_once: bool,
     corrupt: bool,
 ) -> None:
     """A worker's side of a weightsync scheme: build a model of zeros on
     ``device``, initialise ``scheme`` on it with ``pipe`` (or, ``reach="rank"``, as rank
     slot + 1), then report the version and checksums after each update it
-    applies, until the trainer's sender is gone."""
+    applies, until the trainer's sender is gone (``check_once``: only
+    once, for the last update, when the sender is gone)."""
     model = GeneratedMLP(shapes, dtype=dtype, device=device)
+
+    def report(version: int | None) -> None:
+        # Looked up after every update: a zero-copy scheme re-points the
+        # model's tensors, so views taken before would show old memory.
+        tensors = model.state_dict()
+        if corrupt:
+            corrupt_model(tensors)
+        ctrl.send(("applied", version, tensor_checksums(tensors)))
+
     try:
         if reach == "rank":
             scheme.init_on_worker(MODEL_ID, model=model, worker_idx=_SLOT + 1)
         else:
             scheme.init_on_worker(MODEL_ID, pipe=pipe, model=model)
         ctrl.send(("ready",))
+        last = None
         while True:
             try:
                 version = scheme.receive(timeout=RECEIVE_POLL)
             except ws.SenderLostError:
-                return  # the trainer shut its sender down: the case is over
+                break  # the trainer shut its sender down: the case is over
             if version is None:
                 continue
-            # Looked up after every update: a zero-copy scheme re-points the
-            # model's tensors, so views taken before would show old memory.
-            tensors = model.state_dict()
-            if corrupt:
-                corrupt_model(tensors)
-            ctrl.send(("applied", version, tensor_checksums(tensors)))
+            last = version
+            if not check_once:
+                report(version)
+        if check_once:
+            report(last)
     finally:
         scheme.shutdown()
         ctrl.send(("ended",))
@@ -384,7 +405,14 @@ class WorkerPool(Pool):
             proc.join(5)
             raise BenchError(f"bench worker {slot} (pid {proc.pid}) exited with code {proc.exitcode}")
 
-    def start_case(self, index: int, scheme: ws.WeightSyncScheme, shapes: dict[str, tuple[int, ...]]) -> None:
+    def start_case(
+        self,
+        index: int,
+        scheme: ws.WeightSyncScheme,
+        shapes: dict[str, tuple[int, ...]],
+        *,
+        check_once: bool = False,
+    ) -> None:
         """Have the case's workers build their models and initialise ``scheme``;
         block until each is ready.
 
@@ -392,7 +420,7 @@ class WorkerPool(Pool):
         """
         case = self.cases[index]
         reach = SCHEMES[case.scheme].reach
-        self._start(index, _serve_case, scheme, shapes, case.dtype, case.worker_device, reach)
+        self._start(index, _serve_case, scheme, shapes, case.dtype, case.worker_device, reach, check_once)
 
     def start_alternative(
         self,

@@ -271,13 +271,23 @@ class RayActorPool(Pool):
         """``remote_collectors=``: the handles of case ``index``'s actors."""
         return {"remote_collectors": self.actors(self.cases[index].workers)}
 
-    def start_case(self, index: int, scheme: ws.WeightSyncScheme, shapes: dict[str, tuple[int, ...]]) -> None:
+    def start_case(
+        self,
+        index: int,
+        scheme: ws.WeightSyncScheme,
+        shapes: dict[str, tuple[int, ...]],
+        *,
+        check_once: bool = False,
+    ) -> None:
         """Have the case's actors build their models and initialise
         ``scheme`` (a copy of its configuration each); block until each is
-        ready.
+        ready. An actor reports after every update: ``check_once`` is refused.
 
-        :raises BenchError: an actor failed, died or did not get ready in time.
+        :raises BenchError: an actor failed, died or did not get ready in
+            time, or ``check_once`` was asked.
         """
+        if check_once:
+            raise BenchError("Ray actors report after every update: check_once is for worker processes")
         case = self.cases[index]
         self._start(
             index,

@@ -17,14 +17,17 @@ For each case the trainer
    on the workers' device (``--worker-device``)
    (:mod:`weightsync.bench._model`);
 2. warms up, then times each send from ``send_async()`` until ``wait_async()``
-   returned: the whole send, until every worker applied the version and its
-   ack is in; and the stall, until ``send_async()`` returned (the weights are
-   staged, and the trainer may change them); for Ray, one ``ray.put`` of the
-   same bytes after each send, the stall's reference there;
+   returned (or around one blocking ``send()``, ``blocking``): the whole
+   send, until every worker applied the version and its ack is in; and the
+   stall, until ``send_async()`` returned (the weights are staged, and the
+   trainer may change them); for Ray, one ``ray.put`` of the same bytes
+   after each send, the stall's reference there;
 3. after every send, outside the timed region, compares a CRC32 per tensor
    that each worker computed over its own model with the trainer's (over
    CPU copies of the bytes of tensors on a GPU: bit-exact); a mismatch
-   raises :class:`~weightsync.bench.VerificationError`;
+   raises :class:`~weightsync.bench.VerificationError` (``check_once``:
+   once, after the last send, so that no worker's check runs while another
+   worker still applies a timed send);
 4. changes one tensor of its model, so every send carries different bytes;
 5. times, half before the sends and half after, a single-threaded memcpy of
    the same bytes and the floor of the scheme's work: ``workers + 1`` memcpys
@@ -121,7 +124,7 @@ def _run_scheme(
     try:
         connecting = time.perf_counter()
         scheme.init_on_sender(MODEL_ID, model=model, **pool.sender_args(index))
-        pool.start_case(index, scheme, shapes)
+        pool.start_case(index, scheme, shapes, check_once=config.check_once)
         sender = scheme.get_sender()
         sender.connect(timeout=config.timeout)
         result.connect_s = time.perf_counter() - connecting
@@ -131,19 +134,29 @@ def _run_scheme(
         on_ray = pool_of(case.scheme) == "ray"
         for step in range(config.warmup + config.repeats):
             change_model(tensors, step)
+            staged = None
             start = time.perf_counter()
-            sender.send_async(keys=keys, verify=case.verify)
-            staged = time.perf_counter() - start  # the trainer may change its weights from here on
-            report = sender.wait_async()
+            if config.blocking:
+                report = sender.send(keys=keys, verify=case.verify)
+            else:
+                sender.send_async(keys=keys, verify=case.verify)
+                staged = time.perf_counter() - start  # the trainer may change its weights from here on
+                report = sender.wait_async()
             elapsed = time.perf_counter() - start
-            pool.verify(report.version, names, tensor_checksums(named))
+            if not config.check_once:
+                pool.verify(report.version, names, tensor_checksums(named))
             if step >= config.warmup:
                 result.send_s.append(elapsed)
                 result.report_s.append(report.seconds)
-                result.stall_s.append(staged)
+                if staged is not None:
+                    result.stall_s.append(staged)
                 if on_ray:
                     result.put_s.append(_put_seconds(tensors))
             result.packet_nbytes = report.nbytes
+        if config.check_once:
+            expected = tensor_checksums(named)
+            scheme.shutdown()  # each worker reports once its sender is gone
+            pool.verify(report.version, names, expected)
     except ws.WeightSyncError as exc:
         raise BenchError(
             f"{case.scheme} send of {case.size_mib:g} MiB to {case.workers} worker(s): {exc}"

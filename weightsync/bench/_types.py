@@ -300,6 +300,12 @@ ALTERNATIVES: dict[str, AlternativeInfo] = {
         ),
         AlternativeInfo("bare-shm", "bare loop: copy into one shared buffer, notify, workers copy out"),
         AlternativeInfo(
+            "bare-tight",
+            "the tightest bare loop: copy into one shared buffer, one byte to each worker, which copies "
+            "out and writes one byte back; checked once, after the last round",
+            devices="cpu",
+        ),
+        AlternativeInfo(
             "ray-put",
             "one ray.put of numpy arrays, one call per Ray actor copying them in; ray.get the calls",
             requires="ray",
@@ -418,7 +424,10 @@ class BenchConfig:
     :data:`DTYPES`); ``compare`` names alternatives to weightsync
     (:data:`ALTERNATIVES`) run like the schemes. ``trainer_device`` and
     ``worker_device`` say where the trainer's model and every worker's
-    model live (``cpu`` or ``cuda:N``, :func:`parse_device`).
+    model live (``cpu`` or ``cuda:N``, :func:`parse_device`). ``blocking``
+    times weightsync's sends as one blocking ``send()`` each;
+    ``check_once`` checks each worker of a weightsync case once, after the
+    last send, instead of after every send (not for the Ray schemes).
     """
 
     schemes: tuple[str, ...] = ("multiprocess", "shared")
@@ -435,6 +444,14 @@ class BenchConfig:
     verify: tuple[bool, ...] = (False,)
     trainer_device: str = "cpu"
     worker_device: str = "cpu"
+    # Time the blocking send() (as the README's trainer calls it) instead
+    # of send_async() then wait_async(); no stall is measured then.
+    blocking: bool = False
+    # Check every worker of a weightsync case once, after its last send,
+    # instead of after every send: no worker's check then runs while
+    # another still applies the send (as bare-tight checks). Worker
+    # processes only.
+    check_once: bool = False
 
     def __post_init__(self) -> None:
         for device in (self.trainer_device, self.worker_device):
@@ -461,6 +478,8 @@ class BenchConfig:
             (self.timeout > 0, "timeout must be positive"),
             (self.worker_threads is None or self.worker_threads >= 1, "worker threads must be at least 1"),
         ]
+        on_ray = [s for s in self.schemes if SCHEMES[s].pool == "ray"]
+        checks.append((not (self.check_once and on_ray), f"check_once is for worker processes, not {on_ray}"))
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
