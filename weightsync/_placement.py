@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["Placement", "choose", "device_name", "devices_of"]
+__all__ = ["Placement", "choose", "device_name", "devices_of", "on_gpu"]
 
 _UUIDS: dict[int, str] = {}
 
@@ -43,6 +43,11 @@ def devices_of(tensors: Iterable[torch.Tensor]) -> tuple[str, ...]:
     for tensor in tensors:
         seen.setdefault(tensor.device, None)
     return tuple(dict.fromkeys(device_name(d) for d in seen))
+
+
+def on_gpu(devices: Iterable[str]) -> bool:
+    """Whether any of ``devices`` (as :func:`devices_of` names them) is a GPU."""
+    return any(d.startswith("cuda:") for d in devices)
 
 
 class Placement(enum.Enum):

@@ -22,7 +22,9 @@ workers.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
 import mmap
 import os
 import secrets
@@ -37,6 +39,8 @@ from ._copy import PlanCache, usable_cores
 from ._digest import copy_and_check, copy_out
 from ._exceptions import out_of_resources
 from ._packet import Manifest, Packet
+
+_log = logging.getLogger("weightsync")
 
 __all__ = ["BROKEN", "HEADER_BYTES", "AttachedSegments", "Segment", "SegmentRef"]
 
@@ -88,6 +92,9 @@ class Segment:
         # The copy plan of the last write (the writer's views, and the
         # sender's last read of its model, whose tensors it does not own).
         self._plans = PlanCache(sources_move=True)
+        # Whether the mapping is registered page-locked with CUDA (None: not
+        # tried yet; False: it could not be).
+        self._pinned: bool | None = None
 
     @classmethod
     def create(cls, nbytes: int) -> Segment:
@@ -220,6 +227,45 @@ class Segment:
             raise OSError(err, f"mprotect: {os.strerror(err)}")
         self.protected = not writable
 
+    def pin(self) -> bool:
+        """Register the mapping page-locked with CUDA, once, so that copies
+        between it and a GPU run at the bus's speed rather than through a
+        pageable bounce buffer. A reader's read-only mapping is registered
+        read-only. Returns whether it is registered: False where CUDA is
+        not available or the device refused (copies then go through
+        pageable memory, as they would without this). Never raises; a
+        refusal is reported once, at the ``weightsync`` logger's DEBUG.
+
+        Registering the same range twice would fail (and leave an error
+        behind in CUDA), so it is tried once per segment, and undone by
+        :meth:`close`.
+        """
+        if self._pinned is not None:
+            return self._pinned
+        self._pinned = False
+        if self.data is None or not torch.cuda.is_available():
+            return False
+        ptr, size = self._span
+        # cudaHostRegisterPortable (1): for every CUDA context of the process;
+        # cudaHostRegisterReadOnly (8): a mapping the process cannot write.
+        flags = 1 if self.owner else 1 | 8
+        try:
+            error = int(torch.cuda.cudart().cudaHostRegister(ptr, size, flags))
+        except Exception as exc:  # no runtime bindings: copies stay pageable
+            _log.debug("weightsync: no page-locked registration of a staging segment: %s", exc)
+            return False
+        if error != 0:
+            _log.debug("weightsync: CUDA refused to page-lock a staging segment (cudaError %d)", error)
+            return False
+        self._pinned = True
+        return True
+
+    def _unpin(self) -> None:
+        if self._pinned:
+            self._pinned = False
+            with contextlib.suppress(Exception):
+                torch.cuda.cudart().cudaHostUnregister(self._span[0])
+
     def ref(self) -> SegmentRef:
         """How a worker on this host finds this (sender-owned) segment.
 
@@ -236,6 +282,7 @@ class Segment:
         (but no buffer export, so ``mmap.close()`` would unmap under them).
         A worker whose parameters still point into a slot keeps it mapped.
         """
+        self._unpin()
         self.data = None
         self._plans.clear()
         self._mmap = None

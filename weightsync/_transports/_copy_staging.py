@@ -18,6 +18,7 @@ import torch
 from .._copy import PlanCache
 from .._offload import run_blocking
 from .._packet import Manifest, Packet
+from .._placement import devices_of, on_gpu
 from .._segment import AttachedSegments, Segment, SegmentRef
 
 __all__ = ["CopyReader", "SegmentStaging"]
@@ -30,7 +31,8 @@ class SegmentStaging:
         self.segment: Segment | None = None
         self._views: tuple[str, list[torch.Tensor]] | None = None
 
-    def _ensure(self, manifest: Manifest) -> tuple[Segment, list[torch.Tensor]]:
+    def _ensure(self, packet: Packet) -> tuple[Segment, list[torch.Tensor]]:
+        manifest = packet.manifest
         if self.segment is None or self.segment.nbytes < manifest.nbytes:
             self._views = None
             if self.segment is not None:
@@ -39,15 +41,17 @@ class SegmentStaging:
         if self._views is None or self._views[0] != manifest.layout_id:
             assert self.segment.data is not None
             self._views = (manifest.layout_id, manifest.views(self.segment.data))
+        if on_gpu(packet.devices):
+            self.segment.pin()  # the device-to-host copy at the bus's speed (once per segment)
         return self.segment, self._views[1]
 
     async def stage(self, packet: Packet, digest: bool = False) -> tuple[int, ...] | None:
-        segment, views = self._ensure(packet.manifest)
+        segment, views = self._ensure(packet)
         return await run_blocking(packet.nbytes, segment.write, views, packet, digest)
 
     def stage_now(self, packet: Packet) -> None:
         """:meth:`stage` with no digests, on the calling thread (it blocks for the copy)."""
-        segment, views = self._ensure(packet.manifest)
+        segment, views = self._ensure(packet)
         segment.write(views, packet, False)
 
     def descriptor(self, worker_id: int) -> SegmentRef:
@@ -96,7 +100,12 @@ class CopyReader:
         manifest: Manifest,
         threads: int,
     ) -> None:
-        self._plans.plan(targets, self._segments.views(descriptor, manifest)).run(threads)
+        plan = self._plans.plan(targets, self._segments.views(descriptor, manifest))
+        if plan.slow_dst and on_gpu(devices_of(plan.slow_dst)):
+            # A model on a GPU: the host-to-device copy at the bus's speed
+            # (the mapping is registered once).
+            self._segments.segment(descriptor).pin()
+        plan.run(threads)
 
     def holding(self) -> None:
         return None

@@ -28,6 +28,7 @@ from .._copy import CopyPlan
 from .._exceptions import InvalidWeightsError
 from .._offload import run_blocking
 from .._packet import Manifest, Packet
+from .._placement import devices_of, on_gpu
 from .._segment import AttachedSegments, Segment, SegmentRef
 
 __all__ = ["SlotReader", "SlotStaging"]
@@ -86,7 +87,7 @@ class SlotStaging:
         :raises InvalidWeightsError: a block of the slot differs from its
             source (the slot is not published; nothing was sent).
         """
-        slot, views = self._writable_slot(packet.manifest)
+        slot, views = self._writable_slot(packet.manifest, packet.devices)
         sums: tuple[int, ...] | None = None
         if digest:
             sums, bad = await run_blocking(packet.nbytes, slot.write_checked, views, packet, self.after_copy)
@@ -105,13 +106,17 @@ class SlotStaging:
 
     def stage_now(self, packet: Packet) -> None:
         """:meth:`stage` with no digests, on the calling thread (it blocks for the copy)."""
-        slot, views = self._writable_slot(packet.manifest)
+        slot, views = self._writable_slot(packet.manifest, packet.devices)
         slot.write(views, packet, False)
         self.current, self._version = slot, packet.version
 
-    def _writable_slot(self, manifest: Manifest) -> tuple[Segment, list[torch.Tensor]]:
-        """A free slot for ``manifest``, writable, and its views."""
+    def _writable_slot(
+        self, manifest: Manifest, devices: tuple[str, ...]
+    ) -> tuple[Segment, list[torch.Tensor]]:
+        """A free slot for ``manifest`` (of tensors on ``devices``), writable, and its views."""
         slot = self._choose(manifest)
+        if on_gpu(devices):
+            slot.pin()  # the device-to-host copy at the bus's speed (once per slot)
         key = (slot.token, manifest.layout_id)
         views = self._views.get(key)
         if views is None:
@@ -224,6 +229,10 @@ class SlotReader:
         else:
             own = [not t.is_cpu for t in targets]
         if any(own):
+            if on_gpu(devices_of(t for t, o in zip(targets, own, strict=True) if o)):
+                # Tensors on a GPU: the host-to-device copy at the bus's speed
+                # (the slot's mapping is registered once).
+                self._segments.segment(descriptor).pin()
             CopyPlan(
                 [t for t, o in zip(targets, own, strict=True) if o],
                 [s for s, o in zip(sources, own, strict=True) if o],
