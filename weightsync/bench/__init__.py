@@ -39,7 +39,7 @@ from ._hosts import HostActor, receiving_nodes
 from ._machine import describe_machine, machine_facts
 from ._memcpy import floor_seconds, memcpy_floor_seconds, memcpy_seconds
 from ._model import GeneratedMLP, mlp_shapes, model_nbytes, tensor_checksums
-from ._netns import EmulatedCluster, parse_rate
+from ._netns import EmulatedCluster, emulated_namespaces, namespace_name, parse_rate
 from ._netns import unavailable_reason as emulation_unavailable_reason
 from ._plot import PlotUnavailableError, write_plot
 from ._run import run_bench
@@ -91,6 +91,7 @@ __all__ = [
     "VerificationError",
     "WorkerStartup",
     "describe_machine",
+    "emulated_namespaces",
     "emulation_unavailable_reason",
     "floor_seconds",
     "format_row",
@@ -103,6 +104,7 @@ __all__ = [
     "memcpy_seconds",
     "mlp_shapes",
     "model_nbytes",
+    "namespace_name",
     "parse_rate",
     "pool_of",
     "receiving_nodes",

@@ -24,6 +24,22 @@ whose creator is gone (a test run that was killed), and only those.
 
 Needs root and ``ip``/``tc`` (iproute2); :func:`unavailable_reason` says why
 not, for a caller that should skip.
+
+The interface, for the bench and for tests (``weightsync.bench`` exports
+it; nothing else of this module is meant to be used outside it):
+
+- :class:`EmulatedCluster`: :meth:`~EmulatedCluster.start`,
+  :meth:`~EmulatedCluster.start_ray`, :meth:`~EmulatedCluster.popen`,
+  :meth:`~EmulatedCluster.run_python`, :meth:`~EmulatedCluster.kill_host`,
+  :meth:`~EmulatedCluster.close`; :meth:`~EmulatedCluster.host_pids` (the
+  processes of a host) and :meth:`~EmulatedCluster.namespaces_left` (those
+  of its namespaces that exist: none once it closed); its ``namespaces``,
+  ``switch``, ``addresses``, ``bytes_per_second`` and ``ray_address``.
+- :func:`emulated_namespaces`: the namespaces of every emulated cluster on
+  this machine, of this process or another.
+- :func:`namespace_name`: the name a cluster's namespace gets, from its
+  creator's pid (to make a stale one, as a killed run leaves).
+- :func:`remove_stale`, :func:`unavailable_reason`, :func:`parse_rate`.
 """
 
 from __future__ import annotations
@@ -43,6 +59,8 @@ from typing import Any
 
 __all__ = [
     "EmulatedCluster",
+    "emulated_namespaces",
+    "namespace_name",
     "parse_rate",
     "remove_stale",
     "unavailable_reason",
@@ -86,7 +104,7 @@ def unavailable_reason() -> str | None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"the {tool!r} command (iproute2) is missing"
-    probe = f"{PREFIX}{os.getpid()}r{next(_RUNS)}b"
+    probe = namespace_name(os.getpid(), next(_RUNS), None)
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:
         return f"'ip netns add' failed: {made.stderr.strip()}"
@@ -133,6 +151,20 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
 
 
+def emulated_namespaces() -> list[str]:
+    """The network namespaces of emulated clusters that exist on this
+    machine now (named as :func:`namespace_name` names them), whichever
+    process made them; the machine's other namespaces are not listed."""
+    return [name for name in _namespaces() if _NAME.match(name)]
+
+
+def namespace_name(creator: int, run: int = 0, host: int | None = 0) -> str:
+    """The name of a namespace of the ``run``-th cluster that process
+    ``creator`` made: host ``host``'s, or the switch's for ``None``. A
+    namespace so named whose creator is gone is stale (:func:`remove_stale`)."""
+    return f"{PREFIX}{creator}r{run}" + ("b" if host is None else f"h{host}")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -174,9 +206,9 @@ class EmulatedCluster:
         self.hosts = hosts
         self.rate = rate
         self.bytes_per_second = parse_rate(rate)
-        run = f"{PREFIX}{os.getpid()}r{next(_RUNS)}"
-        self.switch = f"{run}b"
-        self.namespaces = [f"{run}h{i}" for i in range(hosts)]
+        run = next(_RUNS)
+        self.switch = namespace_name(os.getpid(), run, None)
+        self.namespaces = [namespace_name(os.getpid(), run, i) for i in range(hosts)]
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(hosts)]
         self._made: list[str] = []
         self._procs: list[subprocess.Popen[Any]] = []
@@ -301,6 +333,19 @@ class EmulatedCluster:
             raise RuntimeError(
                 f"only {alive} of {self.hosts} Ray nodes joined within {timeout} s: {done.stderr[-2000:]}"
             )
+
+    def host_pids(self, host: int) -> list[int]:
+        """The pids of every process of host ``host`` now (in its namespace:
+        its Ray node and the workers it started, whatever their process
+        group); [] once the cluster closed."""
+        return _pids_in(self.namespaces[host])
+
+    def namespaces_left(self) -> list[str]:
+        """The namespaces of this cluster (its hosts' and its switch's) that
+        exist on the machine now: none before :meth:`start`, none after
+        :meth:`close`."""
+        mine = {*self.namespaces, self.switch}
+        return [name for name in _namespaces() if name in mine]
 
     def kill_host(self, host: int, sig: int = signal.SIGKILL) -> None:
         """Signal every process of host ``host`` (its Ray node, its actors):
