@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from _workers import build_model
+from harness.workers import build_model
 from tensordict import TensorDict
 from torch import nn
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import time
 
-import _applier_workers as workers
-import _probe
 import pytest
 import torch
-from _workers import Net, snapshot
-from harness import PROCS, make_scheme, reap, schemes
+from harness import PROCS, make_scheme, reap, schemes, torn_read_probe
+from harness import background_workers as workers
+from harness.workers import Net, snapshot
 from tensordict import TensorDict
 
 import weightsync as ws
@@ -58,15 +57,15 @@ def test_background_updates_land_between_two_forward_calls(scheme_name: str) -> 
     pipes, conns, procs = _start(workers.background_probe, scheme, 2, SHAPES, 60.0)
     try:
         scheme.init_on_sender("policy", pipes=pipes, model=trainer)
-        _probe.start(conns)
+        torn_read_probe.start(conns)
         sends = 1
-        _probe.fill(trainer, sends)
+        torn_read_probe.fill(trainer, sends)
         report = scheme.connect()
         assert report is not None and report.version == 1 and report.worker_ids == (0, 1)
         deadline = time.monotonic() + SEND_SECONDS
         while time.monotonic() < deadline:
             sends += 1
-            _probe.fill(trainer, sends)
+            torn_read_probe.fill(trainer, sends)
             scheme.send(timeout=30)  # acked: applied by the workers' applier threads
         results = []
         for conn in conns:

@@ -16,7 +16,6 @@ import time
 
 import pytest
 import torch
-from _workers import build_model, leftovers, memfd_fds, memfd_maps, trainer_then_die
 from harness import (
     PROCS,
     Cluster,
@@ -29,6 +28,7 @@ from harness import (
     spec,
     weightsync_threads,
 )
+from harness.workers import build_model, leftovers, memfd_fds, memfd_maps, trainer_then_die
 
 import weightsync as ws
 
@@ -69,7 +69,7 @@ def _alive(pid: int) -> bool:
 
 
 def _assert_worker_left_nothing(who: str, what: dict[str, list[str]], scheme_name: str) -> None:
-    """``what`` a worker holds after its shutdown (``_workers.leftovers``)."""
+    """``what`` a worker holds after its shutdown (``harness.workers.leftovers``)."""
     assert not any(n.startswith(("weightsync", "AnyIO")) for n in what["threads"]), what
     assert what["new_fds"] == [], f"{who} keeps descriptors weightsync opened: {what['new_fds']}"
     assert what["unused_memfd_maps"] == [], f"{who} still maps segments: {what['unused_memfd_maps']}"

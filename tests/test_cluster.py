@@ -1,7 +1,7 @@
 """RayWeightSyncScheme across hosts, on an emulated cluster: network
 namespaces with 1 Gbit/s NICs, a Ray node in each (weightsync.bench.EmulatedCluster).
 
-The trainer runs on host 0 (tests/_cluster_driver.py); its actors on the
+The trainer runs on host 0 (tests/harness/ray_cluster_trainer.py); its actors on the
 other hosts get each send along the relay chain. Every scenario checks the
 weights bit for bit on every actor that should have them. A host is killed
 (SIGKILL to every process of its namespace) or stopped (SIGSTOP) in the
@@ -26,44 +26,48 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import TESTS_DIR, program
 
 pytest.importorskip("ray")
 
-from weightsync.bench import _netns
+from weightsync.bench import (
+    EmulatedCluster,
+    emulated_namespaces,
+    emulation_unavailable_reason,
+    namespace_name,
+)
 
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(_netns.unavailable_reason() is not None, reason=str(_netns.unavailable_reason())),
+    pytest.mark.skipif(
+        emulation_unavailable_reason() is not None, reason=str(emulation_unavailable_reason())
+    ),
 ]
-
-DRIVER = Path(__file__).with_name("_cluster_driver.py")
 
 
 @pytest.fixture
-def cluster() -> Iterator[_netns.EmulatedCluster]:
+def cluster() -> Iterator[EmulatedCluster]:
     """Five hosts (the trainer's and four receiving ones), Ray on each;
     everything removed after the test, whatever happened in it."""
-    made = _netns.EmulatedCluster(5, "1gbit").start()
+    made = EmulatedCluster(5, "1gbit").start()
     try:
         made.start_ray(cpus=4)
         yield made
     finally:
         made.close()
-    left = [ns for ns in _netns._namespaces() if ns in made.namespaces or ns == made.switch]
+    left = made.namespaces_left()
     assert not left, f"namespaces left behind: {left}"
 
 
-def _drive(cluster: _netns.EmulatedCluster, scenario: str, during: Any = None, timeout: float = 240) -> dict:
+def _drive(cluster: EmulatedCluster, scenario: str, during: Any = None, timeout: float = 240) -> dict:
     """Run the driver's ``scenario`` on host 0; call ``during()`` when it
     announces the send to disturb; return its result."""
     proc = cluster.popen(
         0,
-        [sys.executable, str(DRIVER), scenario],
-        env={
-            "RAY_ADDRESS": cluster.ray_address or "",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(DRIVER.parent), os.environ.get("PYTHONPATH")])),
-        },
+        program("ray_cluster_trainer", scenario),
+        env={"RAY_ADDRESS": cluster.ray_address or ""},
+        cwd=TESTS_DIR,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -92,7 +96,7 @@ def _drive(cluster: _netns.EmulatedCluster, scenario: str, during: Any = None, t
     return result
 
 
-def test_relay_is_bit_exact_on_every_actor(cluster: _netns.EmulatedCluster) -> None:
+def test_relay_is_bit_exact_on_every_actor(cluster: EmulatedCluster) -> None:
     result = _drive(cluster, "exact")
     assert result["bad"] == [[], [], []]
     assert sorted(set(result["hosts"])) == cluster.addresses[1:4]
@@ -103,7 +107,7 @@ def test_relay_is_bit_exact_on_every_actor(cluster: _netns.EmulatedCluster) -> N
     assert result["subset_chains"] == [2]
 
 
-def test_relaying_host_killed_mid_send(cluster: _netns.EmulatedCluster) -> None:
+def test_relaying_host_killed_mid_send(cluster: EmulatedCluster) -> None:
     def kill() -> None:
         time.sleep(0.5)
         cluster.kill_host(2)
@@ -120,7 +124,7 @@ def test_relaying_host_killed_mid_send(cluster: _netns.EmulatedCluster) -> None:
 
 
 def test_relay_carries_deltas_and_a_host_that_missed_a_send_gets_the_full_bytes(
-    cluster: _netns.EmulatedCluster,
+    cluster: EmulatedCluster,
 ) -> None:
     """RayWeightSyncScheme(delta=True) to 3 hosts: every send bit-exact on
     every actor; after the first (no base yet), each change of 1% of the
@@ -152,11 +156,11 @@ def test_relay_carries_deltas_and_a_host_that_missed_a_send_gets_the_full_bytes(
         assert send["wire"] < 0.1 * nbytes, send
 
 
-def _ray_workers(cluster: _netns.EmulatedCluster, host: int) -> list[int]:
+def _ray_workers(cluster: EmulatedCluster, host: int) -> list[int]:
     """The Ray worker processes (actors, the relay agent) of ``host``: not
     its raylet or other services."""
     pids = []
-    for pid in _netns._pids_in(cluster.namespaces[host]):
+    for pid in cluster.host_pids(host):
         try:
             title = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
@@ -167,7 +171,7 @@ def _ray_workers(cluster: _netns.EmulatedCluster, host: int) -> list[int]:
 
 
 @pytest.mark.parametrize("what", ["workers", "host"])
-def test_stopped_host_is_named_and_the_others_are_updated(cluster: _netns.EmulatedCluster, what: str) -> None:
+def test_stopped_host_is_named_and_the_others_are_updated(cluster: EmulatedCluster, what: str) -> None:
     """SIGSTOP on the Ray workers of host 2 (its node still answers Ray's
     health checks): an AckTimeoutError naming its actor at the deadline. On
     the whole host: Ray's health check declares the node dead (within about
@@ -203,7 +207,7 @@ def test_stopped_host_is_named_and_the_others_are_updated(cluster: _netns.Emulat
         assert result["seconds"] < 25
 
 
-def test_host_that_joins_later_gets_the_latest_weights(cluster: _netns.EmulatedCluster) -> None:
+def test_host_that_joins_later_gets_the_latest_weights(cluster: EmulatedCluster) -> None:
     result = _drive(cluster, "join")
     assert result["new_id"] == 2
     assert result["late_bad"] == []
@@ -215,15 +219,15 @@ def test_stale_namespaces_of_a_dead_creator_are_removed() -> None:
     # A namespace named as a cluster of a process that no longer exists.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    name = f"{_netns.PREFIX}{dead.pid}r0h0"
+    name = namespace_name(dead.pid)
     subprocess.run(["ip", "netns", "add", name], check=True)
-    mine = _netns.EmulatedCluster(1).start()  # start() removes stale ones first
+    mine = EmulatedCluster(1).start()  # start() removes stale ones first
     try:
-        assert name not in _netns._namespaces()
-        assert set(mine.namespaces) <= set(_netns._namespaces())
+        assert name not in emulated_namespaces()
+        assert set(mine.namespaces) <= set(emulated_namespaces())
     finally:
         mine.close()
-    assert not set(mine.namespaces) & set(_netns._namespaces())
+    assert not mine.namespaces_left()
 
 
 def test_bench_across_emulated_hosts_prints_the_table_and_writes_json(tmp_path: Path) -> None:
@@ -235,7 +239,7 @@ def test_bench_across_emulated_hosts_prints_the_table_and_writes_json(tmp_path: 
         *(sys.executable, "-m", "weightsync", "bench", "--emulate-hosts", "3", "--hosts", "1", "2"),
         *("--size", "4", "--repeats", "2", "--json", str(out)),
     ]
-    before = set(_netns._namespaces())
+    before = set(emulated_namespaces())
     done = subprocess.run(argv, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
@@ -255,4 +259,4 @@ def test_bench_across_emulated_hosts_prints_the_table_and_writes_json(tmp_path: 
         # Per relayed host and GiB: only where the relay ran (2 hosts and more).
         assert ("host_cpu_ms_per_gib" in row) == (row["hosts"] >= 2), row
         assert row.get("host_cpu_ms_per_gib", 0.0) >= 0, row
-    assert set(_netns._namespaces()) <= before
+    assert set(emulated_namespaces()) <= before

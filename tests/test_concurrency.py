@@ -10,8 +10,8 @@ import threading
 
 import pytest
 import torch
-from _workers import build_model, two_model_worker
 from harness import PROCS, Cluster, RayRuntime, make_scheme, reap, schemes
+from harness.workers import build_model, two_model_worker
 
 import weightsync as ws
 

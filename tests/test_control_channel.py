@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 import pytest
-from _workers import build_model
+from harness.workers import build_model
 
 import weightsync as ws
 from weightsync._packet import Manifest

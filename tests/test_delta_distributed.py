@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness import weight_checksums
 from test_distributed import Workers
 
 import weightsync as ws

@@ -25,10 +25,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import _distributed_workers as dw
 import pytest
 import torch
-from harness import PROCS, reap
+from harness import PROCS, reap, weight_checksums
+from harness import distributed_workers as dw
 
 import weightsync as ws
 
@@ -76,7 +76,7 @@ class Workers:
         return version, digests
 
     def expected(self) -> dict[str, str]:
-        return dw.state_of(self.trainer)
+        return weight_checksums(self.trainer)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -239,7 +239,7 @@ def test_a_worker_connects_with_store_info_and_applies_in_the_background() -> No
         report = scheme.send()
         ours.send("state")
         assert ours.poll(30)
-        assert ours.recv() == (report.version, dw.state_of(trainer))
+        assert ours.recv() == (report.version, weight_checksums(trainer))
         ours.send("stop")
     finally:
         scheme.shutdown()
@@ -255,7 +255,7 @@ def _background_worker(info: dict[str, Any], conn: Any, shapes: dict[str, int]) 
     try:
         scheme.connect()  # waits for the initial weights, then applies in the background
         while conn.poll(30) and conn.recv() == "state":
-            conn.send((scheme.get_receiver().async_receiver.version, dw.state_of(model)))
+            conn.send((scheme.get_receiver().async_receiver.version, weight_checksums(model)))
     finally:
         scheme.shutdown()
 

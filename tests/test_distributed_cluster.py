@@ -1,8 +1,9 @@
 """DistributedWeightSyncScheme across hosts, on an emulated cluster: network
 namespaces with 1 Gbit/s NICs (weightsync.bench.EmulatedCluster), no Ray.
 
-The trainer runs on host 0 (tests/_distributed_cluster_driver.py), one
-worker on each of hosts 1..3 (tests/_distributed_workers.py, rank = host),
+The trainer runs on host 0 (tests/harness/distributed_cluster_trainer.py),
+one worker on each of hosts 1..3 (tests/harness/distributed_workers.py, rank
+= host),
 or two, the second fed by the first through shared memory. Every send is
 checked bit for bit on every worker that should have it. A host is killed
 (SIGKILL to every process of its namespace) in the middle of a send: the
@@ -19,30 +20,28 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import select
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import TESTS_DIR, program
 
-from weightsync.bench import _netns
+from weightsync.bench import EmulatedCluster, emulation_unavailable_reason, parse_rate
 
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(_netns.unavailable_reason() is not None, reason=str(_netns.unavailable_reason())),
+    pytest.mark.skipif(
+        emulation_unavailable_reason() is not None, reason=str(emulation_unavailable_reason())
+    ),
 ]
 
-HERE = Path(__file__).parent
-DRIVER = HERE / "_distributed_cluster_driver.py"
-WORKER = HERE / "_distributed_workers.py"
 NUMELS = [4 * 1024 * 1024] * 4  # 4 x 16 MiB of float32: 64 MiB, 0.54 s at 1 Gbit/s
-FLOOR = sum(NUMELS) * 4 / _netns.parse_rate("1gbit")
+FLOOR = sum(NUMELS) * 4 / parse_rate("1gbit")
 
 
 def _line(proc: subprocess.Popen[str], timeout: float = 60.0) -> str:
@@ -63,23 +62,22 @@ def host_of(rank: int, hosts: int) -> int:
 class Run:
     """The driver on host 0 and ``per_host`` workers on each other host."""
 
-    def __init__(self, cluster: _netns.EmulatedCluster, per_host: int = 1, delta: bool = False) -> None:
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
-        env["WS_DELTA"] = "1" if delta else "0"
+    def __init__(self, cluster: EmulatedCluster, per_host: int = 1, delta: bool = False) -> None:
+        env = {"WS_DELTA": "1" if delta else "0"}
         self.cluster = cluster
         host = cluster.addresses[0]
         workers = (cluster.hosts - 1) * per_host
         self.driver = cluster.popen(
-            0, [sys.executable, str(DRIVER), host, str(workers), *map(str, NUMELS)], env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            0, program("distributed_cluster_trainer", host, str(workers), *map(str, NUMELS)), env=env,
+            cwd=TESTS_DIR, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         _, store_host, port = _line(self.driver).split()
         self.workers: dict[int, subprocess.Popen[str]] = {}
         for rank in range(1, workers + 1):
-            argv = [sys.executable, str(WORKER), store_host, port, str(rank), *map(str, NUMELS)]
+            argv = program("distributed_workers", store_host, port, str(rank), *map(str, NUMELS))
             self.workers[rank] = cluster.popen(
-                host_of(rank, cluster.hosts), argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                text=True,
+                host_of(rank, cluster.hosts), argv, env=env, cwd=TESTS_DIR, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, text=True,
             )  # fmt: skip
         for proc in self.workers.values():
             assert ast.literal_eval(_line(proc))[0] == "ready"
@@ -128,7 +126,7 @@ def run(request: pytest.FixtureRequest) -> Iterator[Run]:
     """Four hosts (the trainer's and three receiving ones), with one worker
     per receiving host (or ``per_host``, the test's parameter); everything
     removed after the test, whatever happened in it."""
-    cluster = _netns.EmulatedCluster(4, "1gbit").start()
+    cluster = EmulatedCluster(4, "1gbit").start()
     made = None
     # The test's parameter: workers per host, or (workers per host, delta).
     param = getattr(request, "param", 1)
@@ -140,7 +138,7 @@ def run(request: pytest.FixtureRequest) -> Iterator[Run]:
         if made is not None:
             made.close()
         cluster.close()
-    left = [ns for ns in _netns._namespaces() if ns in cluster.namespaces or ns == cluster.switch]
+    left = cluster.namespaces_left()
     assert not left, f"namespaces left behind: {left}"
 
 

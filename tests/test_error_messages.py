@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-from _workers import build_model, late_worker, worker_main
 from harness import PROCS, Cluster, make_scheme, new_cluster, reap, schemes
+from harness.workers import build_model, late_worker, worker_main
 
 import weightsync as ws
 

@@ -6,32 +6,26 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from harness import Cluster, scheme_names, schemes
-
-TRAINER = Path(__file__).with_name("_interrupted_trainer.py")
+from harness import TESTS_DIR, Cluster, program, scheme_names, schemes
 
 
 def _interrupt_a_trainer(scheme_names: list[str], rounds: int, mib: int, seed: int) -> None:
     chooser = random.Random(seed)
-    path = os.pathsep.join([str(TRAINER.parent), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path}
-    trainer = subprocess.Popen(
-        [sys.executable, "-X", "faulthandler", str(TRAINER), ",".join(scheme_names), str(rounds), str(mib)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
+    argv = program(
+        "interrupted_trainer",
+        ",".join(scheme_names),
+        str(rounds),
+        str(mib),
+        python_options=("-X", "faulthandler"),
     )
+    trainer = subprocess.Popen(argv, cwd=TESTS_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert trainer.stdout is not None
     lines: list[str] = []
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import _probe
 import pytest
 import torch
-from _workers import build_model
-from harness import PROCS, reap
+from harness import PROCS, reap, torn_read_probe
+from harness.workers import build_model
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
@@ -374,15 +373,15 @@ def test_a_plain_subclass_of_the_base_drives_the_hooks_in_order() -> None:
 
 def test_classify() -> None:
     same = {"a": torch.full((4,), 3.0), "b": torch.full((2, 2), 3.0), "empty": torch.zeros(0)}
-    assert _probe.classify(same) == "consistent"
-    assert _probe.classify(TensorDict(same, batch_size=[])) == "consistent"
-    assert _probe.classify([]) == "consistent"
+    assert torn_read_probe.classify(same) == "consistent"
+    assert torn_read_probe.classify(TensorDict(same, batch_size=[])) == "consistent"
+    assert torn_read_probe.classify([]) == "consistent"
     torn = torch.full((4,), 3.0)
     torn[:2] = 4.0
-    assert _probe.classify([torn]) == "mixed"
-    assert _probe.classify([torch.full((4,), 3.0), torch.full((4,), 4.0)]) == "mixed"
-    _probe.fill(same, 5)
-    assert _probe.span(same) == (5.0, 5.0)
+    assert torn_read_probe.classify([torn]) == "mixed"
+    assert torn_read_probe.classify([torch.full((4,), 3.0), torch.full((4,), 4.0)]) == "mixed"
+    torn_read_probe.fill(same, 5)
+    assert torn_read_probe.span(same) == (5.0, 5.0)
 
 
 # -- torn reads --------------------------------------------------------------
@@ -412,24 +411,29 @@ def test_workers_read_the_buffer_while_it_is_overwritten() -> None:
     try:
         for _ in range(2):
             ours, theirs = PROCS.Pipe()
-            proc = PROCS.Process(target=_probe.shared_buffer_probe, args=(buffer, theirs, 30.0), daemon=True)
+            proc = PROCS.Process(
+                target=torn_read_probe.shared_buffer_probe, args=(buffer, theirs, 30.0), daemon=True
+            )
             proc.start()
             theirs.close()
             conns.append(ours)
             procs.append(proc)
-        _probe.start(conns)
+        torn_read_probe.start(conns)
         version = 0
         deadline = time.monotonic() + UPDATE_SECONDS
         while time.monotonic() < deadline:
             version += 1
-            _probe.fill(server, version)
+            torn_read_probe.fill(server, version)
             updater.update_weights()
-        reports = _probe.stop(conns)
+        reports = torn_read_probe.stop(conns)
     finally:
         reap(procs)
         for conn in conns:
             conn.close()
-    assert _probe.classify(buffer) == "consistent" and _probe.span(buffer) == (version, version)
+    assert torn_read_probe.classify(buffer) == "consistent" and torn_read_probe.span(buffer) == (
+        version,
+        version,
+    )
     for report in reports:
         print(
             f"probe {report.pid}: {report.reads} reads, {report.consistent} consistent, "

@@ -10,11 +10,11 @@ import signal
 import time
 from typing import Any
 
-import _applier_workers as workers
 import pytest
 import torch
-from _workers import worker_main
 from harness import PROCS, Cluster, RayCluster, schemes
+from harness import background_workers as workers
+from harness.workers import worker_main
 
 import weightsync as ws
 

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-import _applier_workers as workers
 import pytest
 import torch
-from _workers import Net, build_model
 from harness import PROCS, Cluster, new_cluster, reap, schemes
+from harness import background_workers as workers
+from harness.workers import Net, build_model
 from tensordict import TensorDict
 
 import weightsync as ws

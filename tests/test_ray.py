@@ -14,10 +14,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import _probe
 import pytest
 import torch
-from _workers import (
+from harness import RayCluster, RayRuntime, torn_read_probe
+from harness.workers import (
     AsyncActorRegisteringLate,
     AsyncRayProbe,
     MixinRayWorker,
@@ -26,7 +26,6 @@ from _workers import (
     probe_weights,
     register_off_the_loop,
 )
-from harness import RayCluster, RayRuntime
 
 import weightsync as ws
 
@@ -45,12 +44,12 @@ def test_actors_on_two_nodes_get_every_update(ray_runtime: RayRuntime) -> None:
         nodes = ray.get([c._ctrl(i, "node_id") for i in range(2)], timeout=30)
         assert nodes[0] != nodes[1], "the actors must run on different nodes"
         for version in (1, 2, 3):
-            _probe.fill(c.model, version)
+            torn_read_probe.fill(c.model, version)
             report = c.sender.send()
             assert report.version == version
             # 16 MiB crossed to the second node's object store each time.
             for i in range(2):
-                assert _probe.span(c.state(i)["weights"]) == (version, version)
+                assert torn_read_probe.span(c.state(i)["weights"]) == (version, version)
         assert [c.state(i)["applied"] for i in range(2)] == [[1, 2, 3], [1, 2, 3]]
     finally:
         c.close()
@@ -61,11 +60,11 @@ def test_a_plain_actor_applies_an_update_between_its_method_calls(ray_runtime: R
     weights = probe_weights()
     scheme = _sender([actor], weights)
     try:
-        _probe.fill(weights, 1)
+        torn_read_probe.fill(weights, 1)
         scheme.send()
         rollout = actor.timed_rollout.remote(1.0)
         time.sleep(0.3)  # the rollout is most likely running (the update queues behind it anyway)
-        _probe.fill(weights, 2)
+        torn_read_probe.fill(weights, 2)
         scheme.send()
         returned = time.monotonic()
         seen = ray.get(rollout)
@@ -84,14 +83,14 @@ def test_an_async_actor_applies_updates_between_awaits(ray_runtime: RayRuntime) 
     weights = probe_weights()
     scheme = _sender([actor], weights)
     try:
-        _probe.fill(weights, 1)
+        torn_read_probe.fill(weights, 1)
         scheme.send()
         scan = actor.scan.remote(2.5)
         sends = 1
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             sends += 1
-            _probe.fill(weights, sends)
+            torn_read_probe.fill(weights, sends)
             scheme.send()
         report = ray.get(scan)
         assert report["mixed"] == 0, report
@@ -190,7 +189,7 @@ def test_a_killed_trainer_takes_its_actors_with_it(ray_runtime: RayRuntime) -> N
 
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     address = ray_runtime.nodes.address
-    code = f"from _workers import ray_trainer_then_die; ray_trainer_then_die({address!r}, 'orphan')"
+    code = f"from harness.workers import ray_trainer_then_die; ray_trainer_then_die({address!r}, 'orphan')"
     proc = subprocess.run(
         [sys.executable, "-c", code],
         cwd=tests_dir,
@@ -239,10 +238,10 @@ def test_delta_on_one_host_sends_the_bytes_as_they_are(ray_runtime: RayRuntime) 
     try:
         assert c.scheme.delta and pickle.loads(pickle.dumps(c.scheme)).delta
         for version in (1, 2, 3):
-            _probe.fill(c.model, version)
+            torn_read_probe.fill(c.model, version)
             assert c.sender.send().version == version
             for i in range(2):
-                assert _probe.span(c.state(i)["weights"]) == (version, version)
+                assert torn_read_probe.span(c.state(i)["weights"]) == (version, version)
             assert c.scheme.last_delta == [] and c.scheme.last_wire_bytes == 0
     finally:
         c.close()
@@ -295,7 +294,7 @@ def test_a_relayed_reader_still_copying_keeps_its_bytes_while_the_next_send_proc
     deadline) holds its host's copy: the next send's agent receives into
     another buffer, so the slow actor applies exactly the bytes of the
     version it was sent, then the next."""
-    from _workers import applied_weights, slow_applies
+    from harness.workers import applied_weights, slow_applies
 
     model = build_model("net", seed=7)
     actors, scheme, v = _relayed_pair(ray_runtime, third_node, model)
@@ -342,7 +341,7 @@ def test_a_late_relayed_reader_of_a_rewritten_copy_refuses_and_leaves_its_model(
     """An actor busy past the deadline of a send reads its host's copy only
     after the next send rewrote it: the late call refuses (its model
     untouched, never half-written), and the next send's call applies."""
-    from _workers import applied_weights, slow_applies
+    from harness.workers import applied_weights, slow_applies
 
     model = build_model("net", seed=8)
     actors, scheme, v = _relayed_pair(ray_runtime, third_node, model)
@@ -375,7 +374,7 @@ def test_a_late_relayed_reader_of_a_rewritten_copy_refuses_and_leaves_its_model(
 def test_relayed_host_copies_leave_nothing_behind(ray_runtime: RayRuntime, third_node: str) -> None:
     """The agents' segments go with the scheme's shutdown (the agents end),
     an actor's mappings with its own shutdown, and a killed actor's with it."""
-    from _workers import host_copy_state, memfd_fds, memfd_maps
+    from harness.workers import host_copy_state, memfd_fds, memfd_maps
 
     model = build_model("net", seed=9)
     actors, scheme, _ = _relayed_pair(ray_runtime, third_node, model)

@@ -8,8 +8,8 @@ import os
 import stat
 
 import pytest
-from _workers import MEMFD_LABEL
 from harness import Cluster, schemes, shm_entries
+from harness.workers import MEMFD_LABEL
 
 from weightsync._segment import HEADER_BYTES, Segment
 

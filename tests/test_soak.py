@@ -21,8 +21,8 @@ import threading
 import time
 
 import pytest
-from _workers import MEMFD_LABEL, tensors_of
 from harness import Cluster, RayCluster, schemes, shm_entries
+from harness.workers import MEMFD_LABEL, tensors_of
 
 WARMUP = 50
 # Private resident memory a process may gain whatever the number of sends,

@@ -2,7 +2,7 @@
 them at once, and every worker still gets exactly the weights as they were
 at the call.
 
-The workers are torn-read probes (``_probe``): each checks, between two
+The workers are torn-read probes (``harness.torn_read_probe``): each checks, between two
 ``receive()`` calls, that its weights hold one value throughout, and applies
 an update as soon as it is announced, so it copies while the trainer
 changes its weights. The trainer fills every element with the version
@@ -23,10 +23,9 @@ import threading
 import time
 from typing import Any
 
-import _probe
 import pytest
 import torch
-from harness import PROCS, RayRuntime, make_scheme, reap
+from harness import PROCS, RayRuntime, make_scheme, reap, torn_read_probe
 from tensordict import TensorDict
 
 import weightsync as ws
@@ -48,7 +47,7 @@ def _start_probes(scheme_name: str, scheme: ws.WeightSyncScheme) -> tuple[list[A
         if scheme_name == "inprocess":
             ctrl, ctrl_child = mp.Pipe()
             worker: Any = threading.Thread(
-                target=_probe.scheme_probe,
+                target=torn_read_probe.scheme_probe,
                 args=(copy.copy(scheme), "policy", None, ctrl_child, SHAPES, 60.0, 0.05),
                 kwargs={"worker_idx": i},
                 daemon=True,
@@ -57,7 +56,7 @@ def _start_probes(scheme_name: str, scheme: ws.WeightSyncScheme) -> tuple[list[A
             ours, theirs = PROCS.Pipe()
             ctrl, ctrl_child = PROCS.Pipe()
             worker = PROCS.Process(
-                target=_probe.scheme_probe,
+                target=torn_read_probe.scheme_probe,
                 args=(scheme, "policy", theirs, ctrl_child, SHAPES, 60.0, 0.05),
                 daemon=True,
             )
@@ -71,7 +70,7 @@ def _start_probes(scheme_name: str, scheme: ws.WeightSyncScheme) -> tuple[list[A
     return workers, conns, pipes
 
 
-def _check(reports: list[_probe.ProbeReport], last: int, sends: int) -> None:
+def _check(reports: list[torn_read_probe.ProbeReport], last: int, sends: int) -> None:
     for report in reports:
         print(
             f"probe {report.pid}: {report.reads} reads, {report.mixed} mixed, "
@@ -91,9 +90,9 @@ def _send_and_change(sender: ws.WeightSender, trainer: TensorDict) -> tuple[int,
     deadline = time.monotonic() + SEND_SECONDS
     while time.monotonic() < deadline:
         sends += 1
-        _probe.fill(trainer, sends)
+        torn_read_probe.fill(trainer, sends)
         sender.send_async()
-        _probe.fill(trainer, -sends)
+        torn_read_probe.fill(trainer, -sends)
         report = sender.wait_async(30)
         assert report.version == sends
         assert 0 < report.staged_seconds <= report.seconds
@@ -105,10 +104,10 @@ async def _send_and_change_async(sender: ws.AsyncWeightSender, trainer: TensorDi
     deadline = time.monotonic() + SEND_SECONDS
     while time.monotonic() < deadline:
         sends += 1
-        _probe.fill(trainer, sends)
+        torn_read_probe.fill(trainer, sends)
         pending = await sender.start_send()
         assert pending.version == sends
-        _probe.fill(trainer, -sends)
+        torn_read_probe.fill(trainer, -sends)
         report = await pending.wait()
         assert report.version == sends
         with pytest.raises(ws.WeightSyncStateError):
@@ -134,12 +133,12 @@ def test_weights_changed_once_send_async_returned_reach_no_worker(scheme_name: s
             scheme.init_on_sender("policy", model=trainer, num_workers=WORKERS)
         else:
             scheme.init_on_sender("policy", pipes=pipes, model=trainer)
-        _probe.start(conns)
+        torn_read_probe.start(conns)
         if api == "async":
             last, sends = asyncio.run(_send_and_change_async(scheme.get_async_sender(), trainer))
         else:
             last, sends = _send_and_change(scheme.get_sender(), trainer)
-        reports = _probe.stop(conns)
+        reports = torn_read_probe.stop(conns)
     finally:
         if scheme_name == "inprocess":
             for conn in conns:
@@ -157,7 +156,7 @@ def test_weights_changed_once_send_async_returned_reach_no_worker(scheme_name: s
 
 def test_weights_changed_once_send_async_returned_reach_no_ray_actor(ray_runtime: RayRuntime) -> None:
     ray = pytest.importorskip("ray")
-    from _workers import AsyncRayProbe, probe_weights
+    from harness.workers import AsyncRayProbe, probe_weights
 
     # An async actor's scan reads its weights again and again, awaiting in
     # between: the points where an update may land.
@@ -166,7 +165,7 @@ def test_weights_changed_once_send_async_returned_reach_no_ray_actor(ray_runtime
     scheme = make_scheme("ray")
     scheme.init_on_sender("probe", remote_collectors=[actor], model=trainer)
     try:
-        _probe.fill(trainer, 1)
+        torn_read_probe.fill(trainer, 1)
         scheme.send()
         scan = actor.scan.remote(SEND_SECONDS + 1.0)
         sender = scheme.get_sender()
@@ -174,9 +173,9 @@ def test_weights_changed_once_send_async_returned_reach_no_ray_actor(ray_runtime
         deadline = time.monotonic() + SEND_SECONDS
         while time.monotonic() < deadline:
             sends += 1
-            _probe.fill(trainer, sends)
+            torn_read_probe.fill(trainer, sends)
             sender.send_async()
-            _probe.fill(trainer, -sends)
+            torn_read_probe.fill(trainer, -sends)
             assert sender.wait_async(30).version == sends
         report = ray.get(scan, timeout=60)
         first, last = ray.get(actor.rollout.remote(0.0), timeout=30)

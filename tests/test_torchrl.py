@@ -2,7 +2,7 @@
 as ``weight_sync_schemes={"policy": scheme}``, driven by the collector's
 ``update_policy_weights_()``. Real spawned collector workers, torchrl's mock
 environment; each action of a batch is the version of the weights that
-produced it (see ``_torchrl_parts``).
+produced it (see ``harness.torchrl_parts``).
 
 Runs where torchrl is installed (CI's torchrl step: torchrl 0.14 needs
 tensordict < 0.15); skipped elsewhere.
@@ -23,7 +23,7 @@ import torch
 
 torchrl = pytest.importorskip("torchrl")
 
-import _torchrl_parts as parts  # noqa: E402
+from harness import torchrl_parts as parts  # noqa: E402
 from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector  # noqa: E402
 from torchrl.weight_update import WeightSyncScheme as TorchRLScheme  # noqa: E402
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.bench import _netns
+from weightsync.bench import EmulatedCluster, emulation_unavailable_reason
 
 
 def _torchrun(*args: str) -> list[str]:
@@ -57,12 +57,12 @@ def test_bench_under_torchrun_on_one_host(tmp_path: Path) -> None:
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(_netns.unavailable_reason() is not None, reason=str(_netns.unavailable_reason()))
+@pytest.mark.skipif(emulation_unavailable_reason() is not None, reason=str(emulation_unavailable_reason()))
 def test_bench_under_torchrun_across_emulated_hosts(tmp_path: Path) -> None:
     """Three hosts, two ranks each (ranks 0, 1 on host 0; 2, 3 on host 1;
     4, 5 on host 2), one torchrun per host."""
     out = tmp_path / "bench.json"
-    with _netns.EmulatedCluster(3, "1gbit") as cluster:
+    with EmulatedCluster(3, "1gbit") as cluster:
         master = cluster.addresses[0]
         procs = []
         for node in range(3):

@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import time
 
-import _probe
 import pytest
 import torch
-from harness import PROCS, make_scheme, reap, schemes, spec
+from harness import PROCS, make_scheme, reap, schemes, spec, torn_read_probe
 from tensordict import TensorDict
 
 import weightsync as ws
@@ -56,7 +55,7 @@ def test_workers_never_see_a_mix_of_versions(scheme_name: str, pace: str) -> Non
     if pace == "overlapping":
         for value in ROTATION:
             weights = trainer.clone()
-            _probe.fill(weights, value)
+            torn_read_probe.fill(weights, value)
             rotation.append(weights)
     receive_timeout = 0.05 if pace == "overlapping" else 0.0
     conns, pipes, procs = [], [], []
@@ -69,7 +68,7 @@ def test_workers_never_see_a_mix_of_versions(scheme_name: str, pace: str) -> Non
             ours, theirs = PROCS.Pipe() if not by_rank else (None, None)
             ctrl, ctrl_child = PROCS.Pipe()
             proc = PROCS.Process(
-                target=_probe.scheme_probe,
+                target=torn_read_probe.scheme_probe,
                 args=(scheme, "policy", theirs, ctrl_child, SHAPES, 60.0, receive_timeout),
                 kwargs={"worker_idx": rank} if by_rank else {},
                 daemon=True,
@@ -83,7 +82,7 @@ def test_workers_never_see_a_mix_of_versions(scheme_name: str, pace: str) -> Non
             procs.append(proc)
         if not by_rank:
             scheme.init_on_sender("policy", pipes=pipes, model=trainer)
-        _probe.start(conns)
+        torn_read_probe.start(conns)
         deadline = time.monotonic() + SEND_SECONDS[pace]
         while time.monotonic() < deadline:
             sends += 1
@@ -93,15 +92,15 @@ def test_workers_never_see_a_mix_of_versions(scheme_name: str, pace: str) -> Non
                 except ws.AckTimeoutError:
                     timed_out += 1
                 continue
-            _probe.fill(trainer, sends)
+            torn_read_probe.fill(trainer, sends)
             scheme.send(timeout=30)
         if pace == "overlapping":
             # A worker whose copy was overwritten waits for a newer version:
             # the last one reaches every worker whole.
             sends += 1
-            _probe.fill(trainer, sends)
+            torn_read_probe.fill(trainer, sends)
             scheme.send(timeout=30)
-        reports = _probe.stop(conns)
+        reports = torn_read_probe.stop(conns)
     finally:
         reap(procs)
         scheme.shutdown()

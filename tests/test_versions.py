@@ -11,10 +11,10 @@ import multiprocessing
 import threading
 from typing import Any
 
-import _applier_workers as workers
 import pytest
-from _workers import Net
 from harness import PROCS, make_scheme, reap, schemes
+from harness import background_workers as workers
+from harness.workers import Net
 
 import weightsync as ws
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from _workers import build_model, late_worker
 from harness import make_scheme, schemes, start_pipe_worker, stop_pipe_workers
+from harness.workers import build_model, late_worker
 
 import weightsync as ws
 from weightsync import _acks

@@ -8,18 +8,19 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-import _probe
 import torch
-from _workers import Net, snapshot
 from torch import nn
 
 import weightsync as ws
+
+from . import torn_read_probe
+from .workers import Net, snapshot
 
 
 class SlowProbe(nn.Module):
     """A model whose forward call reads its tensors one after the other,
     slowly, and returns the smallest and largest element of each: all equal
-    when the call ran on one version (see ``_probe``)."""
+    when the call ran on one version (see :mod:`.torn_read_probe`)."""
 
     def __init__(self, shapes: dict[str, int]) -> None:
         super().__init__()
@@ -45,9 +46,9 @@ def background_probe(
     applied: list[int] = []
     scheme.init_on_worker("policy", pipe=pipe, model=model, on_update=applied.append)
     try:
-        _probe.announce_ready(conn)
+        torn_read_probe.announce_ready(conn)
         scheme.connect()
-        report = _probe.ProbeReport(pid=os.getpid())
+        report = torn_read_probe.ProbeReport(pid=os.getpid())
         deadline = time.monotonic() + duration
         while time.monotonic() < deadline and not conn.poll():
             report.record([model()])

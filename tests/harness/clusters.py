@@ -1,6 +1,6 @@
 """The tests' clusters: one trainer-side scheme in the test process and N
 workers (processes on pipes, ranks, threads or Ray actors), each obeying
-commands from the test (``_workers.worker_main``)."""
+commands from the test (:func:`.workers.worker_main`)."""
 
 from __future__ import annotations
 
@@ -17,19 +17,21 @@ from typing import Any
 
 import pytest
 import torch
-from _workers import build_model, worker_main
 
 import weightsync as ws
 
 from .ray_runtime import RAY_NODES, RayRuntime
 from .schemes import TEST_TIMEOUT, make_scheme, spec
+from .workers import build_model, worker_main
 
 # Worker processes are forked from multiprocessing's fork server, which has
 # imported torch and weightsync once: a spawned interpreter spends 1-2 s of a
 # core importing torch, per worker, and that would be most of the suite's time.
 # The workers are still fresh processes that share nothing with the test.
 PROCS = mp.get_context("forkserver")
-PROCS.set_forkserver_preload(["torch", "tensordict", "weightsync", "_workers", "_probe"])
+PROCS.set_forkserver_preload(
+    ["torch", "tensordict", "weightsync", "harness.workers", "harness.torn_read_probe"]
+)
 READY_TIMEOUT = 90.0
 
 

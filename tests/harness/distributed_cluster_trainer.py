@@ -1,11 +1,11 @@
 """The trainer of tests/test_distributed_cluster.py: runs on host 0 of an
-emulated cluster (``python _distributed_cluster_driver.py HOST WORKERS
-NUMEL...``) with DistributedWeightSyncScheme, and takes commands on stdin,
+emulated cluster (``python -m harness.distributed_cluster_trainer HOST
+WORKERS NUMEL...``, :mod:`.programs`) with DistributedWeightSyncScheme, and takes commands on stdin,
 one per line, answering on stdout:
 
     (start)             -> STORE <host> <port>
     connect             -> OK <json>       once every worker announced itself
-    send [ids]          -> SENDING, then SENT <json>: version, digests (sha256 per
+    send [ids]          -> SENDING, then SENT <json>: version, digests (checksum per
                            tensor of what was sent), seconds, error, chains, fed
                            (per chain: whom each host leader fed), delta (per
                            chain: whether it carried a delta), wire (bytes the
@@ -25,9 +25,11 @@ import time
 from typing import Any
 
 import torch
-from _distributed_workers import build_model, state_of
 
 import weightsync as ws
+
+from .checksums import weight_checksums
+from .distributed_workers import build_model
 
 
 def _error(exc: ws.WorkerError) -> dict[str, Any]:
@@ -62,7 +64,7 @@ def main() -> None:
                 else:
                     flat = tensor.view(-1)
                     flat[torch.randperm(flat.numel())[: flat.numel() // 100]] += 1.0
-            digests = state_of(model)
+            digests = weight_checksums(model)
             print("SENDING", flush=True)
             started = time.perf_counter()
             error = None

@@ -5,7 +5,7 @@ A worker builds ``{name: zeros(numel)}``, joins the trainer's store as rank
 ``rank``, and then, until told to stop, calls ``receive()`` and answers the
 test's commands over ``conn`` (a pipe, or its stdin/stdout)::
 
-    "state"  -> ("state", version, {name: sha256 of the tensor's bytes})
+    "state"  -> ("state", version, {name: checksum}) (:func:`.checksums.weight_checksums`)
     "stop"   -> ("stopped", version, threads): the worker shut its scheme down
                 (``threads``: weightsync's threads still running then) and exits
     and, when the trainer shuts down: ("closed", version, threads)
@@ -13,7 +13,6 @@ test's commands over ``conn`` (a pipe, or its stdin/stdout)::
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import threading
@@ -24,13 +23,7 @@ from tensordict import TensorDict
 
 import weightsync as ws
 
-
-def digest_of(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def state_of(model: Any) -> dict[str, str]:
-    return {name: digest_of(t) for name, t in model.items()}
+from .checksums import weight_checksums
 
 
 def own_threads() -> list[str]:
@@ -71,7 +64,7 @@ def serve(
                 version = got
             command = poll()
             if command == "state":
-                send(("state", version, state_of(model)))
+                send(("state", version, weight_checksums(model)))
             elif command == "stop":
                 scheme.shutdown()
                 send(("stopped", version, own_threads()))
@@ -101,7 +94,7 @@ def pipe_worker(
 
 
 if __name__ == "__main__":
-    # A worker on an emulated host: python _distributed_workers.py HOST PORT RANK NUMEL...
+    # A worker on an emulated host: python -m harness.distributed_workers HOST PORT RANK NUMEL...
     # Commands come on stdin, one per line; answers go to stdout as repr() lines.
     import select
 

@@ -1,6 +1,7 @@
 """A trainer that the test interrupts with SIGINT (a terminal's Ctrl-C) while
 it sends. Run as a script:
-``python _interrupted_trainer.py SCHEME[,SCHEME...] ROUNDS MIB``.
+``python -m harness.interrupted_trainer SCHEME[,SCHEME...] ROUNDS MIB``
+(:mod:`.programs`).
 
 For each scheme in turn, with its own workers: each round it sends back to
 back until a SIGINT stops it, catches the KeyboardInterrupt, sends new
@@ -20,12 +21,13 @@ import os
 import signal
 import sys
 import threading
-import zlib
 from multiprocessing.connection import Connection
 
 import torch
 
 import weightsync as ws
+
+from .checksums import weight_checksums
 
 WORKERS = 3
 SCHEMES = {"multiprocess": ws.MultiProcessWeightSyncScheme, "shared": ws.SharedMemWeightSyncScheme}
@@ -35,10 +37,6 @@ def make_weights(mib: int, seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     numel = (mib << 20) // 4 // 4
     return {f"w{i}": torch.randn(numel, generator=generator) for i in range(4)}
-
-
-def checksums(weights: dict[str, torch.Tensor]) -> dict[str, int]:
-    return {name: zlib.crc32(t.contiguous().view(torch.uint8).numpy()) for name, t in weights.items()}
 
 
 def worker(scheme: ws.WeightSyncScheme, pipe: Connection, ctrl: Connection, mib: int) -> None:
@@ -51,7 +49,7 @@ def worker(scheme: ws.WeightSyncScheme, pipe: Connection, ctrl: Connection, mib:
             if ctrl.poll():
                 if ctrl.recv() == "stop":
                     return
-                ctrl.send(checksums(weights))
+                ctrl.send(weight_checksums(weights))
     except ws.SenderLostError:
         return
     finally:
@@ -115,7 +113,7 @@ def run_scheme(ctx: mp.context.BaseContext, scheme_name: str, rounds: int, mib: 
             for name, tensor in weights.items():
                 tensor.copy_(fresh[name])
             scheme.send()
-            expected = checksums(weights)
+            expected = weight_checksums(weights)
             for i, ctrl in enumerate(ctrls):
                 ctrl.send("crc")
                 got = ctrl.recv() if ctrl.poll(30) else {}

@@ -1,5 +1,5 @@
 """The trainer of tests/test_cluster.py: runs on host 0 of an emulated cluster
-(``python _cluster_driver.py SCENARIO``), sends with RayWeightSyncScheme to
+(``python -m harness.ray_cluster_trainer SCENARIO``, :mod:`.programs`), sends with RayWeightSyncScheme to
 actors on the other hosts, checks every actor's weights bit for bit, and
 prints ``RESULT <json>`` last. Before the send that the test disturbs it
 prints ``SENDING`` and waits a moment, so the test can act during it.
@@ -15,13 +15,14 @@ import logging
 import os
 import sys
 import time
-import zlib
 from typing import Any
 
 import ray
 import torch
 
 import weightsync as ws
+
+from .checksums import weight_checksums
 
 MIB = 1 << 20
 
@@ -33,8 +34,8 @@ class Collector:
         self.tensors = {name: torch.zeros(shape) for name, shape in shapes.items()}
         scheme.init_on_worker("policy", model=self.tensors)
 
-    def checksums(self) -> list[int]:
-        return [zlib.crc32(t.numpy().tobytes()) for t in self.tensors.values()]
+    def checksums(self) -> dict[str, int]:
+        return weight_checksums(self.tensors)
 
     def host(self) -> str:
         return str(ray.util.get_node_ip_address())
@@ -47,10 +48,6 @@ def _model(mib: int) -> dict[str, torch.Tensor]:
     per = mib * MIB // 4 // 4
     generator = torch.Generator().manual_seed(mib)
     return {f"layer{i}.weight": torch.randn(per, generator=generator) for i in range(4)}
-
-
-def _sums(tensors: dict[str, torch.Tensor]) -> list[int]:
-    return [zlib.crc32(t.numpy().tobytes()) for t in tensors.values()]
 
 
 def _actors(
@@ -66,7 +63,7 @@ def _actors(
 
 def _exact(actors: list[Any], model: dict[str, torch.Tensor], timeout: float = 60) -> list[int]:
     """The indices of the actors that do not hold exactly ``model``."""
-    want = _sums(model)
+    want = weight_checksums(model)
     got = ray.get([a.checksums.remote() for a in actors], timeout=timeout)
     return [i for i, sums in enumerate(got) if sums != want]
 

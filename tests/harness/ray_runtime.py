@@ -19,8 +19,9 @@ class RayRuntime:
 
     def __init__(self) -> None:
         import ray
-        from _workers import RayWorker
         from ray.cluster_utils import Cluster as RayTestCluster
+
+        from .workers import RayWorker
 
         node = {"num_cpus": 1, "object_store_memory": 256 << 20}
         self.nodes = RayTestCluster(

@@ -402,7 +402,7 @@ class RayProbe:
 
     ``rollout`` (a plain method) reads them at its start and its end;
     ``scan`` (the async variant, in AsyncRayProbe) reads them again and
-    again, awaiting in between. Each read is classified as in ``_probe``.
+    again, awaiting in between. Each read is classified as in :mod:`.torn_read_probe`.
     """
 
     def __init__(self, scheme: ws.WeightSyncScheme) -> None:
@@ -412,11 +412,11 @@ class RayProbe:
         scheme.init_on_worker("probe", model=self.weights, on_update=self.versions.append)
 
     def rollout(self, seconds: float) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
-        import _probe
+        from . import torn_read_probe
 
-        first = _probe.span(self.weights)
+        first = torn_read_probe.span(self.weights)
         time.sleep(seconds)
-        return first, _probe.span(self.weights)
+        return first, torn_read_probe.span(self.weights)
 
     def timed_rollout(self, seconds: float) -> dict[str, Any]:
         """``rollout``, with when it ended (``time.monotonic()``: one clock
@@ -432,13 +432,13 @@ class AsyncRayProbe(RayProbe):
     async def scan(self, seconds: float) -> dict[str, Any]:
         import asyncio
 
-        import _probe
+        from . import torn_read_probe
 
         verdicts = {"consistent": 0, "mixed": 0}
         seen = set()
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            verdicts[_probe.classify(self.weights)] += 1
+            verdicts[torn_read_probe.classify(self.weights)] += 1
             seen.add(float(self.weights["w0"][0]))
             await asyncio.sleep(0)
         return {**verdicts, "values": sorted(seen)}
@@ -488,7 +488,8 @@ def ray_trainer_then_die(address: str, name: str) -> None:
 
     import ray
 
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    # The tests' directory, where Ray's workers import this module from (as harness.workers).
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ray.init(
         address=address,
         namespace="weightsync-tests",
