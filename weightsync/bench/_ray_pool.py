@@ -45,7 +45,7 @@ from ._model import GeneratedMLP, corrupt_model, tensor_checksums
 from ._pools import Pool
 from ._types import MODEL_ID, BenchError, Case, WorkerStartup
 
-__all__ = ["BenchActor", "RayActorPool", "actor_applier"]
+__all__ = ["BenchActor", "MixinBenchActor", "RayActorPool", "actor_applier"]
 
 
 def actor_applier(name: str, model: nn.Module) -> Callable[[Any], None]:
@@ -171,13 +171,20 @@ class BenchActor:
             receiver.shutdown()
 
 
+class MixinBenchActor(ws.RayWeightSyncMixin, BenchActor):
+    """A :class:`BenchActor` with weightsync's optional mixin: the Ray
+    scheme's updates are calls of its own method instead of ``__ray_call__``
+    (:attr:`weightsync.bench.BenchConfig.ray_mixin`)."""
+
+
 class RayActorPool(Pool):
     """The bench's Ray actors, started once and reused by every case of
     ``cases`` that runs on Ray (:func:`weightsync.bench.pool_of`); if no
     case does, neither Ray nor any actor is started.
 
     Use as a context manager: leaving it kills every actor, also after an
-    error or Ctrl-C, and shuts down Ray if the pool started it.
+    error or Ctrl-C, and shuts down Ray if the pool started it. ``mixin``:
+    the actors are :class:`MixinBenchActor`.
     """
 
     kind = "ray"
@@ -189,8 +196,10 @@ class RayActorPool(Pool):
         timeout: float,
         worker_threads: int | None = 1,
         corrupt_worker: int | None = None,
+        mixin: bool = False,
     ) -> None:
         super().__init__(cases, timeout=timeout, worker_threads=worker_threads, corrupt_worker=corrupt_worker)
+        self.mixin = mixin
         self._actors: list[Any] = []
         self._pids: list[int | None] = []
         self._in_case: list[Any] = []
@@ -228,7 +237,7 @@ class RayActorPool(Pool):
             self._started_ray = True
         started = time.perf_counter()
         # No CPU reserved per actor: a case may have more actors than cores.
-        actor_class = ray.remote(num_cpus=0)(BenchActor)
+        actor_class = ray.remote(num_cpus=0)(MixinBenchActor if self.mixin else BenchActor)
         self._actors = [actor_class.remote(self.worker_threads) for _ in range(self.size)]
         # Each actor imports torch first: allow for a slow start, as for a process.
         places = self.get(

@@ -243,7 +243,9 @@ def run_bench(
     # Each pool starts workers only for its own cases, if it has any.
     with (
         WorkerPool(cases, timeout=timeout, worker_threads=threads, corrupt_worker=corrupt) as processes,
-        RayActorPool(cases, timeout=timeout, worker_threads=threads, corrupt_worker=corrupt) as actors,
+        RayActorPool(
+            cases, timeout=timeout, worker_threads=threads, corrupt_worker=corrupt, mixin=config.ray_mixin
+        ) as actors,
     ):
         pools: dict[str, Pool] = {pool.kind: pool for pool in (processes, actors)}
         run.startup = [pool.startup for pool in (processes, actors) if pool.startup is not None]

@@ -427,7 +427,9 @@ class BenchConfig:
     model live (``cpu`` or ``cuda:N``, :func:`parse_device`). ``blocking``
     times weightsync's sends as one blocking ``send()`` each;
     ``check_once`` checks each worker of a weightsync case once, after the
-    last send, instead of after every send (not for the Ray schemes).
+    last send, instead of after every send (not for the Ray schemes);
+    ``ray_mixin`` makes the bench's Ray actors subclass
+    :class:`weightsync.RayWeightSyncMixin`.
     """
 
     schemes: tuple[str, ...] = ("multiprocess", "shared")
@@ -452,6 +454,8 @@ class BenchConfig:
     # another still applies the send (as bare-tight checks). Worker
     # processes only.
     check_once: bool = False
+    # The Ray actors subclass weightsync.RayWeightSyncMixin.
+    ray_mixin: bool = False
 
     def __post_init__(self) -> None:
         for device in (self.trainer_device, self.worker_device):
