@@ -37,7 +37,7 @@ import json, os, sys, time
 import ray, torch
 import weightsync as ws
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from weightsync.bench import MIB, mlp_shapes
+from weightsync.bench import MIB, HostActor, mlp_shapes, receiving_nodes
 
 hosts, mib, sends = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)

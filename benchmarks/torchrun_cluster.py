@@ -16,7 +16,7 @@ import argparse
 import subprocess
 import sys
 
-from weightsync.bench import _netns
+from weightsync.bench import EmulatedCluster, emulation_unavailable_reason
 
 
 def main() -> int:
@@ -29,7 +29,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--port", type=int, default=29541, help="the rendezvous port on host 0")
     args = parser.parse_args()
-    reason = _netns.unavailable_reason()
+    reason = emulation_unavailable_reason()
     if reason is not None:
         print(f"cannot emulate hosts here: {reason}", file=sys.stderr)
         return 2
@@ -38,7 +38,7 @@ def main() -> int:
     # The bench's gloo peers use the world group, whose sockets would bind to
     # the address of the host's name (the machine's): eth0 is each host's NIC.
     env = {"GLOO_SOCKET_IFNAME": "eth0", "TORCH_CPP_LOG_LEVEL": "ERROR"}
-    with _netns.EmulatedCluster(args.hosts, args.link_rate) as cluster:
+    with EmulatedCluster(args.hosts, args.link_rate) as cluster:
         procs = []
         for node in range(args.hosts):
             torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.hosts),
