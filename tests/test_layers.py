@@ -120,6 +120,55 @@ def test_the_bench_uses_only_the_public_package() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+TESTS = Path(__file__).resolve().parent
+
+
+def _bench_internals_in(source: str) -> list[str]:
+    """The private names of ``weightsync.bench`` that ``source`` imports: a
+    module ``weightsync.bench._x`` in any form, or an underscore name from
+    the package."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            modules = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        for module in modules:
+            parts = module.split(".")
+            if parts[:2] == ["weightsync", BENCH] and any(p.startswith("_") for p in parts[2:]):
+                found.append(module)
+    return found
+
+
+def test_tests_use_only_the_public_names_of_the_bench() -> None:
+    """The tests reach the bench (the emulated cluster, the trajectories)
+    through ``weightsync.bench``'s exports, as scripts do: none imports its
+    private modules."""
+    wrong = [
+        f"{path.relative_to(TESTS)} imports {module}"
+        for path in sorted(TESTS.rglob("*.py"))
+        for module in _bench_internals_in(path.read_text())
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_bench_check_sees_a_private_import() -> None:
+    source = (
+        "import weightsync.bench._netns\n"
+        "from weightsync.bench import _hosts, EmulatedCluster\n"
+        "from weightsync.bench._trajectories import TRAJECTORIES\n"
+        "from weightsync.bench import parse_rate\n"
+    )
+    assert _bench_internals_in(source) == [
+        "weightsync.bench._netns",
+        "weightsync.bench._hosts",
+        "weightsync.bench._trajectories",
+        "weightsync.bench._trajectories.TRAJECTORIES",
+    ]
+
+
 def test_no_import_cycle() -> None:
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     cycles: list[list[str]] = []
