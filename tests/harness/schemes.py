@@ -1,9 +1,11 @@
 """The scheme registry: every scheme the suites run over, with what it can do.
 
-A suite asks for the schemes whose flags fit what it checks
+What a scheme can do is described once, by the bench
+(:data:`weightsync.bench.SCHEME_CAPABILITIES`); the flags here are read
+from it. A suite asks for the schemes whose flags fit what it checks
 (``schemes(processes=True)``: every scheme whose workers are processes the
 test can kill or stop), instead of naming schemes; a new scheme enters every
-suite its flags allow by one line here.
+suite its flags allow once the bench describes it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 
 import weightsync as ws
+from weightsync.bench import SCHEME_CAPABILITIES, SchemeCapabilities
 
 # The tests' schemes send with a deadline of 30 s unless told otherwise.
 TEST_TIMEOUT = 30.0
@@ -22,79 +25,64 @@ TEST_TIMEOUT = 30.0
 
 @dataclass(frozen=True)
 class SchemeSpec:
-    """One scheme and what its workers are."""
+    """One scheme and what its workers are, as flags read from its
+    capabilities."""
 
-    cls: type[ws.WeightSyncScheme]
-    #: Workers are processes (the test can SIGKILL or SIGSTOP them, read their /proc).
-    processes: bool
-    #: Workers are joined to the trainer by the user's pipes.
-    pipes: bool
-    #: Workers are Ray actors: Ray owns their processes, and an actor is never
-    #: told of a clean shutdown (it keeps serving until the trainer ends).
-    actors: bool
-    #: Workers may be on other hosts.
-    cross_host: bool
-    #: A worker's tensors run on the trainer's shared memory after an update
-    #: (their data_ptr() changes; their identity is kept by every scheme).
-    zero_copy: bool
+    capabilities: SchemeCapabilities
     #: Marks every test of this scheme carries (a scheme slow to start runs
     #: in the extended step).
     marks: tuple[Any, ...] = ()
+
+    @property
+    def cls(self) -> type[ws.WeightSyncScheme]:
+        return self.capabilities.cls
+
+    @property
+    def processes(self) -> bool:
+        """Workers are processes (the test can SIGKILL or SIGSTOP them, read their /proc)."""
+        return self.capabilities.workers in ("processes", "actors")
+
+    @property
+    def pipes(self) -> bool:
+        """Workers are joined to the trainer by the user's pipes."""
+        return self.capabilities.reach == "pipe"
+
+    @property
+    def actors(self) -> bool:
+        """Workers are Ray actors: Ray owns their processes, and an actor is
+        never told of a clean shutdown (it keeps serving until the trainer ends)."""
+        return self.capabilities.workers == "actors"
+
+    @property
+    def cross_host(self) -> bool:
+        """Workers may be on other hosts."""
+        return self.capabilities.cross_host
+
+    @property
+    def zero_copy(self) -> bool:
+        """A worker's tensors run on the trainer's shared memory after an
+        update (their data_ptr() changes; their identity is kept by every scheme)."""
+        return self.capabilities.copy == "shared"
 
     @property
     def keeps_data_ptr(self) -> bool:
         return not self.zero_copy
 
 
+# Marks of the schemes slow to start. A Ray test takes actors that import
+# torch (seconds each) from a two-node Ray test cluster; a test of the
+# distributed scheme (worker processes reached by rank through the
+# trainer's store on 127.0.0.1; across hosts: the cluster step) starts a
+# gloo group per worker. The extended step runs them, as every test that
+# uses the ``ray_runtime`` fixture (conftest.py).
+MARKS: dict[str, tuple[Any, ...]] = {
+    "ray": (pytest.mark.extended,),
+    "distributed": (pytest.mark.extended,),
+}
+
 REGISTRY: dict[str, SchemeSpec] = {
-    "multiprocess": SchemeSpec(
-        ws.MultiProcessWeightSyncScheme,
-        processes=True,
-        pipes=True,
-        actors=False,
-        cross_host=False,
-        zero_copy=False,
-    ),
-    "shared": SchemeSpec(
-        ws.SharedMemWeightSyncScheme,
-        processes=True,
-        pipes=True,
-        actors=False,
-        cross_host=False,
-        zero_copy=True,
-    ),
-    "inprocess": SchemeSpec(
-        ws.InProcessWeightSyncScheme,
-        processes=False,
-        pipes=False,
-        actors=False,
-        cross_host=False,
-        zero_copy=False,
-    ),
-    # A Ray test takes actors that import torch (seconds each) from a two-node
-    # Ray test cluster: the extended step runs them, as every test that uses
-    # the ``ray_runtime`` fixture (conftest.py).
-    "ray": SchemeSpec(
-        ws.RayWeightSyncScheme,
-        processes=True,
-        pipes=False,
-        actors=True,
-        cross_host=True,
-        zero_copy=False,
-        marks=(pytest.mark.extended,),
-    ),
-    # Worker processes reached by rank through the trainer's store on
-    # 127.0.0.1 (across hosts: the cluster step). Every test of it starts a
-    # gloo group per worker: the extended step runs them.
-    "distributed": SchemeSpec(
-        ws.DistributedWeightSyncScheme,
-        processes=True,
-        pipes=False,
-        actors=False,
-        cross_host=True,
-        zero_copy=False,
-        marks=(pytest.mark.extended,),
-    ),
+    name: SchemeSpec(capabilities, marks=MARKS.get(name, ()))
+    for name, capabilities in SCHEME_CAPABILITIES.items()
 }
 
 

@@ -136,6 +136,57 @@ def unavailable(module: str | None) -> str | None:
 
 
 @dataclass(frozen=True)
+class SchemeCapabilities:
+    """What a scheme of weightsync can do, and how its workers are reached:
+    the one description of it, for the bench (:class:`SchemeInfo`) and for
+    whatever else picks schemes by what they can do (weightsync's tests).
+
+    ``workers`` is what a worker is: ``"processes"``, ``"actors"`` (Ray's:
+    Ray owns their processes) or ``"threads"`` (of the trainer's process).
+    ``reach`` is how the trainer is given its workers: ``"pipe"`` (the
+    user's pipes: ``pipes=`` / ``pipe=``), ``"rank"`` (``num_workers=`` on
+    the trainer, ``worker_idx=rank`` on a worker, through the store the
+    pickled scheme names), ``"actor"`` (``remote_collectors=``, and
+    ``init_on_worker`` inside each actor) or ``"index"`` (``num_workers=``,
+    and ``worker_idx=i`` on a copy of the scheme). ``copy`` is
+    ``"private"`` (each worker holds its own copy, its tensors keep their
+    ``data_ptr()``) or ``"shared"`` (zero-copy: a worker's tensors run on
+    the trainer's shared memory after an update). ``cross_host``: its
+    workers may be on other hosts than the trainer."""
+
+    cls: type[ws.WeightSyncScheme]
+    workers: str
+    reach: str
+    copy: str
+    cross_host: bool
+
+
+#: Every scheme of weightsync, by the name the bench and the tests give it.
+#: A new scheme is described here once.
+SCHEME_CAPABILITIES: dict[str, SchemeCapabilities] = {
+    "multiprocess": SchemeCapabilities(
+        ws.MultiProcessWeightSyncScheme, workers="processes", reach="pipe", copy="private", cross_host=False
+    ),
+    "shared": SchemeCapabilities(
+        ws.SharedMemWeightSyncScheme, workers="processes", reach="pipe", copy="shared", cross_host=False
+    ),
+    "inprocess": SchemeCapabilities(
+        ws.InProcessWeightSyncScheme, workers="threads", reach="index", copy="private", cross_host=False
+    ),
+    # An actor applies each update between its method calls, from an
+    # immutable object in Ray's store, into its own model: a private copy.
+    "ray": SchemeCapabilities(
+        ws.RayWeightSyncScheme, workers="actors", reach="actor", copy="private", cross_host=True
+    ),
+    # Each worker's relay thread takes the bytes into a buffer of its own;
+    # receive() copies one whole version from it: a private copy.
+    "distributed": SchemeCapabilities(
+        ws.DistributedWeightSyncScheme, workers="processes", reach="rank", copy="private", cross_host=True
+    ),
+}
+
+
+@dataclass(frozen=True)
 class SchemeInfo:
     """A scheme the bench knows: its name on the command line, a one-line
     summary for ``--help``, how to build it with a send deadline, and what it
@@ -151,19 +202,33 @@ class SchemeInfo:
     worker process is reached: ``"pipe"`` (``pipes=`` / ``pipe=``) or
     ``"rank"`` (``num_workers=`` on the trainer, ``worker_idx=rank`` on
     worker ``rank - 1``, through the store the pickled scheme names).
-    ``requires`` names the module it needs that may be missing, if any;
-    ``devices`` where the bench can place its trainer and workers
-    (:func:`placement_unavailable`)."""
+    ``copy``, ``pool`` and ``reach`` are read from the scheme's
+    :data:`SCHEME_CAPABILITIES`. ``requires`` names the module it needs that
+    may be missing, if any; ``devices`` where the bench can place its
+    trainer and workers (:func:`placement_unavailable`)."""
 
     name: str
     summary: str
     factory: Callable[[float], ws.WeightSyncScheme]
-    copy: str = "private"
     torn: str = "no"
-    pool: str = "processes"
     requires: str | None = None
-    reach: str = "pipe"
     devices: str = "any"
+
+    @property
+    def capabilities(self) -> SchemeCapabilities:
+        return SCHEME_CAPABILITIES[self.name]
+
+    @property
+    def copy(self) -> str:
+        return self.capabilities.copy
+
+    @property
+    def pool(self) -> str:
+        return "ray" if self.capabilities.workers == "actors" else "processes"
+
+    @property
+    def reach(self) -> str:
+        return self.capabilities.reach
 
     def unavailable(self) -> str | None:
         """Why it cannot run here, or None if it can."""
@@ -186,7 +251,8 @@ def _ray(timeout: float) -> ws.WeightSyncScheme:
     return ws.RayWeightSyncScheme(timeout=timeout)
 
 
-# A new scheme joins the bench here. Its ``pool`` says how it is initialised
+# A new scheme joins the bench here, once its capabilities are described
+# (:data:`SCHEME_CAPABILITIES`). Its pool says how it is initialised
 # (``pipes=`` / ``pipe=`` in processes, ``remote_collectors=`` / inside the
 # actor on Ray); one that needs more should grow this record rather than
 # special-case the engine.
@@ -200,24 +266,16 @@ SCHEMES: dict[str, SchemeInfo] = {
         "shared",
         "SharedMemWeightSyncScheme: zero-copy, workers re-point to versioned shared-memory slots",
         _shared,
-        copy="shared",
     ),
-    # Each worker's relay thread takes the bytes into a buffer of its own;
-    # receive() copies one whole version from it: private, never torn.
     "distributed": SchemeInfo(
         "distributed",
         "DistributedWeightSyncScheme: a pipelined gloo chain of the workers, control over a TCPStore",
         _distributed,
-        reach="rank",
     ),
-    # An actor applies each update between its method calls, from an
-    # immutable object in Ray's store, into its own model: a private copy,
-    # never torn.
     "ray": SchemeInfo(
         "ray",
         "RayWeightSyncScheme: one object-store put per send, one call per Ray actor, copied in place",
         _ray,
-        pool="ray",
         requires="ray",
         # The bench's Ray actors are given no GPU.
         devices="cpu",
