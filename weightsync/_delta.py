@@ -593,10 +593,20 @@ def _apply_sparse(blosc2: Any, payload: memoryview, elements: np.ndarray) -> Non
     elements[positions] = changed
 
 
+#: The most codec threads a scheme uses when it does not say.
+MAX_DEFAULT_THREADS = 1
+
+
 def default_threads() -> int:
-    """The codec threads of a scheme that does not say: ``min(4, usable
-    cores)``; the user's collectors keep the other cores."""
-    return max(1, min(4, usable_cores()))
+    """The codec threads of a scheme that does not say: one. Most of a
+    chunk's numpy steps (the search for what changed, the gathers, the
+    digest) hold the GIL, so a second thread slowed the encode on a
+    2-core machine (``benchmarks/delta_codec.py --threads 2``: 0.43x to
+    0.93x the wall clock of one thread, bf16 lr 3e-6 and fp32 lr 3e-4);
+    the one thread already works while the chain sends (the frames are
+    produced as they go). At most :data:`MAX_DEFAULT_THREADS`, and the
+    usable cores."""
+    return max(1, min(MAX_DEFAULT_THREADS, usable_cores()))
 
 
 def _gil_free_compression() -> None:

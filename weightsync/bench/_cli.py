@@ -275,6 +275,12 @@ def _parser() -> argparse.ArgumentParser:
         help=f"trajectories to send with --delta (default: all: {', '.join(TRAJECTORIES)})",
     )
     delta.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="with --delta --emulate-hosts N --hosts 1: the trainer on core 0 and the receiving host on "
+        "core 1 (taskset), the chain's cost per hop on hosts with a core each",
+    )
+    delta.add_argument(
         "--keep-steps",
         metavar="DIR",
         help="keep the computed trajectory steps in DIR and use them again in later --delta runs of "
@@ -425,6 +431,8 @@ def _delta(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if checked is None:
             return 2
         hosts, total = checked[1], args.emulate_hosts
+        if args.pin_cores and list(hosts) != [1]:
+            parser.error("--pin-cores runs one receiving host: --hosts 1")
     else:
         # One host: every process in one network namespace of its own, so
         # that its lo counts only their bytes.
@@ -443,7 +451,7 @@ def _delta(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         done = emulate_delta(
             total, args.link_rate, hosts, args.trajectory, sizes[0], args.steps, args.per_host,
-            progress=lambda text: print(text, flush=True), keep_steps=args.keep_steps,
+            progress=lambda text: print(text, flush=True), keep_steps=args.keep_steps, pin=args.pin_cores,
         )  # fmt: skip
     except RuntimeError as exc:
         print(f"weightsync bench: error: {exc}", file=sys.stderr)
