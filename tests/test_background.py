@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from harness import PROCS, make_scheme, reap, schemes, torn_read_probe
+from harness import PROCS, make_scheme, reap, schemes, start_pipe_worker, start_worker, torn_read_probe
 from harness import background_workers as workers
 from harness.workers import Net, snapshot
 from tensordict import TensorDict
@@ -32,12 +32,7 @@ def _start(target: object, scheme: ws.WeightSyncScheme, n: int, *args: object) -
     (the trainer's pipe ends, the control ends, the processes)."""
     pipes, conns, procs = [], [], []
     for _ in range(n):
-        ours, theirs = PROCS.Pipe()
-        ctrl, ctrl_child = PROCS.Pipe()
-        proc = PROCS.Process(target=target, args=(scheme, theirs, ctrl_child, *args), daemon=True)
-        proc.start()
-        theirs.close()
-        ctrl_child.close()
+        proc, ours, ctrl = start_pipe_worker(target, lambda pipe, ctrl: (scheme, pipe, ctrl, *args))
         pipes.append(ours)
         conns.append(ctrl)
         procs.append(proc)
@@ -192,10 +187,7 @@ def test_the_scheme_makes_its_own_pipes_and_the_workers_find_their_ends() -> Non
     conns, procs = [], []
     try:
         for i in range(2):
-            ctrl, ctrl_child = PROCS.Pipe()
-            proc = PROCS.Process(target=workers.own_pipe_worker, args=(scheme, i, ctrl_child), daemon=True)
-            proc.start()
-            ctrl_child.close()
+            proc, ctrl = start_worker(workers.own_pipe_worker, lambda ctrl, i=i: (scheme, i, ctrl))
             conns.append(ctrl)
             procs.append(proc)
         scheme.connect()

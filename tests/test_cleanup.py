@@ -17,7 +17,6 @@ import time
 import pytest
 import torch
 from harness import (
-    PROCS,
     Cluster,
     fd_baseline,
     make_scheme,
@@ -26,6 +25,7 @@ from harness import (
     schemes,
     shm_entries,
     spec,
+    start_worker,
     weightsync_threads,
 )
 from harness.workers import build_model, leftovers, memfd_fds, memfd_maps, trainer_then_die
@@ -140,10 +140,7 @@ def test_sigkilled_trainer_is_reported_to_the_worker_promptly(scheme_name: str) 
     itself."""
     shm_before = shm_entries()
     scheme = make_scheme(scheme_name)
-    ours, theirs = PROCS.Pipe()
-    trainer = PROCS.Process(target=trainer_then_die, args=(scheme, "policy", theirs, 2), daemon=True)
-    trainer.start()
-    theirs.close()
+    trainer, ours = start_worker(trainer_then_die, lambda pipe, scheme=scheme: (scheme, "policy", pipe, 2))
     model = build_model("net", seed=3)
     fds_before = set(os.listdir("/proc/self/fd"))
     expected = build_model("net", seed=7).state_dict()  # the trainer's model...

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from harness import PROCS, Cluster, RayRuntime, make_scheme, reap, schemes
+from harness import PROCS, Cluster, RayRuntime, make_scheme, reap, schemes, start_worker
 from harness.workers import build_model, two_model_worker
 
 import weightsync as ws
@@ -58,14 +58,8 @@ def test_two_models_over_the_same_worker_processes_from_two_threads(scheme_name:
     try:
         for _ in range(2):
             pipes = {name: PROCS.Pipe() for name in MODELS}
-            ctrl, ctrl_child = PROCS.Pipe()
-            proc = PROCS.Process(
-                target=two_model_worker,
-                args=(by_model, {n: p[1] for n, p in pipes.items()}, ctrl_child),
-                daemon=True,
-            )
-            proc.start()
-            ctrl_child.close()
+            theirs = {n: p[1] for n, p in pipes.items()}
+            proc, ctrl = start_worker(two_model_worker, lambda ctrl, theirs=theirs: (by_model, theirs, ctrl))
             for name, (mine, theirs) in pipes.items():
                 theirs.close()
                 ours[name].append(mine)

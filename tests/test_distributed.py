@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 import torch
-from harness import PROCS, reap, weight_checksums
 from harness import distributed_workers as dw
+from harness import reap, start_worker, weight_checksums
 
 import weightsync as ws
 
@@ -51,13 +51,10 @@ class Workers:
         self.conns: list[Any] = []
         self.procs: list[Any] = []
         for rank in range(1, n + 1):
-            ours, theirs = PROCS.Pipe()
             uid = (uids or {}).get(rank)
-            proc = PROCS.Process(
-                target=dw.pipe_worker, args=(self.scheme, rank, theirs, shapes, uid, dtype), daemon=True
+            proc, ours = start_worker(
+                dw.pipe_worker, lambda conn, rank=rank, uid=uid: (self.scheme, rank, conn, shapes, uid, dtype)
             )
-            proc.start()
-            theirs.close()
             self.conns.append(ours)
             self.procs.append(proc)
         for conn in self.conns:
@@ -228,10 +225,7 @@ def test_a_worker_connects_with_store_info_and_applies_in_the_background() -> No
     scheme.init_on_sender("policy", num_workers=1, model=trainer, host="127.0.0.1")
     info = scheme.get_store_info()
     assert info is not None and info["host"] == "127.0.0.1" and info["port"] > 0
-    ours, theirs = PROCS.Pipe()
-    proc = PROCS.Process(target=_background_worker, args=(info, theirs, SHAPES), daemon=True)
-    proc.start()
-    theirs.close()
+    proc, ours = start_worker(_background_worker, lambda conn: (info, conn, SHAPES))
     try:
         scheme.connect()
         for tensor in trainer.values():

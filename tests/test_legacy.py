@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import PROCS, reap, torn_read_probe
+from harness import reap, start_worker, torn_read_probe
 from harness.workers import build_model
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
@@ -410,12 +410,7 @@ def test_workers_read_the_buffer_while_it_is_overwritten() -> None:
     conns, procs = [], []
     try:
         for _ in range(2):
-            ours, theirs = PROCS.Pipe()
-            proc = PROCS.Process(
-                target=torn_read_probe.shared_buffer_probe, args=(buffer, theirs, 30.0), daemon=True
-            )
-            proc.start()
-            theirs.close()
+            proc, ours = start_worker(torn_read_probe.shared_buffer_probe, lambda conn: (buffer, conn, 30.0))
             conns.append(ours)
             procs.append(proc)
         torn_read_probe.start(conns)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import PROCS, Cluster, RayCluster, schemes
+from harness import Cluster, RayCluster, schemes, start_pipe_worker
 from harness import background_workers as workers
 from harness.workers import worker_main
 
@@ -21,14 +21,9 @@ import weightsync as ws
 
 def _start_worker(cluster: Cluster) -> Any:
     """One more worker process for ``cluster``: the trainer's end of its pipe."""
-    ours, theirs = PROCS.Pipe()
-    ctrl, ctrl_child = PROCS.Pipe()
-    proc = PROCS.Process(
-        target=worker_main, args=(cluster.scheme, cluster.model_id, theirs, ctrl_child, "net"), daemon=True
+    proc, ours, ctrl = start_pipe_worker(
+        worker_main, lambda pipe, ctrl: (cluster.scheme, cluster.model_id, pipe, ctrl, "net")
     )
-    proc.start()
-    theirs.close()
-    ctrl_child.close()
     assert ctrl.poll(60)
     tag, pid = ctrl.recv()
     assert tag == "ready"

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import PROCS, Cluster, new_cluster, reap, schemes
+from harness import PROCS, Cluster, new_cluster, reap, schemes, start_worker
 from harness import background_workers as workers
 from harness.workers import Net, build_model
 from tensordict import TensorDict
@@ -109,10 +109,7 @@ def _start_own_pipe_workers(scheme: ws.WeightSyncScheme, n: int) -> tuple[list[C
     tensors when asked on its connection."""
     conns, procs = [], []
     for i in range(n):
-        ctrl, ctrl_child = PROCS.Pipe()
-        proc = PROCS.Process(target=workers.own_pipe_worker, args=(scheme, i, ctrl_child), daemon=True)
-        proc.start()
-        ctrl_child.close()
+        proc, ctrl = start_worker(workers.own_pipe_worker, lambda ctrl, i=i: (scheme, i, ctrl))
         conns.append(ctrl)
         procs.append(proc)
     return conns, procs

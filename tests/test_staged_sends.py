@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import PROCS, RayRuntime, make_scheme, reap, torn_read_probe
+from harness import RayRuntime, make_scheme, reap, start_pipe_worker, torn_read_probe
 from tensordict import TensorDict
 
 import weightsync as ws
@@ -44,27 +44,22 @@ def _start_probes(scheme_name: str, scheme: ws.WeightSyncScheme) -> tuple[list[A
     their control connections, and the trainer's pipe ends (if any)."""
     workers, conns, pipes = [], [], []
     for i in range(WORKERS):
+        worker: Any
         if scheme_name == "inprocess":
             ctrl, ctrl_child = mp.Pipe()
-            worker: Any = threading.Thread(
+            worker = threading.Thread(
                 target=torn_read_probe.scheme_probe,
                 args=(copy.copy(scheme), "policy", None, ctrl_child, SHAPES, 60.0, 0.05),
                 kwargs={"worker_idx": i},
                 daemon=True,
             )
+            worker.start()
         else:
-            ours, theirs = PROCS.Pipe()
-            ctrl, ctrl_child = PROCS.Pipe()
-            worker = PROCS.Process(
-                target=torn_read_probe.scheme_probe,
-                args=(scheme, "policy", theirs, ctrl_child, SHAPES, 60.0, 0.05),
-                daemon=True,
+            worker, ours, ctrl = start_pipe_worker(
+                torn_read_probe.scheme_probe,
+                lambda pipe, ctrl: (scheme, "policy", pipe, ctrl, SHAPES, 60.0, 0.05),
             )
             pipes.append(ours)
-        worker.start()
-        if scheme_name != "inprocess":
-            theirs.close()
-            ctrl_child.close()
         workers.append(worker)
         conns.append(ctrl)
     return workers, conns, pipes

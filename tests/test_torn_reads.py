@@ -29,7 +29,7 @@ import time
 
 import pytest
 import torch
-from harness import PROCS, make_scheme, reap, schemes, spec, torn_read_probe
+from harness import make_scheme, reap, schemes, spec, start_pipe_worker, start_worker, torn_read_probe
 from tensordict import TensorDict
 
 import weightsync as ws
@@ -65,19 +65,18 @@ def test_workers_never_see_a_mix_of_versions(scheme_name: str, pace: str) -> Non
         if by_rank:  # its workers join by rank, through the trainer's store
             scheme.init_on_sender("policy", num_workers=2, model=trainer, host="127.0.0.1")
         for rank in (1, 2):
-            ours, theirs = PROCS.Pipe() if not by_rank else (None, None)
-            ctrl, ctrl_child = PROCS.Pipe()
-            proc = PROCS.Process(
-                target=torn_read_probe.scheme_probe,
-                args=(scheme, "policy", theirs, ctrl_child, SHAPES, 60.0, receive_timeout),
-                kwargs={"worker_idx": rank} if by_rank else {},
-                daemon=True,
-            )
-            proc.start()
-            if theirs is not None:
-                theirs.close()
+            if by_rank:
+                proc, ctrl = start_worker(
+                    torn_read_probe.scheme_probe,
+                    lambda ctrl: (scheme, "policy", None, ctrl, SHAPES, 60.0, receive_timeout),
+                    worker_idx=rank,
+                )
+            else:
+                proc, ours, ctrl = start_pipe_worker(
+                    torn_read_probe.scheme_probe,
+                    lambda pipe, ctrl: (scheme, "policy", pipe, ctrl, SHAPES, 60.0, receive_timeout),
+                )
                 pipes.append(ours)
-            ctrl_child.close()
             conns.append(ctrl)
             procs.append(proc)
         if not by_rank:

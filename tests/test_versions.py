@@ -12,8 +12,8 @@ import threading
 from typing import Any
 
 import pytest
-from harness import PROCS, make_scheme, reap, schemes
 from harness import background_workers as workers
+from harness import make_scheme, reap, schemes, start_pipe_worker, start_worker
 from harness.workers import Net
 
 import weightsync as ws
@@ -32,24 +32,24 @@ class _Workers:
         if scheme_name == "distributed":
             self.scheme.init_on_sender("policy", model=Net(), num_workers=2, host="127.0.0.1")
         for i in range(2):
-            ctrl, ctrl_child = multiprocessing.Pipe()
+            runner: Any
             if scheme_name == "inprocess":
-                runner: Any = threading.Thread(
+                ctrl, ctrl_child = multiprocessing.Pipe()
+                runner = threading.Thread(
                     target=workers.version_worker,
                     args=(copy.copy(self.scheme), None, ctrl_child, i),
                     daemon=True,
                 )
+                runner.start()
             elif scheme_name == "distributed":
-                runner = PROCS.Process(
-                    target=workers.version_worker, args=(self.scheme, None, ctrl_child, i + 1), daemon=True
+                runner, ctrl = start_worker(
+                    workers.version_worker, lambda ctrl, i=i: (self.scheme, None, ctrl, i + 1)
                 )
             else:
-                ours, theirs = PROCS.Pipe()
-                runner = PROCS.Process(
-                    target=workers.version_worker, args=(self.scheme, theirs, ctrl_child), daemon=True
+                runner, ours, ctrl = start_pipe_worker(
+                    workers.version_worker, lambda pipe, ctrl: (self.scheme, pipe, ctrl)
                 )
                 pipes.append(ours)
-            runner.start()
             self.conns.append(ctrl)
             self.runners.append(runner)
         if scheme_name == "inprocess":

@@ -8,7 +8,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 import torch
-from harness import PROCS, reap
+from harness import reap, start_pipe_worker
 from torch import nn
 
 import weightsync as ws
@@ -74,12 +74,7 @@ def test_workers_hold_the_trainers_weights_cast(scheme_class: type[ws.WeightSync
     scheme = scheme_class(wire_dtype=torch.bfloat16, timeout=60)
     pipes, outs, procs = [], [], []
     for _ in range(2):
-        ours, theirs = PROCS.Pipe()
-        out_r, out_w = PROCS.Pipe(duplex=False)
-        proc = PROCS.Process(target=_worker, args=(scheme, theirs, out_w), daemon=True)
-        proc.start()
-        theirs.close()
-        out_w.close()
+        proc, ours, out_r = start_pipe_worker(_worker, lambda pipe, out: (scheme, pipe, out))
         pipes.append(ours)
         outs.append(out_r)
         procs.append(proc)

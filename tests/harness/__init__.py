@@ -27,6 +27,7 @@ from .clusters import (
     new_cluster,
     reap,
     start_pipe_worker,
+    start_worker,
     stop_pipe_workers,
 )
 from .leaks import fd_baseline, open_fds, shm_entries, weightsync_threads
@@ -58,6 +59,7 @@ __all__ = [
     "shm_entries",
     "spec",
     "start_pipe_worker",
+    "start_worker",
     "stop_pipe_workers",
     "weight_checksums",
     "weightsync_threads",

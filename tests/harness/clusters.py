@@ -35,19 +35,33 @@ PROCS.set_forkserver_preload(
 READY_TIMEOUT = 90.0
 
 
-def start_pipe_worker(
-    target: Callable[..., None], args: Callable[[Connection, Connection], tuple[Any, ...]]
-) -> tuple[Any, Connection, Connection]:
-    """Start ``target(*args(pipe, ctrl))`` in a worker process (of the fork
-    server): ``pipe`` is the worker's end of its scheme's pipe, ``ctrl`` its
-    end of the test's command pipe. Returns the process and the test's ends
-    of both pipes (the scheme's first); the worker's ends are closed here."""
+def start_worker(
+    target: Callable[..., None], args: Callable[[Connection], tuple[Any, ...]], **kwargs: Any
+) -> tuple[Any, Connection]:
+    """Start ``target(*args(conn), **kwargs)`` in a worker process (of the
+    fork server, a daemon): ``conn`` is the worker's end of a pipe to the
+    test. Returns the process and the test's end of the pipe; the worker's
+    end is closed here."""
     ours, theirs = PROCS.Pipe()
-    ctrl, ctrl_child = PROCS.Pipe()
-    proc = PROCS.Process(target=target, args=args(theirs, ctrl_child), daemon=True)
+    proc = PROCS.Process(target=target, args=args(theirs), kwargs=kwargs, daemon=True)
     proc.start()
     theirs.close()
-    ctrl_child.close()
+    return proc, ours
+
+
+def start_pipe_worker(
+    target: Callable[..., None], args: Callable[[Connection, Connection], tuple[Any, ...]], **kwargs: Any
+) -> tuple[Any, Connection, Connection]:
+    """Start ``target(*args(pipe, ctrl), **kwargs)`` in a worker process (as
+    :func:`start_worker`): ``pipe`` is the worker's end of its scheme's pipe,
+    ``ctrl`` its end of the test's command pipe. Returns the process and the
+    test's ends of both pipes (the scheme's first); the worker's ends are
+    closed here."""
+    ours, theirs = PROCS.Pipe()
+    try:
+        proc, ctrl = start_worker(target, lambda ctrl_child: args(theirs, ctrl_child), **kwargs)
+    finally:
+        theirs.close()
     return proc, ours, ctrl
 
 
@@ -187,15 +201,11 @@ class RankCluster(Cluster):
     def _start(self, kinds: list[str]) -> None:
         self.scheme.init_on_sender(self.model_id, num_workers=len(kinds), model=self.model, host="127.0.0.1")
         for rank, kind in enumerate(kinds, start=1):
-            ctrl, ctrl_child = PROCS.Pipe()
-            proc = PROCS.Process(
-                target=worker_main,
-                args=(self.scheme, self.model_id, None, ctrl_child, kind),
-                kwargs={"worker_idx": rank},
-                daemon=True,
+            proc, ctrl = start_worker(
+                worker_main,
+                lambda ctrl, kind=kind: (self.scheme, self.model_id, None, ctrl, kind),
+                worker_idx=rank,
             )
-            proc.start()
-            ctrl_child.close()
             self.procs.append(proc)
             self.ctrls.append(ctrl)
 
