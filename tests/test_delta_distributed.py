@@ -53,6 +53,28 @@ def exact(w: Workers, version: int, worker_ids: range | list[int]) -> None:
 
 
 @extended
+def test_delta_true_weighs_each_send_and_random_weights_go_whole() -> None:
+    """delta=True sends a delta only where it is expected to pay: random
+    weights go whole; whichever way a send goes, every worker ends it with
+    the trainer's weights, and the choice says why."""
+    with delta_workers(2, delta=True) as w:
+        w.scheme.connect()
+        choice = w.scheme.staging.delta_choice
+        assert w.scheme.last_delta == [False] and choice is not None
+        for step in range(4):
+            if step % 2:
+                w.randomize()
+            else:
+                nudge(w, seed=step)
+            report = w.scheme.send()
+            exact(w, report.version, range(2))
+            assert choice.why.startswith("delta" if w.scheme.last_delta[0] else "full bytes"), choice.why
+            if step % 2:
+                assert w.scheme.last_delta[0] is False, choice.why
+        assert choice.full is not None
+
+
+@extended
 @pytest.mark.parametrize("share", [True, False], ids=["host-leader", "all-in-chain"])
 def test_deltas_are_bit_exact_and_small(share: bool) -> None:
     with delta_workers(3, share_on_host=share) as w:

@@ -37,8 +37,11 @@ _NEW = 0.5
 # The chunks of a send encoded to judge it (a fraction of them, at least 2),
 # spread over the send; their frames are used if the delta goes.
 _SAMPLE_SHARE = 1 / 32
-# How much a wrong guess's correction eases back per send that went whole.
-_EASE = 0.8
+# How much a wrong guess's correction eases back per send that went whole:
+# a delta that was found slow is tried again after about
+# log(its excess) / -log(_EASE) whole sends (15 for 1.5x), so that the
+# tries cost a few percent of the sends at most.
+_EASE = 0.97
 
 
 def element_size(manifest: Manifest) -> int:
@@ -78,8 +81,9 @@ class DeltaChoice:
     rebuild: float | None = None
     #: How many times faster than one thread the encoder ran (its threads).
     parallel: float = 1.0
-    #: A delta chain's time over its guess, as measured on recent ones.
-    correction: float = 1.0
+    #: A delta chain's time over its guess, as measured on recent ones (None:
+    #: no delta measured yet, taken as 1).
+    correction: float | None = None
     #: Of the last send: whether it went as a delta, why, and the guesses (s).
     went: bool = False
     why: str = ""
@@ -96,7 +100,7 @@ class DeltaChoice:
         cpu = encode if self.encode is None else max(encode, (encode + self.encode) / 2)
         rebuild = self.rebuild if self.rebuild is not None else cpu / 2
         stages = (nbytes * cpu / self.parallel, ratio * nbytes * self.full, nbytes * rebuild)
-        return max(stages) * self.correction, nbytes * self.full
+        return max(stages) * (self.correction or 1.0), nbytes * self.full
 
     def decide(self, nbytes: int, ratio: float, encode: float) -> bool:
         guess = self.guess = self.expect(nbytes, ratio, encode)
@@ -123,7 +127,8 @@ class DeltaChoice:
             if route.broke is None:
                 self.full = _kept(self.full, route.seconds / nbytes)
             # A wrong guess is not held against the next sends for ever.
-            self.correction = max(1.0, self.correction * _EASE)
+            if self.correction is not None and self.correction > 1.0:
+                self.correction = max(1.0, self.correction * _EASE)
             return
         if route.broke is not None:
             return
@@ -139,7 +144,7 @@ class DeltaChoice:
             rates.update(rebuild_gbps=nbytes / max(costs) / 1e9, rebuild_threads=max(t for _, t in rebuilds))
         self.rates = rates
         if self.guess is not None and self.guess[0] > 0:
-            measured = route.seconds / (self.guess[0] / self.correction)
+            measured = route.seconds / (self.guess[0] / (self.correction or 1.0))
             self.correction = min(max(_kept(self.correction, measured), 0.5), 8.0)
 
 
