@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "weightsync"
 LAYERS: list[set[str]] = [
     {"_exceptions", "_frames"},
     {"_packet"},
-    {"_copy", "_offload", "_readiness", "_strategy", "_stepguard", "_torchrl", "_placement"},
+    {"_copy", "_offload", "_loops", "_readiness", "_strategy", "_stepguard", "_torchrl", "_placement"},
     {"_digest"},
     {"_segment", "_delta"},
     {"_transports._gloo_chain"},

@@ -23,7 +23,7 @@ from ._exceptions import (
     WeightSyncStateError,
     out_of_resources,
 )
-from ._offload import NEEDS_LOOP
+from ._loops import NEEDS_LOOP
 from ._packet import DEFAULT_TIMEOUT
 from ._receiver import AsyncWeightReceiver
 from ._runtime import RUNTIME

@@ -7,19 +7,12 @@ thread hop only adds latency: the step runs inline. The runtime marks that
 case with :func:`caller_blocked`; the transports ask :func:`inline_allowed`.
 The fact lives here, below the transports, so that they never import the
 runtime that sets it.
-
-weightsync's coroutines run on asyncio (uvloop included) only: the loops
-that async RL trainers, Ray's async actors and inference servers run are
-asyncio's, and the transports wait on descriptors (pipes, pidfds) with the
-loop's own readers. :func:`require_asyncio` refuses any other anyio backend
-with a clear error instead of half-working there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -27,21 +20,10 @@ from typing import TypeVar
 
 import anyio
 
-from ._exceptions import WeightSyncStateError
-
-__all__ = ["NEEDS_LOOP", "NeedsLoop", "caller_blocked", "inline_allowed", "require_asyncio", "run_blocking"]
+__all__ = ["caller_blocked", "inline_allowed", "run_blocking"]
 
 T = TypeVar("T")
 
-
-class NeedsLoop(enum.Enum):
-    NEEDS_LOOP = "needs the event loop"
-
-
-#: Returned by a step tried on the calling thread without an event loop (a
-#: receive whose update is pending, a blocking send over pipes) where the
-#: coroutine must run instead; the step changed nothing.
-NEEDS_LOOP = NeedsLoop.NEEDS_LOOP
 
 # Below this size a step runs inline even on a shared loop: a thread hop
 # would cost more than the step.
@@ -59,31 +41,6 @@ def caller_blocked() -> Iterator[None]:
         yield
     finally:
         _caller_blocked.reset(token)
-
-
-def require_asyncio(model_id: str | None = None) -> None:
-    """Check that the running coroutine is on an asyncio loop.
-
-    :raises WeightSyncStateError: it runs under another async library
-        (trio, say); nothing was started.
-    """
-    try:
-        asyncio.get_running_loop()
-        return
-    except RuntimeError:
-        pass
-    try:  # every other async library (trio) depends on sniffio, which names it
-        import sniffio
-
-        library = sniffio.current_async_library()
-    except Exception:
-        library = "another async library, or outside any event loop"
-    raise WeightSyncStateError(
-        f"weightsync's coroutines run on asyncio (or uvloop) only, not under {library}: "
-        "await them from an asyncio loop, or call the blocking sender and receiver "
-        "(scheme.get_sender(), scheme.receive()) from a worker thread",
-        model_id=model_id,
-    )
 
 
 def inline_allowed() -> bool:

@@ -3,7 +3,7 @@ until descriptors turn readable or a process on this host exits.
 
 Below every transport and the sender: the sender's gather of a send's acks,
 the pipe channel and the torch.distributed liveness link all wait this way.
-asyncio only (see ``_offload.require_asyncio``): the loop's ``add_reader``
+asyncio only (see ``_loops.require_asyncio``): the loop's ``add_reader``
 costs less than anyio's per-descriptor waits, on every send's path.
 """
 
@@ -22,7 +22,7 @@ async def wait_readable_any(fds: list[int], timeout: float | None) -> None:
     """Wait until one of ``fds`` is readable or ``timeout`` seconds pass
     (None: no limit; the caller's cancel scope bounds it). Cancellable. The
     caller checks which, if any, happened."""
-    loop = asyncio.get_running_loop()  # asyncio only: see _offload.require_asyncio
+    loop = asyncio.get_running_loop()  # asyncio only: see _loops.require_asyncio
     ready = loop.create_future()
 
     def wake() -> None:
@@ -70,7 +70,7 @@ class ReadyWatch:
     @contextlib.contextmanager
     def armed(self, *, in_loop: bool = True) -> Iterator[ReadyWatch]:
         """Ready for one gather: registered with the running loop for
-        :meth:`wait` (asyncio only: see ``_offload.require_asyncio``), or,
+        :meth:`wait` (asyncio only: see ``_loops.require_asyncio``), or,
         ``in_loop=False``, not, for :meth:`poll`. Leaving forgets every
         descriptor."""
         loop = asyncio.get_running_loop() if in_loop else None

@@ -16,8 +16,8 @@ from ._exceptions import (
     WeightMismatchError,
     WeightSyncStateError,
 )
+from ._loops import NEEDS_LOOP, NeedsLoop, require_asyncio
 from ._model_targets import ModelTargets
-from ._offload import NEEDS_LOOP, NeedsLoop, require_asyncio
 from ._packet import DEFAULT_TIMEOUT, Manifest
 from ._transports._base import Applier, Incoming, WorkerEndpoint
 

@@ -26,7 +26,7 @@ import torch
 from ._acks import AckGather
 from ._copy import WireCast
 from ._exceptions import WeightSyncStateError
-from ._offload import require_asyncio
+from ._loops import require_asyncio
 from ._packet import DEFAULT_TIMEOUT
 from ._packing import Keys, Packer
 from ._send import PendingSend, SendOptions, SendPlan, SendReport, Stager
