@@ -483,8 +483,13 @@ def test_the_choice_sends_a_delta_only_where_it_pays() -> None:
 
     size = 64 << 20
     choice = DeltaChoice()
-    # No whole send measured yet: a delta, to measure it.
-    assert choice.decide(size, 0.03, 0.5e-9) and "no whole send" in choice.why
+    # No whole send measured yet: the full bytes, to measure them; a chain
+    # that formed its group (and made its connections) is not measured.
+    assert not choice.decide(size, 0.03, 0.5e-9) and "measured first" in choice.why
+    fresh = _route(10.0, encoded=False)
+    fresh.fresh = True  # type: ignore[attr-defined]
+    choice.observe(size, fresh, None, [])  # type: ignore[arg-type]
+    assert choice.full is None
     # 1 Gbit/s: 537 ms whole.
     choice.observe(size, _route(size / 125e6, encoded=False), None, [])  # type: ignore[arg-type]
     assert choice.decide(size, 0.03, 0.5e-9), choice.why  # bf16 at a low lr: a delta pays

@@ -174,6 +174,9 @@ class Route(Generic[M]):
     #: its first frame until every member's report came (or the chain broke).
     sent: int = field(default=0)
     seconds: float = field(default=0.0)
+    #: Its group was formed for it: its first frames also paid for the
+    #: connections (made on first use), so its time is not the link's.
+    fresh: bool = field(default=False)
 
     def link(self, member: M) -> Link:
         """``member``'s place in this chain (a member of :attr:`chain`)."""
@@ -314,6 +317,7 @@ class ChainDriver(Generic[M]):
             )  # fmt: skip
             control.launch(route)
             if self._group is None:
+                route.fresh = True
                 absent = self._form(route)
                 if self._group is None:
                     excluded |= absent

@@ -64,9 +64,11 @@ class DeltaChoice:
 
     A delta's chain is a pipeline: the trainer encodes, the links carry the
     frames, each host rebuilds, so it takes about the longest of the three;
-    the full bytes take what the recent whole sends took per byte. The
-    sample (a few chunks of this send, encoded on the chain's thread; their
-    frames are sent if the delta goes) gives this send's encoded size and
+    the full bytes take what the recent whole sends took per byte (a send
+    goes whole until one was measured; a chain that formed a new group,
+    and so also made its connections, is not measured). The sample (a
+    few chunks of this send, encoded on the chain's thread; their frames
+    are sent if the delta goes) gives this send's encoded size and
     the encoder's CPU per byte; the hosts' reports give the rebuild's; the
     delta sends' own times correct the guess (a host slower than thought, a
     busy machine). A delta goes where it is expected to take at most
@@ -105,8 +107,8 @@ class DeltaChoice:
     def decide(self, nbytes: int, ratio: float, encode: float) -> bool:
         guess = self.guess = self.expect(nbytes, ratio, encode)
         if guess is None:
-            self.went, self.why = True, "delta: no whole send measured yet to weigh it against"
-            return True
+            self.went, self.why = False, "full bytes: a whole send is measured first, to weigh deltas against"
+            return False
         delta, full = guess
         self.went = delta <= _MARGIN * full
         verdict = "delta" if self.went else "full bytes"
@@ -121,7 +123,8 @@ class DeltaChoice:
         """What the first chain of a send of ``nbytes`` measured (``route``:
         None when no chain ran); ``encoder``: the one that encoded it, if it
         carried a delta; ``rebuilds``: the hosts' (CPU seconds, threads)."""
-        if route is None or not nbytes or route.seconds <= 0:
+        if route is None or not nbytes or route.seconds <= 0 or route.fresh:
+            # (A chain of a new group also paid for its connections.)
             return
         if route.encoded is None:
             if route.broke is None:
