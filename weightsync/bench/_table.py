@@ -85,7 +85,7 @@ _MEANING = {
     "copy": "private: each worker holds its own copy; shared: workers read one shared buffer",
     "torn": "whether a worker can read a mix of two versions",
     "median ms": "median time of a whole send: from send_async() until wait_async() returned "
-    "(every worker applied and acked)",
+    "(every worker applied and acked; --blocking: one send())",
     "stall ms": "median time until send_async() returned: how long the trainer's weights are held",
     "x ref": "stall / one memcpy of the model (one ray.put for Ray); at a few MiB the fixed cost of a "
     "send dominates and this ratio is large: its 1.15x target is for models of 128 MiB and more",
