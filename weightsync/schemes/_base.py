@@ -10,6 +10,7 @@ package) provides the transports.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Literal
@@ -27,7 +28,7 @@ from .._torchrl import is_torchrl_collector
 from .._torchrl import register_with_torchrl as _register
 from .._transports._base import Applier, SenderTransport, Staging, WorkerEndpoint
 
-__all__ = ["EndpointFactory", "StrategyName", "WeightSyncScheme", "register_with_torchrl"]
+__all__ = ["EndpointFactory", "SchemeConfig", "StrategyName", "WeightSyncScheme", "register_with_torchrl"]
 
 
 def _from(context: Any, kwargs: dict[str, Any], name: str, default: Any = None) -> Any:
@@ -118,10 +119,41 @@ StrategyName = Literal["state_dict", "tensordict"]
 EndpointFactory = Callable[[Applier], WorkerEndpoint]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchemeConfig:
+    """What a scheme was constructed with, checked once and frozen: the
+    options of every scheme (see :class:`WeightSyncScheme`). A scheme
+    family adds its own options in a subclass. It pickles as it is: a
+    pickled scheme is this, its ``model_id``, and the few process-crossing
+    handles its family hands to its workers.
+
+    :raises ValueError: an unknown ``strategy``, or a ``wire_dtype`` that is
+        not a floating dtype narrower than float32.
+    :raises MissingExtraError: ``verify=True`` without the ``verify`` extra
+        installed (the message names it).
+    """
+
+    strategy: StrategyName = "tensordict"
+    timeout: float = DEFAULT_TIMEOUT
+    verify: bool = False
+    per_worker_weights: bool = False
+    wire_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        # Refused here, where the scheme is made, rather than at the first send.
+        if self.verify:
+            require_xxh3()
+        WeightStrategy(self.strategy)
+        if self.wire_dtype is not None:
+            WireCast(self.wire_dtype)
+
+
 class WeightSyncScheme:
     """Base class of every scheme: the whole public surface, transport-agnostic.
 
-    Subclasses provide the transports (``_sender_side`` / ``_receiver_side``).
+    Subclasses provide the transports (``_sender_side`` / ``_receiver_side``)
+    and, for options of their own, a :class:`SchemeConfig` subclass
+    (``_config_class``).
     ``strategy`` is the form weights are handed back in (default: the
     class's ``default_strategy``); ``timeout`` is the default deadline of a
     send, in seconds; ``verify`` the default of ``send(verify=...)``: an
@@ -142,9 +174,13 @@ class WeightSyncScheme:
     are. The trainer keeps one cast copy of the float32 weights (half their
     size for bfloat16). A worker whose model holds float32 there is refused
     before anything moves (:class:`WeightMismatchError`).
+
+    The options are read-only once the scheme is made (:attr:`config`, and
+    one property per option: ``scheme.timeout``, ``scheme.sync``, ...).
     """
 
     default_strategy: ClassVar[StrategyName] = "tensordict"
+    _config_class: ClassVar[type[SchemeConfig]] = SchemeConfig
     _needs_model = True
 
     def __init__(
@@ -159,18 +195,32 @@ class WeightSyncScheme:
         """:raises ValueError: ``wire_dtype`` is not a floating dtype narrower than float32.
         :raises MissingExtraError: ``verify=True`` without the ``verify`` extra
             installed (the message names it)."""
-        if verify:
-            require_xxh3()  # refused here rather than at the first send
-        self.strategy = WeightStrategy(strategy or self.default_strategy)
-        self.timeout = timeout
-        self.verify = verify
-        self.per_worker_weights = per_worker_weights
-        if wire_dtype is not None:
-            WireCast(wire_dtype)  # checks it
-        self.wire_dtype = wire_dtype
+        self._configure(
+            strategy,
+            timeout=timeout,
+            verify=verify,
+            per_worker_weights=per_worker_weights,
+            wire_dtype=wire_dtype,
+        )
+
+    def _configure(self, strategy: StrategyName | None, **options: Any) -> None:
+        """Check the options and freeze them (a subclass's ``__init__`` calls
+        this with its own options, as its ``_config_class`` takes them)."""
+        self._enter(self._config_class(strategy=strategy or self.default_strategy, **options))
+
+    def _enter(self, config: SchemeConfig) -> None:
+        """This scheme in this process, uninitialised, from ``config``: once
+        made, and once unpickled (or copied) in another process."""
+        self._config = config
+        self._strategy = WeightStrategy(config.strategy)
         self._reset()
+        # torchrl's collectors check isinstance(scheme, its WeightSyncScheme):
+        # register if this process has torchrl already (init looks again).
+        _register(WeightSyncScheme)
 
     def _reset(self) -> None:
+        """The state of this process's side, before any init (a subclass
+        adds its own)."""
         self._model_id: str | None = None
         self._context: Any = None
         self._model: Any = None
@@ -189,31 +239,51 @@ class WeightSyncScheme:
         # Whether the next update a worker applies is its initial weights
         # (the sender's connect), which torchrl's policy versions do not count.
         self._initial_pending = False
-        _register(WeightSyncScheme)
 
-    # A scheme crosses process boundaries as configuration only: pipes,
-    # models and event loops belong to the process that created them.
+    # A scheme crosses process boundaries as its frozen configuration and its
+    # model id; pipes, models and event loops belong to the process that
+    # created them (a family adds the handles it hands to its workers).
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            "strategy": self.strategy.extract_as,
-            "timeout": self.timeout,
-            "verify": self.verify,
-            "per_worker_weights": self.per_worker_weights,
-            "wire_dtype": self.wire_dtype,
-            "model_id": self._model_id,
-        }
+        return {"config": self._config, "model_id": self._model_id}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.strategy = WeightStrategy(state["strategy"])
-        self.timeout = state["timeout"]
-        self.verify = state.get("verify", False)
-        self.per_worker_weights = state.get("per_worker_weights", False)
-        self.wire_dtype = state.get("wire_dtype")
-        self._reset()
+        self._enter(state["config"])
         self._model_id = state["model_id"]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(strategy={self.strategy.extract_as!r}, model_id={self._model_id!r})"
+
+    # -- configuration (read-only) ------------------------------------------
+    @property
+    def config(self) -> SchemeConfig:
+        """The options this scheme was made with, frozen (assigning a field
+        raises ``dataclasses.FrozenInstanceError``)."""
+        return self._config
+
+    @property
+    def strategy(self) -> WeightStrategy:
+        """How weights are extracted and applied (``config.strategy``)."""
+        return self._strategy
+
+    @property
+    def timeout(self) -> float:
+        """The default deadline of a send and of each phase of ``connect()``, in seconds."""
+        return self._config.timeout
+
+    @property
+    def verify(self) -> bool:
+        """The default of ``send(verify=...)``."""
+        return self._config.verify
+
+    @property
+    def per_worker_weights(self) -> bool:
+        """Whether each worker keeps weights of its own."""
+        return self._config.per_worker_weights
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype float32 weights travel and land as, or None."""
+        return self._config.wire_dtype
 
     # -- properties -----------------------------------------------------
     @property
@@ -342,6 +412,19 @@ class WeightSyncScheme:
         raise NotImplementedError
 
     # -- lifecycle --------------------------------------------------------
+    def _begin_init(self, model_id: str | None, context: Any, kwargs: dict[str, Any]) -> None:
+        """What both sides' init start with: this process's model id,
+        context and model.
+
+        :raises RuntimeError: this scheme is already initialised here."""
+        if self._initialised():
+            raise WeightSyncStateError(f"{self!r} is already initialised in this process")
+        # torchrl may have been imported since the scheme was made (or unpickled).
+        _register(WeightSyncScheme)
+        self._model_id = model_id if model_id is not None else kwargs.get("model_id", self._model_id)
+        self._context = context
+        self._model = _model_of(self._model_id, context, kwargs)
+
     def init_on_sender(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
         """Initialise the sender side (the trainer). Does not block.
 
@@ -358,12 +441,7 @@ class WeightSyncScheme:
         :raises ValueError: no workers (``pipes=[]``, ``num_workers=0``,
             ``remote_collectors=[]``), or what the scheme needs is missing.
         """
-        if self._initialised():
-            raise WeightSyncStateError(f"{self!r} is already initialised in this process")
-        _register(WeightSyncScheme)
-        self._model_id = model_id if model_id is not None else kwargs.get("model_id", self._model_id)
-        self._context = context
-        self._model = _model_of(self._model_id, context, kwargs)
+        self._begin_init(model_id, context, kwargs)
         self._model_given = _given_model(kwargs) is not None
         if self._model is None and not self.per_worker_weights:
             self._model = _factory_model(context, self._model_id)
@@ -417,12 +495,7 @@ class WeightSyncScheme:
         :raises RuntimeError: this scheme is already initialised here.
         :raises ValueError: no model was given.
         """
-        if self._initialised():
-            raise WeightSyncStateError(f"{self!r} is already initialised in this process")
-        _register(WeightSyncScheme)
-        self._model_id = model_id if model_id is not None else kwargs.get("model_id", self._model_id)
-        self._context = context
-        self._model = _model_of(self._model_id, context, kwargs)
+        self._begin_init(model_id, context, kwargs)
         self._worker_idx = _from(context, kwargs, "worker_idx")
         self._on_update = _from(context, kwargs, "on_update")
         if self._model is None and self._needs_model:

@@ -3,6 +3,7 @@ hosts, started by ``torchrun``, SLURM or any launcher."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import socket
@@ -13,9 +14,39 @@ import torch
 from .._delta import require_codec
 from .._sender import DEFAULT_TIMEOUT, SendReport
 from .._transports._base import SenderTransport, Staging
-from ._base import EndpointFactory, StrategyName, WeightSyncScheme, _num_workers
+from ._base import EndpointFactory, SchemeConfig, StrategyName, WeightSyncScheme, _num_workers
 
-__all__ = ["DistributedWeightSyncScheme"]
+__all__ = ["DistributedSchemeConfig", "DistributedWeightSyncScheme"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedSchemeConfig(SchemeConfig):
+    """The options of :class:`DistributedWeightSyncScheme`: those of every
+    scheme, and ``backend``, ``sync``, ``share_on_host``, ``delta``.
+
+    :raises ValueError: a ``backend`` other than ``"gloo"``.
+    :raises MissingExtraError: ``delta=True`` without the ``delta`` extra
+        installed (the message names it).
+    """
+
+    backend: str = "gloo"
+    sync: bool = True
+    share_on_host: bool = True
+    delta: bool = False
+
+    def __post_init__(self) -> None:
+        if self.delta:
+            require_codec()
+        if self.backend == "nccl":
+            raise ValueError(
+                "DistributedWeightSyncScheme(backend='nccl') needs CUDA staging, which weightsync does not "
+                "have (and cannot test): use backend='gloo', which sends the weights from CPU memory"
+            )
+        if self.backend != "gloo":
+            raise ValueError(
+                f"DistributedWeightSyncScheme supports backend='gloo' only, not {self.backend!r}"
+            )
+        super().__post_init__()
 
 
 def _torchrun_store() -> tuple[str, int] | None:
@@ -138,6 +169,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     """
 
     default_strategy = "tensordict"
+    _config_class = DistributedSchemeConfig
+    _config: DistributedSchemeConfig
 
     def __init__(
         self,
@@ -156,46 +189,53 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         needs CUDA staging, which weightsync does not have and cannot test).
         :raises MissingExtraError: ``delta=True`` without the ``delta``
             extra installed (the message names it)."""
-        if delta:
-            require_codec()
-        if backend == "nccl":
-            raise ValueError(
-                "DistributedWeightSyncScheme(backend='nccl') needs CUDA staging, which weightsync does not "
-                "have (and cannot test): use backend='gloo', which sends the weights from CPU memory"
-            )
-        if backend != "gloo":
-            raise ValueError(f"DistributedWeightSyncScheme supports backend='gloo' only, not {backend!r}")
-        super().__init__(
+        self._configure(
             strategy,
             timeout=timeout,
             verify=verify,
             per_worker_weights=per_worker_weights,
             wire_dtype=wire_dtype,
+            backend=backend,
+            sync=sync,
+            share_on_host=share_on_host,
+            delta=delta,
         )
-        self.backend = backend
-        self.sync = sync
-        self.share_on_host = share_on_host
-        self.delta = delta
+
+    def _reset(self) -> None:
+        super()._reset()
+        # Where the trainer's store is, once init_on_sender made or found it.
         self._store_info: dict[str, Any] | None = None
 
+    # Where the trainer's store is travels with the scheme, to the workers.
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(
-            backend=self.backend,
-            sync=self.sync,
-            share_on_host=self.share_on_host,
-            delta=self.delta,
-            store_info=self._store_info,
-        )
+        state["store_info"] = self._store_info
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.backend = state.get("backend", "gloo")
-        self.sync = state.get("sync", True)
-        self.share_on_host = state.get("share_on_host", True)
-        self.delta = state.get("delta", False)
-        self._store_info = state.get("store_info")
+        self._store_info = state["store_info"]
+
+    # -- configuration (read-only) ------------------------------------------
+    @property
+    def backend(self) -> str:
+        """``"gloo"`` (``config.backend``)."""
+        return self._config.backend
+
+    @property
+    def sync(self) -> bool:
+        """Whether a worker applies updates only in ``receive()`` (``config.sync``)."""
+        return self._config.sync
+
+    @property
+    def share_on_host(self) -> bool:
+        """Whether one worker per host is in the chain and feeds the others (``config.share_on_host``)."""
+        return self._config.share_on_host
+
+    @property
+    def delta(self) -> bool:
+        """Whether each send's chain carries a delta (``config.delta``)."""
+        return self._config.delta
 
     @property
     def last_routes(self) -> list[tuple[tuple[int, ...], dict[int, tuple[int, ...]]]]:

@@ -3,6 +3,7 @@ memory: multiprocess (workers copy), shared (workers view) and in-process."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import threading
 from collections.abc import Iterable, Sequence
@@ -16,9 +17,21 @@ from .._transports._base import SenderTransport, Staging
 from .._transports._copy_staging import CopyReader, SegmentStaging
 from .._transports._pipe import EncodedUpdates, PipeEndpoint, PipeSenderTransport
 from .._transports._slot_staging import SlotReader, SlotStaging
-from ._base import EndpointFactory, StrategyName, WeightSyncScheme, _from, _num_workers
+from ._base import EndpointFactory, SchemeConfig, StrategyName, WeightSyncScheme, _from, _num_workers
 
-__all__ = ["InProcessWeightSyncScheme", "MultiProcessWeightSyncScheme", "SharedMemWeightSyncScheme"]
+__all__ = [
+    "InProcessWeightSyncScheme",
+    "MultiProcessWeightSyncScheme",
+    "PipeSchemeConfig",
+    "SharedMemWeightSyncScheme",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipeSchemeConfig(SchemeConfig):
+    """The options of the pipe schemes: those of every scheme, and ``sync``."""
+
+    sync: bool = True
 
 
 class _PipeScheme(WeightSyncScheme):
@@ -33,6 +46,8 @@ class _PipeScheme(WeightSyncScheme):
     each one's end.
     """
 
+    _config_class = PipeSchemeConfig
+    _config: PipeSchemeConfig
     _staging_class: ClassVar[type[SegmentStaging] | type[SlotStaging]]
     _reader_class: ClassVar[type[CopyReader] | type[SlotReader]]
     #: Added to the error of a worker killed by SIGSEGV.
@@ -50,14 +65,19 @@ class _PipeScheme(WeightSyncScheme):
     ) -> None:
         """``sync=False`` (as torchrl's schemes take it): :meth:`send` returns
         once the weights are staged, without waiting for the acks."""
-        super().__init__(
+        self._configure(
             strategy,
             timeout=timeout,
             verify=verify,
             per_worker_weights=per_worker_weights,
             wire_dtype=wire_dtype,
+            sync=sync,
         )
-        self.sync = sync
+
+    @property
+    def sync(self) -> bool:
+        """Whether :meth:`send` waits for the acks (``config.sync``)."""
+        return self._config.sync
 
     def send(
         self,
@@ -94,16 +114,16 @@ class _PipeScheme(WeightSyncScheme):
         # The update messages, encoded once per send for every worker.
         self._updates: EncodedUpdates | None = None
 
+    # The worker ends of the pipes this scheme made travel with it, to the
+    # workers (each keeps its own, by worker_idx).
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["sync"] = self.sync
         if self._worker_ends:
             state["worker_ends"] = dict(self._worker_ends)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.sync = state.get("sync", True)
         self._worker_ends = dict(state.get("worker_ends", {}))
 
     def _sender_pipes(self, context: Any, kwargs: dict[str, Any]) -> list[Connection]:
@@ -336,13 +356,8 @@ class InProcessWeightSyncScheme(_PipeScheme):
         self._rendezvous = _Rendezvous()
 
     def __copy__(self) -> InProcessWeightSyncScheme:
-        clone = type(self)(
-            self.strategy.extract_as,
-            timeout=self.timeout,
-            verify=self.verify,
-            per_worker_weights=self.per_worker_weights,
-            wire_dtype=self.wire_dtype,
-        )
+        clone = type(self).__new__(type(self))
+        clone._enter(self._config)
         clone._rendezvous = self._rendezvous
         clone._model_id = self._model_id
         return clone

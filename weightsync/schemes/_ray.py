@@ -3,6 +3,7 @@ hosts, the relay), updates applied on arrival. Ray is imported lazily."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,9 +13,25 @@ from .._delta import require_codec
 from .._exceptions import WeightSyncStateError
 from .._sender import DEFAULT_TIMEOUT, SendReport
 from .._transports._base import SenderTransport, Staging
-from ._base import EndpointFactory, StrategyName, WeightSyncScheme, _from
+from ._base import EndpointFactory, SchemeConfig, StrategyName, WeightSyncScheme, _from
 
-__all__ = ["RayWeightSyncMixin", "RayWeightSyncScheme"]
+__all__ = ["RaySchemeConfig", "RayWeightSyncMixin", "RayWeightSyncScheme"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RaySchemeConfig(SchemeConfig):
+    """The options of :class:`RayWeightSyncScheme`: those of every scheme, and ``delta``.
+
+    :raises MissingExtraError: ``delta=True`` without the ``delta`` extra
+        installed (the message names it).
+    """
+
+    delta: bool = False
+
+    def __post_init__(self) -> None:
+        if self.delta:
+            require_codec()
+        super().__post_init__()
 
 
 class RayWeightSyncScheme(WeightSyncScheme):
@@ -79,6 +96,8 @@ class RayWeightSyncScheme(WeightSyncScheme):
     """
 
     default_strategy = "tensordict"
+    _config_class = RaySchemeConfig
+    _config: RaySchemeConfig
     # The sender finds a registered actor through Ray: nothing to announce,
     # and no event loop to enter, so this works inside an async actor's loop.
     _announces = False
@@ -96,25 +115,19 @@ class RayWeightSyncScheme(WeightSyncScheme):
         """:raises MissingExtraError: ``delta=True`` without the ``delta``
         extra installed (the message names it).
         :raises ValueError: ``wire_dtype`` is not a floating dtype narrower than float32."""
-        if delta:
-            require_codec()
-        super().__init__(
+        self._configure(
             strategy,
             timeout=timeout,
             verify=verify,
             per_worker_weights=per_worker_weights,
             wire_dtype=wire_dtype,
+            delta=delta,
         )
-        self.delta = delta
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.update(delta=self.delta)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.delta = state.get("delta", False)
+    @property
+    def delta(self) -> bool:
+        """Whether the relay's chains carry deltas (``config.delta``)."""
+        return self._config.delta
 
     @property
     def last_delta(self) -> list[bool]:
