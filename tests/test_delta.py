@@ -504,21 +504,29 @@ def test_the_choice_sends_a_delta_only_where_it_pays() -> None:
     fast = DeltaChoice()
     fast.observe(size, _route(size / 10e9, encoded=False), None, [])  # type: ignore[arg-type]
     assert not fast.decide(size, 0.03, 0.5e-9), fast.why
-    # A delta that took three times its guess makes the next guess warier;
-    # sends that go whole ease it back.
+    # A delta that took three times its guess adds the difference to the
+    # next guesses; sends that go whole ease it back.
     assert choice.decide(size, 0.03, 0.5e-9) and choice.guess is not None
     slow = 3 * choice.guess[0]
     choice.observe(size, _route(slow, encoded=True), None, [(0.2, 1)])  # type: ignore[arg-type]
-    assert choice.correction is not None and choice.correction > 2.5 and choice.rebuild is not None
+    assert choice.extra > 1.5 * choice.guess[0] and choice.rebuild is not None
     corrected = choice.expect(size, 0.03, 0.5e-9)
     assert corrected is not None and corrected[0] > 2.5 * choice.guess[0]
-    for _ in range(100):
+    for _ in range(300):
         choice.observe(size, _route(size / 125e6, encoded=False), None, [])  # type: ignore[arg-type]
-    assert choice.correction == 1.0
+    assert choice.extra < 0.001
+    # After a run of deltas, one send goes whole to measure the link again.
+    choice.streak = 64
+    assert not choice.decide(size, 0.03, 0.5e-9) and "measured again" in choice.why
+    choice.observe(size, _route(size / 125e6, encoded=False), None, [])  # type: ignore[arg-type]
+    assert choice.streak == 0 and choice.decide(size, 0.03, 0.5e-9)
+    # One whole send slowed by others' load does not make deltas look good.
+    choice.observe(size, _route(10.0, encoded=False), None, [])  # type: ignore[arg-type]
+    assert choice.full == 1 / 125e6
     # A broken chain teaches nothing.
-    before = choice.full
-    choice.observe(size, _route(99.0, encoded=False, broke="it broke"), None, [])  # type: ignore[arg-type]
-    assert choice.full == before
+    before = list(choice.wholes)
+    choice.observe(size, _route(0.001, encoded=False, broke="it broke"), None, [])  # type: ignore[arg-type]
+    assert choice.wholes == before
 
 
 def test_the_delta_base_samples_the_send_and_reuses_the_sample() -> None:
@@ -537,7 +545,7 @@ def test_the_delta_base_samples_the_send_and_reuses_the_sample() -> None:
         assert base is not None
         base.fit(v0.nbytes, 2)
         base.adopt(v0.copy(), 1)
-        base.choice.full = 1 / 125e6 if slow_link else 1 / 1e12
+        base.choice.wholes = [1 / 125e6 if slow_link else 1 / 1e12]
         send = base.chain(current, {7})
         assert (send is not None) == goes, (setting, base.choice.why)
         assert base.choice.went == goes

@@ -37,11 +37,18 @@ _NEW = 0.5
 # The chunks of a send encoded to judge it (a fraction of them, at least 2),
 # spread over the send; their frames are used if the delta goes.
 _SAMPLE_SHARE = 1 / 32
-# How much a wrong guess's correction eases back per send that went whole:
-# a delta that was found slow is tried again after about
-# log(its excess) / -log(_EASE) whole sends (15 for 1.5x), so that the
-# tries cost a few percent of the sends at most.
+# The whole sends a full send's time is judged from: the quickest of the
+# last few (one send slowed by others' load must not make deltas look good).
+_WINDOW = 4
+# How much what a delta took beyond its guess eases back per whole send: a
+# delta found slower than the full bytes by x is tried again after about
+# log(x) / -log(_EASE) whole sends (13 for 1.5x), a few percent of the sends.
 _EASE = 0.97
+# A send goes whole after this many deltas in a row, to measure the full
+# bytes again (a link, or a load, that changed): every 16th where the
+# delta was expected to save less than half, every 64th otherwise. That
+# costs at most a few percent of the time that deltas save.
+_REMEASURE = (16, 64)
 
 
 def element_size(manifest: Manifest) -> int:
@@ -64,28 +71,33 @@ class DeltaChoice:
 
     A delta's chain is a pipeline: the trainer encodes, the links carry the
     frames, each host rebuilds, so it takes about the longest of the three;
-    the full bytes take what the recent whole sends took per byte (a send
-    goes whole until one was measured; a chain that formed a new group,
-    and so also made its connections, is not measured). The sample (a
+    the full bytes take what the quickest of the last few whole sends took
+    per byte (a send goes whole until one was measured, and again after a
+    run of deltas; a chain that formed a new group, and so also made its
+    connections, is not measured). The sample (a
     few chunks of this send, encoded on the chain's thread; their frames
     are sent if the delta goes) gives this send's encoded size and
     the encoder's CPU per byte; the hosts' reports give the rebuild's; the
-    delta sends' own times correct the guess (a host slower than thought, a
-    busy machine). A delta goes where it is expected to take at most
+    delta sends' own times add what they took beyond their guesses (fixed
+    costs, a host slower than thought, a busy machine), easing back while
+    sends go whole. A delta goes where it is expected to take at most
     :data:`_MARGIN` of the full send's time: random weights, a dense
     update, or a link faster than the codec go whole.
     """
 
-    #: Seconds per byte of a whole send's chain (None: none measured yet).
-    full: float | None = None
+    #: Seconds per byte of the last few whole sends' chains (newest last).
+    wholes: list[float] = dataclasses.field(default_factory=list)
     #: CPU seconds per byte of the encoder and of a host's rebuild.
     encode: float | None = None
     rebuild: float | None = None
     #: How many times faster than one thread the encoder ran (its threads).
     parallel: float = 1.0
-    #: A delta chain's time over its guess, as measured on recent ones (None:
-    #: no delta measured yet, taken as 1).
-    correction: float | None = None
+    #: The seconds a delta chain took beyond its guess, as measured on
+    #: recent ones (fixed costs, a busy machine, slower hosts).
+    extra: float = 0.0
+    #: Deltas sent since the last whole send, and measured in all.
+    streak: int = 0
+    seen: int = 0
     #: Of the last send: whether it went as a delta, why, and the guesses (s).
     went: bool = False
     why: str = ""
@@ -93,16 +105,26 @@ class DeltaChoice:
     #: Of the last delta send: encode and rebuild GB/s per core, and threads.
     rates: dict[str, float] = dataclasses.field(default_factory=dict)
 
+    @property
+    def full(self) -> float | None:
+        """Seconds per byte of a whole send: the quickest of the last few."""
+        return min(self.wholes) if self.wholes else None
+
+    def _stages(self, nbytes: int, ratio: float, encode: float) -> float:
+        full = self.full
+        assert full is not None
+        cpu = encode if self.encode is None else max(encode, (encode + self.encode) / 2)
+        rebuild = self.rebuild if self.rebuild is not None else cpu / 2
+        return max(nbytes * cpu / self.parallel, ratio * nbytes * full, nbytes * rebuild)
+
     def expect(self, nbytes: int, ratio: float, encode: float) -> tuple[float, float] | None:
         """(delta seconds, full seconds) expected for a send of ``nbytes``
         whose sample encoded to ``ratio`` of its size at ``encode`` CPU
         seconds per byte; None while no whole send was measured."""
-        if self.full is None:
+        full = self.full
+        if full is None:
             return None
-        cpu = encode if self.encode is None else max(encode, (encode + self.encode) / 2)
-        rebuild = self.rebuild if self.rebuild is not None else cpu / 2
-        stages = (nbytes * cpu / self.parallel, ratio * nbytes * self.full, nbytes * rebuild)
-        return max(stages) * (self.correction or 1.0), nbytes * self.full
+        return self._stages(nbytes, ratio, encode) + self.extra, nbytes * full
 
     def decide(self, nbytes: int, ratio: float, encode: float) -> bool:
         guess = self.guess = self.expect(nbytes, ratio, encode)
@@ -111,6 +133,9 @@ class DeltaChoice:
             return False
         delta, full = guess
         self.went = delta <= _MARGIN * full
+        if self.went and self.streak >= _REMEASURE[0 if delta > 0.5 * full else 1]:
+            self.went, self.why = False, f"full bytes: measured again after {self.streak} deltas"
+            return False
         verdict = "delta" if self.went else "full bytes"
         self.why = (
             f"{verdict}: expected {delta * 1e3:.0f} ms as a delta ({ratio:.3f} of the bytes) against "
@@ -127,12 +152,14 @@ class DeltaChoice:
             # (A chain of a new group also paid for its connections.)
             return
         if route.encoded is None:
+            self.streak = 0
             if route.broke is None:
-                self.full = _kept(self.full, route.seconds / nbytes)
+                self.wholes = [*self.wholes, route.seconds / nbytes][-_WINDOW:]
             # A wrong guess is not held against the next sends for ever.
-            if self.correction is not None and self.correction > 1.0:
-                self.correction = max(1.0, self.correction * _EASE)
+            if self.extra > 0:
+                self.extra *= _EASE
             return
+        self.streak += 1
         if route.broke is not None:
             return
         rates: dict[str, float] = {}
@@ -146,9 +173,11 @@ class DeltaChoice:
             self.rebuild = _kept(self.rebuild, max(costs) / nbytes)
             rates.update(rebuild_gbps=nbytes / max(costs) / 1e9, rebuild_threads=max(t for _, t in rebuilds))
         self.rates = rates
-        if self.guess is not None and self.guess[0] > 0:
-            measured = route.seconds / (self.guess[0] / (self.correction or 1.0))
-            self.correction = min(max(_kept(self.correction, measured), 0.5), 8.0)
+        if self.guess is not None:
+            beyond = route.seconds - (self.guess[0] - self.extra)
+            # The first delta measured sets it outright.
+            self.extra = max(beyond if not self.seen else _kept(self.extra, beyond), 0.0)
+            self.seen += 1
 
 
 class DeltaBase:
