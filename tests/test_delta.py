@@ -557,3 +557,21 @@ def test_the_delta_base_samples_the_send_and_reuses_the_sample() -> None:
             decoder.check(version_digest(current))
             assert np.array_equal(host, current) and send.encoded.threads == 2
     assert DeltaBase.of(False) is None
+
+
+def test_the_schemes_take_delta_threads() -> None:
+    import pickle
+
+    import weightsync as ws
+
+    for cls in (ws.DistributedWeightSyncScheme, ws.RayWeightSyncScheme):
+        scheme = cls(delta=True, delta_threads=3)
+        assert (scheme.delta, scheme.delta_threads) == (True, 3)
+        again = pickle.loads(pickle.dumps(scheme))
+        assert (again.delta, again.delta_threads) == (True, 3)
+        assert cls(delta="always").delta == "always" and cls().delta_threads == 0
+        assert scheme.last_delta_choice == {}  # nothing sent
+        with pytest.raises(ValueError, match="delta_threads"):
+            cls(delta=True, delta_threads=-1)
+        with pytest.raises(ValueError, match="'always'"):
+            cls(delta="sometimes")  # type: ignore[arg-type]

@@ -71,6 +71,8 @@ def test_delta_true_weighs_each_send_and_random_weights_go_whole() -> None:
             assert choice.why.startswith("delta" if w.scheme.last_delta[0] else "full bytes"), choice.why
             if step % 2:
                 assert w.scheme.last_delta[0] is False, choice.why
+            said = w.scheme.last_delta_choice
+            assert said["delta"] == w.scheme.last_delta[0] and said["why"] == choice.why
         assert choice.full is not None
 
 

@@ -101,6 +101,7 @@ __all__ = [
     "DeltaEncoder",
     "FrameHeader",
     "Mode",
+    "check_delta",
     "decode_frame",
     "default_threads",
     "encode_frame",
@@ -591,6 +592,17 @@ def _apply_sparse(blosc2: Any, payload: memoryview, elements: np.ndarray) -> Non
     changed = elements.take(positions)
     changed += _unzigzag(values)
     elements[positions] = changed
+
+
+def check_delta(setting: object, threads: int) -> None:
+    """Check a scheme's ``delta`` and ``delta_threads``.
+
+    :raises ValueError: ``setting`` is not True, False or ``"always"``, or
+        ``threads`` is negative."""
+    if not (setting is True or setting is False or setting == "always"):
+        raise ValueError(f"delta is True, False or 'always', not {setting!r}")
+    if not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"delta_threads is 0 (the default) or a number of threads, not {threads!r}")
 
 
 #: The most codec threads a scheme uses when it does not say.

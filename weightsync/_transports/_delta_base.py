@@ -105,6 +105,10 @@ class DeltaChoice:
     #: Of the last delta send: encode and rebuild GB/s per core, and threads.
     rates: dict[str, float] = dataclasses.field(default_factory=dict)
 
+    def summary(self) -> dict[str, Any]:
+        """The last send: ``{"delta": bool, "why": str, "rates": {...}}``."""
+        return {"delta": self.went, "why": self.why, "rates": dict(self.rates)}
+
     @property
     def full(self) -> float | None:
         """Seconds per byte of a whole send: the quickest of the last few."""

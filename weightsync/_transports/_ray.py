@@ -59,6 +59,7 @@ from .._exceptions import (
 from .._offload import inline_allowed, run_blocking
 from .._packet import Manifest, Packet, Signature
 from ._base import Applier, Outgoing, SenderTransport, worker_failed, worker_lost
+from ._delta_base import DeltaSetting
 from ._host_copy import HostCopy, HostCopyError, HostReader, UnmappedError
 from ._ray_relay import HostRelay, SendKind
 
@@ -119,9 +120,12 @@ class RayStaging:
     ``_ray_relay.RelayDelta``); the object store's own path (one node, or
     the trainer's) carries the bytes as ever."""
 
-    def __init__(self, model_id: str | None, relay: bool = True, *, delta: bool = False) -> None:
+    def __init__(
+        self, model_id: str | None, relay: bool = True, *, delta: DeltaSetting = False, delta_threads: int = 0
+    ) -> None:
         self.model_id = model_id
         self.delta = delta
+        self.delta_threads = delta_threads
         self.ref: ray.ObjectRef | None = None
         self.header: tuple[Any, ...] = ()
         # Each actor's node (learned when it is connected: add_node), the
@@ -261,7 +265,7 @@ class RayStaging:
                 deadline = anyio.current_effective_deadline()
                 left = 3600.0 if deadline == float("inf") else deadline - anyio.current_time()
                 if self.relay is None:
-                    self.relay = HostRelay(self.model_id, delta=self.delta)
+                    self.relay = HostRelay(self.model_id, delta=self.delta, delta_threads=self.delta_threads)
                 self._routes = self.relay.start(
                     self.ref, self.header, nodes, time.monotonic() + left, self._kind
                 )

@@ -7,11 +7,11 @@ import dataclasses
 import os
 import pickle
 import socket
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from .._delta import require_codec
+from .._delta import check_delta, require_codec
 from .._sender import DEFAULT_TIMEOUT, SendReport
 from .._transports._base import SenderTransport, Staging
 from ._base import EndpointFactory, SchemeConfig, StrategyName, WeightSyncScheme, _num_workers
@@ -22,9 +22,11 @@ __all__ = ["DistributedSchemeConfig", "DistributedWeightSyncScheme"]
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DistributedSchemeConfig(SchemeConfig):
     """The options of :class:`DistributedWeightSyncScheme`: those of every
-    scheme, and ``backend``, ``sync``, ``share_on_host``, ``delta``.
+    scheme, and ``backend``, ``sync``, ``share_on_host``, ``delta``,
+    ``delta_threads``.
 
-    :raises ValueError: a ``backend`` other than ``"gloo"``.
+    :raises ValueError: a ``backend`` other than ``"gloo"``; a ``delta``
+        other than True, False or ``"always"``; negative ``delta_threads``.
     :raises MissingExtraError: ``delta=True`` without the ``delta`` extra
         installed (the message names it).
     """
@@ -32,9 +34,11 @@ class DistributedSchemeConfig(SchemeConfig):
     backend: str = "gloo"
     sync: bool = True
     share_on_host: bool = True
-    delta: bool = False
+    delta: bool | Literal["always"] = False
+    delta_threads: int = 0
 
     def __post_init__(self) -> None:
+        check_delta(self.delta, self.delta_threads)
         if self.delta:
             require_codec()
         if self.backend == "nccl":
@@ -150,16 +154,21 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     workers before it keep the update, and the trainer forms a new chain
     over the others (up to three chains per send, within its deadline).
 
-    ``delta=True`` (the ``delta`` extra) sends what changed: each whole
-    send goes as a lossless delta against the base, the last whole version
-    sent and acked (held by the workers that acked it), encoded once by the trainer's
-    chain thread after staging (``send_async()`` still returns once the
-    weights are staged), in 1 MiB chunks that each pick their encoding
-    (unchanged, a bitmap and the changed values, XOR byte planes through
-    zstd, or raw when nothing is gained), pipelined with the chain. Each
-    host leader passes the frames on as they came, rebuilds the version
-    once, checks each chunk against the trainer's digest before anything
-    is published, and its followers copy the result. A worker without the
+    ``delta=True`` (the ``delta`` extra) sends what changed where that is
+    expected to pay: each whole send may go as a lossless delta against
+    the base, the last whole version sent and acked (held by the workers
+    that acked it), encoded by the trainer's chain thread after staging
+    (``send_async()`` still returns once the weights are staged), in 1 MiB
+    chunks that each pick their encoding (unchanged, the gaps between
+    changed elements and their differences, every element's difference,
+    or raw when nothing is gained), pipelined with the chain. Each send
+    is weighed first, from a sample of its chunks and the rates of recent
+    sends: random weights, dense updates or a link faster than the codec
+    go whole (:attr:`last_delta_choice` says why; ``delta="always"`` sends
+    a delta whenever the workers hold a base). Each host leader passes
+    the frames on as they came, rebuilds the version (on ``delta_threads``
+    threads), checks each chunk against the trainer's digest before
+    anything is published, and its followers copy the result. A worker without the
     base (new, restarted, one that missed a send, after a partial update,
     any doubt) or whose rebuild fails its check gets the full bytes in the
     same send, in a chain of its own: no worker ever holds weights other
@@ -183,10 +192,13 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         per_worker_weights: bool = False,
         share_on_host: bool = True,
         wire_dtype: torch.dtype | None = None,
-        delta: bool = False,
+        delta: bool | Literal["always"] = False,
+        delta_threads: int = 0,
     ) -> None:
         """:raises ValueError: a ``backend`` other than ``"gloo"`` (``"nccl"``
-        needs CUDA staging, which weightsync does not have and cannot test).
+        needs CUDA staging, which weightsync does not have and cannot test);
+        a ``delta`` other than True, False or ``"always"``; negative
+        ``delta_threads``.
         :raises MissingExtraError: ``delta=True`` without the ``delta``
             extra installed (the message names it)."""
         self._configure(
@@ -199,6 +211,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             sync=sync,
             share_on_host=share_on_host,
             delta=delta,
+            delta_threads=delta_threads,
         )
 
     def _reset(self) -> None:
@@ -233,9 +246,26 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         return self._config.share_on_host
 
     @property
-    def delta(self) -> bool:
-        """Whether each send's chain carries a delta (``config.delta``)."""
+    def delta(self) -> bool | Literal["always"]:
+        """Whether each send's chain may carry a delta (``config.delta``)."""
         return self._config.delta
+
+    @property
+    def delta_threads(self) -> int:
+        """The codec's threads, 0 for the default (``config.delta_threads``)."""
+        return self._config.delta_threads
+
+    @property
+    def last_delta_choice(self) -> dict[str, Any]:
+        """Why the trainer's last send went as a delta or whole (``delta=True``
+        weighs each send), and of the last delta the encode and rebuild
+        GB/s per core and their threads: ``{"delta": bool, "why": str,
+        "rates": {...}}``; empty without ``delta`` and on a worker."""
+        from .._transports._distributed import ChainStaging
+
+        staging = self.staging
+        choice = staging.delta_choice if isinstance(staging, ChainStaging) else None
+        return {} if choice is None else choice.summary()
 
     @property
     def last_routes(self) -> list[tuple[tuple[int, ...], dict[int, tuple[int, ...]]]]:
@@ -342,6 +372,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             liveness,
             share_on_host=self.share_on_host,
             delta=self.delta,
+            delta_threads=self.delta_threads,
         )
         transports: dict[int, SenderTransport] = {
             i: DistributedSenderTransport(i + 1, i, staging, self._model_id) for i in range(num_workers)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from .._delta import require_codec
+from .._delta import check_delta, require_codec
 from .._exceptions import WeightSyncStateError
 from .._sender import DEFAULT_TIMEOUT, SendReport
 from .._transports._base import SenderTransport, Staging
@@ -20,15 +20,20 @@ __all__ = ["RaySchemeConfig", "RayWeightSyncMixin", "RayWeightSyncScheme"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RaySchemeConfig(SchemeConfig):
-    """The options of :class:`RayWeightSyncScheme`: those of every scheme, and ``delta``.
+    """The options of :class:`RayWeightSyncScheme`: those of every scheme,
+    and ``delta``, ``delta_threads``.
 
     :raises MissingExtraError: ``delta=True`` without the ``delta`` extra
         installed (the message names it).
+    :raises ValueError: a ``delta`` other than True, False or ``"always"``;
+        negative ``delta_threads``.
     """
 
-    delta: bool = False
+    delta: bool | Literal["always"] = False
+    delta_threads: int = 0
 
     def __post_init__(self) -> None:
+        check_delta(self.delta, self.delta_threads)
         if self.delta:
             require_codec()
         super().__post_init__()
@@ -76,11 +81,15 @@ class RayWeightSyncScheme(WeightSyncScheme):
     one relay actor of weightsync's per node, which receives it into shared
     memory that the node's actors map and copy from (an actor that cannot
     map it reads the trainer's object from Ray's store). ``delta=True`` (the ``delta`` extra) makes that
-    chain carry what changed: each whole send goes as a lossless delta
-    against the base, the last whole relayed send that every actor of its
-    send acked, encoded by the relay's thread after staging
-    (``send_async()`` still returns once the weights are staged), in 1 MiB
-    chunks that each pick their encoding, pipelined with the chain. A
+    chain carry what changed where that is expected to pay: each whole
+    send may go as a lossless delta against the base, the last whole
+    relayed send that every actor of its send acked, encoded by the relay's
+    thread after staging (``send_async()`` still returns once the weights
+    are staged), in 1 MiB chunks that each pick their encoding, pipelined
+    with the chain; each send is weighed first (random weights, dense
+    updates or a link faster than the codec go whole;
+    :attr:`last_delta_choice` says why, ``delta="always"`` skips the
+    weighing; ``delta_threads`` sets the codec's threads). A
     node's relay actor keeps the last version it received whole and
     rebuilds the next one from it in place, checking each chunk against
     the trainer's digest before its actors read it. A node without the base
@@ -110,10 +119,13 @@ class RayWeightSyncScheme(WeightSyncScheme):
         verify: bool = False,
         per_worker_weights: bool = False,
         wire_dtype: torch.dtype | None = None,
-        delta: bool = False,
+        delta: bool | Literal["always"] = False,
+        delta_threads: int = 0,
     ) -> None:
         """:raises MissingExtraError: ``delta=True`` without the ``delta``
         extra installed (the message names it).
+        :raises ValueError: a ``delta`` other than True, False or
+            ``"always"``; negative ``delta_threads``.
         :raises ValueError: ``wire_dtype`` is not a floating dtype narrower than float32."""
         self._configure(
             strategy,
@@ -122,12 +134,32 @@ class RayWeightSyncScheme(WeightSyncScheme):
             per_worker_weights=per_worker_weights,
             wire_dtype=wire_dtype,
             delta=delta,
+            delta_threads=delta_threads,
         )
 
     @property
-    def delta(self) -> bool:
-        """Whether the relay's chains carry deltas (``config.delta``)."""
+    def delta(self) -> bool | Literal["always"]:
+        """Whether the relay's chains may carry deltas (``config.delta``)."""
         return self._config.delta
+
+    @property
+    def delta_threads(self) -> int:
+        """The codec's threads, 0 for the default (``config.delta_threads``)."""
+        return self._config.delta_threads
+
+    @property
+    def last_delta_choice(self) -> dict[str, Any]:
+        """Why the relay's last send went as a delta or whole (``delta=True``
+        weighs each send), and of the last delta the encode and rebuild
+        GB/s per core and their threads: ``{"delta": bool, "why": str,
+        "rates": {...}}``; empty without ``delta``, without the relay (one
+        node), and on a worker."""
+        from .._transports._ray import RayStaging
+
+        staging = self.staging
+        relay = staging.relay if isinstance(staging, RayStaging) else None
+        choice = None if relay is None else relay.delta_choice
+        return {} if choice is None else choice.summary()
 
     @property
     def last_delta(self) -> list[bool]:
@@ -170,7 +202,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
                 "(and create the actors) first",
                 model_id=self._model_id,
             )
-        staging = RayStaging(self._model_id, delta=self.delta)
+        staging = RayStaging(self._model_id, delta=self.delta, delta_threads=self.delta_threads)
         transports: dict[int, SenderTransport] = {
             i: RaySenderTransport(actor, i, staging, self._model_id) for i, actor in enumerate(actors)
         }
@@ -221,7 +253,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
 
         staging = self.staging
         if not isinstance(staging, RayStaging):
-            staging = RayStaging(self._model_id, delta=self.delta)
+            staging = RayStaging(self._model_id, delta=self.delta, delta_threads=self.delta_threads)
         return RaySenderTransport(actor, len(self.sender_transports), staging, self._model_id)
 
     def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> EndpointFactory:
