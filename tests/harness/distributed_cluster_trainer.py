@@ -12,7 +12,8 @@ one per line, answering on stdout:
                            trainer sent)
     nudge [ids]         -> as send, with 1% of the elements changed instead of all
 
-With WS_DELTA=1 in the environment the scheme sends deltas (delta=True).
+With WS_DELTA=1 in the environment the scheme sends a delta whenever its
+workers hold a base (delta="always").
     quit                -> BYE             after shutdown()
 """
 
@@ -46,7 +47,8 @@ def main() -> None:
     shapes = {f"w{i}": int(n) for i, n in enumerate(sys.argv[3:])}
     torch.manual_seed(0)
     model = build_model(shapes)
-    scheme = ws.DistributedWeightSyncScheme(timeout=30.0, delta=os.environ.get("WS_DELTA") == "1")
+    delta = "always" if os.environ.get("WS_DELTA") == "1" else False
+    scheme = ws.DistributedWeightSyncScheme(timeout=30.0, delta=delta)
     scheme.init_on_sender("policy", num_workers=workers, model=model, host=host)
     info = scheme.get_store_info()
     assert info is not None

@@ -118,12 +118,14 @@ def _nudge(model: dict[str, torch.Tensor], step: int, fraction: float = 0.01) ->
 
 
 def scenario_delta(result: dict[str, Any]) -> None:
-    """RayWeightSyncScheme(delta=True), 3 receiving hosts x 1 actor: sends
+    """RayWeightSyncScheme(delta="always"), 3 receiving hosts x 1 actor: sends
     of small changes, each checked on every actor it targets, with how
     each went (chains, whether each carried a delta, wire bytes); host 3
     (actor 2) misses one send."""
     model = _model(16)
-    scheme = ws.RayWeightSyncScheme(timeout=60, delta=True)
+    # "always": a delta whenever a base is held (delta=True would weigh each
+    # send, and may send the full bytes where the link outruns the codec).
+    scheme = ws.RayWeightSyncScheme(timeout=60, delta="always")
     actors = _actors(scheme, model, range(1, 4), 1)
     scheme.init_on_sender("policy", remote_collectors=actors, model=model)
     scheme.connect(timeout=120)  # actors and relay agents start: not what is under test
