@@ -38,6 +38,7 @@ def test_workers_announce_their_device_and_the_report_says_how_each_was_reached(
     report = cluster.sender.send(worker_ids=[1])
     assert report.placements == {1: "host"}
 
+
 def test_versions_increase_and_acks_match(cluster: Cluster) -> None:
     versions = []
     for _ in range(5):
@@ -345,4 +346,3 @@ def test_a_clean_shutdown_is_told_apart_from_a_lost_sender(make_cluster, scheme_
             assert time.monotonic() < deadline, "the worker was not told of the shutdown"
             time.sleep(0.02)
         assert c.state(i)["errors"][0].startswith("SenderClosedError"), c.state(i)["errors"]
-
