@@ -92,7 +92,8 @@ def _driver(hosts: int, mib: float, steps: int, trajectory: str, delta_only: boo
             scheme.send()
             if scheme.last_delta == [delta]:
                 break
-        row: dict[str, Any] = {"delta": delta, "bytes": nbytes, "times": [], "wire": [], "chains": []}
+        row: dict[str, Any] = {"delta": delta, "bytes": nbytes, "times": [], "wire": []}
+        row.update(chains=[], why=[])
         for step in range(1, steps + 1):
             want = load(step)
             started = time.perf_counter()
@@ -105,6 +106,7 @@ def _driver(hosts: int, mib: float, steps: int, trajectory: str, delta_only: boo
             row["times"].append(elapsed)
             row["wire"].append(scheme.last_wire_bytes)
             row["chains"].append(scheme.last_delta)
+            row["why"].append(scheme.last_delta_choice.get("why", ""))
         scheme.shutdown()
         print(json.dumps(row), flush=True)
     ray.shutdown()
@@ -166,6 +168,8 @@ def main() -> None:
         )
         print(f"{'':>6} each send, ms: {' '.join(f'{t * 1e3:.0f}' for t in row['times'])}")
         print(f"{'':>6} each send, wire MiB: {' '.join(f'{w / MIB:.2f}' for w in row['wire'])}")
+        for why in row.get("why", []) if row["delta"] else []:
+            print(f"{'':>6} {why}")
 
 
 if __name__ == "__main__":

@@ -508,6 +508,9 @@ def test_the_choice_sends_a_delta_only_where_it_pays() -> None:
     # next guesses; sends that go whole ease it back.
     assert choice.decide(size, 0.03, 0.5e-9) and choice.guess is not None
     slow = 3 * choice.guess[0]
+    # (The first delta, which also paid for what is done once, teaches nothing.)
+    choice.observe(size, _route(100.0, encoded=True), None, [(0.2, 1)])  # type: ignore[arg-type]
+    assert choice.extra == 0.0
     choice.observe(size, _route(slow, encoded=True), None, [(0.2, 1)])  # type: ignore[arg-type]
     assert choice.extra > 1.5 * choice.guess[0] and choice.rebuild is not None
     corrected = choice.expect(size, 0.03, 0.5e-9)

@@ -179,8 +179,13 @@ class DeltaChoice:
         self.rates = rates
         if self.guess is not None:
             beyond = route.seconds - (self.guess[0] - self.extra)
-            # The first delta measured sets it outright.
-            self.extra = max(beyond if not self.seen else _kept(self.extra, beyond), 0.0)
+            # The first delta pays for what is done once (a host's first
+            # import of the codec, its first work buffers): it teaches
+            # nothing; the second sets the extra outright.
+            if self.seen == 1:
+                self.extra = max(beyond, 0.0)
+            elif self.seen > 1:
+                self.extra = max(_kept(self.extra, beyond), 0.0)
             self.seen += 1
 
 
