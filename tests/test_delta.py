@@ -7,6 +7,7 @@ import collections
 import functools
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -578,3 +579,34 @@ def test_the_schemes_take_delta_threads() -> None:
             cls(delta=True, delta_threads=-1)
         with pytest.raises(ValueError, match="'always'"):
             cls(delta="sometimes")  # type: ignore[arg-type]
+
+
+def test_the_first_frame_leaves_before_the_last_chunk_is_encoded() -> None:
+    """The chain takes a delta's frames from the encoder as it sends them:
+    the first frame is on the wire before the last chunk is encoded."""
+    from weightsync._delta import HEADER_SIZE
+    from weightsync._transports._gloo_chain import send_frames
+
+    events: list[str] = []
+
+    class Work:
+        def wait(self, timeout: object) -> None:
+            pass
+
+    class Group:
+        def send(self, tensors: object, dst: int, tag: int) -> Work:
+            events.append(f"send {tag}")
+            return Work()
+
+    v0, v1 = _trajectory("bf16-lr1e-5", 1)
+    encoder = DeltaEncoder(v0.nbytes, 2, chunk_bytes=CHUNK)
+    encoder.commit(v0)
+
+    def frames() -> Iterator[bytes]:
+        for frame in encoder.frames(v1):
+            events.append("encoded")
+            yield frame
+
+    send_frames(Group(), frames(), HEADER_SIZE, 1, 1.0, len(encoder.spans))
+    assert events.index("send 1") < len(events) - 1 - events[::-1].index("encoded")
+    assert events.count("encoded") == len(encoder.spans) > 2
