@@ -519,6 +519,11 @@ def test_the_choice_sends_a_delta_only_where_it_pays() -> None:
     for _ in range(300):
         choice.observe(size, _route(size / 125e6, encoded=False), None, [])  # type: ignore[arg-type]
     assert choice.extra < 0.001
+    # One slow delta among quick ones does not stop the deltas.
+    for seconds in (0.1, 5.0):
+        assert choice.decide(size, 0.03, 0.5e-9)
+        choice.observe(size, _route(seconds, encoded=True), None, [(0.2, 1)])  # type: ignore[arg-type]
+    assert choice.decide(size, 0.03, 0.5e-9), choice.why
     # After a run of deltas, one send goes whole to measure the link again.
     choice.streak = 64
     assert not choice.decide(size, 0.03, 0.5e-9) and "measured again" in choice.why

@@ -37,8 +37,9 @@ _NEW = 0.5
 # The chunks of a send encoded to judge it (a fraction of them, at least 2),
 # spread over the send; their frames are used if the delta goes.
 _SAMPLE_SHARE = 1 / 32
-# The whole sends a full send's time is judged from: the quickest of the
-# last few (one send slowed by others' load must not make deltas look good).
+# The sends each guess is judged from: the quickest of the last few whole
+# sends, and the least excess of the last few deltas (one send slowed by
+# others' load must not make deltas look good, nor stop them for long).
 _WINDOW = 4
 # How much what a delta took beyond its guess eases back per whole send: a
 # delta found slower than the full bytes by x is tried again after about
@@ -92,9 +93,9 @@ class DeltaChoice:
     rebuild: float | None = None
     #: How many times faster than one thread the encoder ran (its threads).
     parallel: float = 1.0
-    #: The seconds a delta chain took beyond its guess, as measured on
-    #: recent ones (fixed costs, a busy machine, slower hosts).
-    extra: float = 0.0
+    #: The seconds each of the last few delta chains took beyond its guess
+    #: (fixed costs, a busy machine, slower hosts), easing back per whole send.
+    excess: list[float] = dataclasses.field(default_factory=list)
     #: Deltas sent since the last whole send, and measured in all.
     streak: int = 0
     seen: int = 0
@@ -130,6 +131,13 @@ class DeltaChoice:
             return None
         return self._stages(nbytes, ratio, encode) + self.extra, nbytes * full
 
+    @property
+    def extra(self) -> float:
+        """The seconds a delta is expected to take beyond the stages: the
+        least of the last few deltas' (one slowed by others' load must not
+        stop deltas for long)."""
+        return max(min(self.excess), 0.0) if self.excess else 0.0
+
     def decide(self, nbytes: int, ratio: float, encode: float) -> bool:
         guess = self.guess = self.expect(nbytes, ratio, encode)
         if guess is None:
@@ -160,8 +168,7 @@ class DeltaChoice:
             if route.broke is None:
                 self.wholes = [*self.wholes, route.seconds / nbytes][-_WINDOW:]
             # A wrong guess is not held against the next sends for ever.
-            if self.extra > 0:
-                self.extra *= _EASE
+            self.excess = [e * _EASE if e > 0 else e for e in self.excess]
             return
         self.streak += 1
         if route.broke is not None:
@@ -180,12 +187,9 @@ class DeltaChoice:
         if self.guess is not None:
             beyond = route.seconds - (self.guess[0] - self.extra)
             # The first delta pays for what is done once (a host's first
-            # import of the codec, its first work buffers): it teaches
-            # nothing; the second sets the extra outright.
-            if self.seen == 1:
-                self.extra = max(beyond, 0.0)
-            elif self.seen > 1:
-                self.extra = max(_kept(self.extra, beyond), 0.0)
+            # import of the codec, its first work buffers): it teaches nothing.
+            if self.seen:
+                self.excess = [*self.excess, beyond][-_WINDOW:]
             self.seen += 1
 
 
