@@ -148,60 +148,18 @@ class SchemeConfig:
             WireCast(self.wire_dtype)
 
 
-class WeightSyncScheme:
-    """Base class of every scheme: the whole public surface, transport-agnostic.
-
-    Subclasses provide the transports (``_sender_side`` / ``_receiver_side``)
-    and, for options of their own, a :class:`SchemeConfig` subclass
-    (``_config_class``).
-    ``strategy`` is the form weights are handed back in (default: the
-    class's ``default_strategy``); ``timeout`` is the default deadline of a
-    send, in seconds; ``verify`` the default of ``send(verify=...)``: an
-    end-to-end check of every tensor (the ``verify`` extra).
-
-    ``per_worker_weights=True``: each worker keeps weights of its own (a
-    policy built by a factory per worker, possibly of another layout), and
-    ``send({worker_id: weights, ...})`` gives each its own, one send per
-    worker, each with its own version (``send(weights, worker_ids=i)``
-    updates worker ``i`` alone, under any scheme). Without it, weights keyed
-    by worker id are refused (``ValueError``), before anything moves.
-
-    ``wire_dtype`` (``torch.bfloat16`` or ``torch.float16``; lossy, opt-in):
-    the trainer's float32 weights are cast once, as they are staged, and
-    travel and land as that dtype: each worker's model holds those tensors
-    in ``wire_dtype`` and gets, bit for bit, ``trainer_tensor.to(wire_dtype)``
-    (round to nearest even, as torch casts). Other dtypes travel as they
-    are. The trainer keeps one cast copy of the float32 weights (half their
-    size for bfloat16). A worker whose model holds float32 there is refused
-    before anything moves (:class:`WeightMismatchError`).
-
-    The options are read-only once the scheme is made (:attr:`config`, and
-    one property per option: ``scheme.timeout``, ``scheme.sync``, ...).
-    """
+class _SchemeState:
+    """What every scheme is in one process: its frozen configuration (the
+    read-only options), the state torchrl's collectors read and set
+    (context, model, worker index, whether each side is initialised and
+    synchronised), and the hooks a family fills in (its transports). The
+    two sides build on it (:class:`_SenderSide`, :class:`_WorkerSide`)."""
 
     default_strategy: ClassVar[StrategyName] = "tensordict"
-    _config_class: ClassVar[type[SchemeConfig]] = SchemeConfig
-    _needs_model = True
 
-    def __init__(
-        self,
-        strategy: StrategyName | None = None,
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-        verify: bool = False,
-        per_worker_weights: bool = False,
-        wire_dtype: torch.dtype | None = None,
-    ) -> None:
-        """:raises ValueError: ``wire_dtype`` is not a floating dtype narrower than float32.
-        :raises MissingExtraError: ``verify=True`` without the ``verify`` extra
-            installed (the message names it)."""
-        self._configure(
-            strategy,
-            timeout=timeout,
-            verify=verify,
-            per_worker_weights=per_worker_weights,
-            wire_dtype=wire_dtype,
-        )
+    _config_class: ClassVar[type[SchemeConfig]] = SchemeConfig
+
+    _needs_model = True
 
     def _configure(self, strategy: StrategyName | None, **options: Any) -> None:
         """Check the options and freeze them (a subclass's ``__init__`` calls
@@ -253,7 +211,6 @@ class WeightSyncScheme:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(strategy={self.strategy.extract_as!r}, model_id={self._model_id!r})"
 
-    # -- configuration (read-only) ------------------------------------------
     @property
     def config(self) -> SchemeConfig:
         """The options this scheme was made with, frozen (assigning a field
@@ -285,7 +242,6 @@ class WeightSyncScheme:
         """The dtype float32 weights travel and land as, or None."""
         return self._config.wire_dtype
 
-    # -- properties -----------------------------------------------------
     @property
     def context(self) -> Any | None:
         """The context object (e.g. a collector) given at init, if any.
@@ -394,7 +350,6 @@ class WeightSyncScheme:
         scheme stages them."""
         return None if self._async_sender is None else self._async_sender.staging
 
-    # -- transports, per scheme ------------------------------------------
     def _sender_side(
         self, context: Any, kwargs: dict[str, Any]
     ) -> tuple[dict[int, SenderTransport], Staging | None]:
@@ -411,7 +366,6 @@ class WeightSyncScheme:
         """Build one transport (legacy); see each scheme."""
         raise NotImplementedError
 
-    # -- lifecycle --------------------------------------------------------
     def _begin_init(self, model_id: str | None, context: Any, kwargs: dict[str, Any]) -> None:
         """What both sides' init start with: this process's model id,
         context and model.
@@ -424,6 +378,64 @@ class WeightSyncScheme:
         self._model_id = model_id if model_id is not None else kwargs.get("model_id", self._model_id)
         self._context = context
         self._model = _model_of(self._model_id, context, kwargs)
+
+    def _source(self) -> Any:
+        """Where ``send(None)`` reads the weights: the model given explicitly,
+        else the context (looked up at each send), else the model found at init."""
+        if self._model is not None and (self._model_given or self._context is None):
+            return types.SimpleNamespace(model=self._model)
+        return self._context
+
+    def prepare_weights(
+        self, weights: Any, model_id: str | None, strategy: WeightStrategy, context: Any = None
+    ) -> Any:
+        """Extract ``weights`` (None: the context's model) in ``strategy``'s form."""
+        if weights is None and context is None:
+            context = self._source()
+        return strategy.extract_weights(weights, context=context, model_id=model_id)
+
+    def apply_weights(self, weights: Any, inplace: bool = True) -> None:
+        """Apply ``weights`` to this process's model directly (no transport).
+
+        :raises WeightMismatchError: names, shapes or dtypes differ (nothing written).
+        """
+        if self._model is None:
+            raise WeightSyncStateError(f"{self!r} has no model to apply weights to")
+        self.strategy.apply_weights(self._model, weights, inplace=inplace, model_id=self._model_id)
+
+    def get_sender(self) -> WeightSender:
+        """The blocking sender. :raises RuntimeError: before ``init_on_sender``."""
+        if self._sender is None:
+            self._sender = WeightSender(self.get_async_sender())
+        return self._sender
+
+    def get_async_sender(self) -> AsyncWeightSender:
+        """The coroutine sender, for async trainers (no blocking facade, no
+        loop thread involved). :raises RuntimeError: before ``init_on_sender``."""
+        if self._async_sender is None:
+            raise WeightSyncStateError(
+                f"{self!r}: get_sender() before init_on_sender()", model_id=self._model_id
+            )
+        return self._async_sender
+
+    def get_receiver(self) -> WeightReceiver:
+        """The blocking receiver. :raises RuntimeError: before ``init_on_receiver``."""
+        if self._receiver is None:
+            self._receiver = WeightReceiver(self.get_async_receiver())
+        return self._receiver
+
+    def get_async_receiver(self) -> AsyncWeightReceiver:
+        """The coroutine receiver. :raises RuntimeError: before ``init_on_receiver``."""
+        if self._async_receiver is None:
+            raise WeightSyncStateError(
+                f"{self!r}: get_receiver() before init_on_receiver()", model_id=self._model_id
+            )
+        return self._async_receiver
+
+
+class _SenderSide(_SchemeState):
+    """The trainer's side of a scheme: ``init_on_sender``, its workers
+    (waited for, added, removed), its senders and ``send``."""
 
     def init_on_sender(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
         """Initialise the sender side (the trainer). Does not block.
@@ -472,12 +484,103 @@ class WeightSyncScheme:
         except (LookupError, ValueError, AttributeError):
             return False
 
-    def _source(self) -> Any:
-        """Where ``send(None)`` reads the weights: the model given explicitly,
-        else the context (looked up at each send), else the model found at init."""
-        if self._model is not None and (self._model_given or self._context is None):
-            return types.SimpleNamespace(model=self._model)
-        return self._context
+    def wait_for_workers(
+        self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None
+    ) -> dict[int, float]:
+        """Sender: block until the workers (default: all) have announced
+        themselves; the seconds each took. Sends nothing (unlike
+        :meth:`connect`). An async trainer awaits
+        ``get_async_sender().wait_for_workers()`` instead. See
+        :meth:`AsyncWeightSender.wait_for_workers` for what it logs while it
+        waits.
+
+        :raises RuntimeError: called before ``init_on_sender`` (on a worker too).
+        :raises WorkerError: naming every worker that died or did not
+            announce itself within ``timeout`` (default: the scheme's).
+        """
+        if self._async_sender is None:
+            raise WeightSyncStateError(
+                f"{self!r}: wait_for_workers() is the sender's, after init_on_sender()",
+                model_id=self._model_id,
+            )
+        return self.get_sender().wait_for_workers(worker_ids, timeout=timeout)
+
+    def _connected(self) -> None:
+        """Called on the sender once its workers announced themselves."""
+
+    def add_worker(
+        self,
+        channel: Any = None,
+        *,
+        worker_id: int | None = None,
+        weights: Any = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Sender: add a worker while the trainer runs, and return its id.
+
+        ``channel`` is what the scheme reaches it by (see each scheme: the
+        trainer's end of a new pipe, a Ray actor handle). ``worker_id``: the
+        id of a worker that died and was restarted, to bring it back under
+        its old id (the old channel is closed); default, a new id. If the
+        sender has sent before (or ``weights`` are given), the new worker
+        gets the latest weights (``weights``, else the model), alone, and
+        this blocks until it applied them (its first ``receive()`` or its
+        ``connect()``), up to ``timeout``; the others get nothing.
+
+        :raises ValueError: a bad ``worker_id`` or channel.
+        :raises WorkerError: the new worker did not apply the weights (it
+            stays a worker: later sends go to it).
+        :raises RuntimeError: before ``init_on_sender``, or during a send.
+        """
+        sender = self.get_sender()
+        if worker_id is not None and (not isinstance(worker_id, int) or worker_id < 0):
+            raise ValueError(f"worker_id must be an int >= 0, not {worker_id!r}")
+        known = self.sender_transports
+        wid = worker_id if worker_id is not None else max(known, default=-1) + 1
+        sender.add_worker(wid, self._new_transport(wid, channel, replaces=wid in known))
+        if weights is not None or (sender.async_sender.version > 0 and self._holds_a_model()):
+            sender.send(weights, [wid], timeout=timeout)
+        return wid
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Sender: stop sending to ``worker_id`` and free what was held for
+        it; its channel is closed (the worker hears a clean shutdown). Sends
+        to the others go on.
+
+        :raises UnknownWorkerError: no such worker.
+        :raises RuntimeError: before ``init_on_sender``, or during a send.
+        """
+        self.get_sender().remove_worker(worker_id)
+
+    def _new_transport(self, worker_id: int, channel: Any, *, replaces: bool) -> SenderTransport:
+        raise NotImplementedError(f"{type(self).__name__} has no workers to add")
+
+    def create_sender(self) -> WeightSender:
+        """Legacy: the sender of this scheme (same as :meth:`get_sender`)."""
+        return self.get_sender()
+
+    def send(
+        self,
+        weights: Any = None,
+        worker_ids: int | Iterable[int] | None = None,
+        *,
+        timeout: float | None = None,
+        keys: Keys | None = None,
+        partial: bool = False,
+        verify: bool | None = None,
+    ) -> SendReport | None:
+        """Blocking send to ``worker_ids`` (default all), whole or partial
+        (``keys=``, ``partial=True``), checked end to end with ``verify``;
+        see :meth:`WeightSender.send`."""
+        return self.get_sender().send(
+            weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
+        )
+
+
+class _WorkerSide(_SchemeState):
+    """A worker's side of a scheme: ``init_on_receiver`` (alias
+    ``init_on_worker``), what runs after each update, its receivers and
+    ``receive``."""
 
     def init_on_receiver(self, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
         """Initialise a worker (receiver side) and announce it to the sender.
@@ -539,6 +642,85 @@ class WeightSyncScheme:
         """Alias of :meth:`init_on_receiver`."""
         self.init_on_receiver(model_id, context, **kwargs)
 
+    def _loop_is_a_collectors(self) -> bool:
+        """Whether this worker runs inside a loop that is not the user's: its
+        context is a torchrl collector, which never calls ``receive()``
+        (torchrl's own schemes apply from a thread of their own there)."""
+        return is_torchrl_collector(self._context)
+
+    def _waits_for_initial_weights(self) -> bool:
+        """Whether a worker's ``connect()`` waits for the sender's initial
+        weights: always, but under ``per_worker_weights`` for a model that
+        holds weights of its own already (none of its tensors on the meta
+        device)."""
+        if not self.per_worker_weights or self._model is None:
+            return True
+        try:
+            tensors = model_tensors(self._model, model_id=self._model_id)
+        except Exception:
+            return True
+        return any(t.is_meta for t in tensors.values())
+
+    def create_receiver(self) -> WeightReceiver:
+        """Legacy: the receiver of this scheme (same as :meth:`get_receiver`)."""
+        return self.get_receiver()
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        """Apply the newest pending update; see :meth:`WeightReceiver.receive`."""
+        return self.get_receiver().receive(timeout)
+
+
+class WeightSyncScheme(_SenderSide, _WorkerSide):
+    """Base class of every scheme: the whole public surface, transport-agnostic.
+
+    Subclasses provide the transports (``_sender_side`` / ``_receiver_side``)
+    and, for options of their own, a :class:`SchemeConfig` subclass
+    (``_config_class``).
+    ``strategy`` is the form weights are handed back in (default: the
+    class's ``default_strategy``); ``timeout`` is the default deadline of a
+    send, in seconds; ``verify`` the default of ``send(verify=...)``: an
+    end-to-end check of every tensor (the ``verify`` extra).
+
+    ``per_worker_weights=True``: each worker keeps weights of its own (a
+    policy built by a factory per worker, possibly of another layout), and
+    ``send({worker_id: weights, ...})`` gives each its own, one send per
+    worker, each with its own version (``send(weights, worker_ids=i)``
+    updates worker ``i`` alone, under any scheme). Without it, weights keyed
+    by worker id are refused (``ValueError``), before anything moves.
+
+    ``wire_dtype`` (``torch.bfloat16`` or ``torch.float16``; lossy, opt-in):
+    the trainer's float32 weights are cast once, as they are staged, and
+    travel and land as that dtype: each worker's model holds those tensors
+    in ``wire_dtype`` and gets, bit for bit, ``trainer_tensor.to(wire_dtype)``
+    (round to nearest even, as torch casts). Other dtypes travel as they
+    are. The trainer keeps one cast copy of the float32 weights (half their
+    size for bfloat16). A worker whose model holds float32 there is refused
+    before anything moves (:class:`WeightMismatchError`).
+
+    The options are read-only once the scheme is made (:attr:`config`, and
+    one property per option: ``scheme.timeout``, ``scheme.sync``, ...).
+    """
+
+    def __init__(
+        self,
+        strategy: StrategyName | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        verify: bool = False,
+        per_worker_weights: bool = False,
+        wire_dtype: torch.dtype | None = None,
+    ) -> None:
+        """:raises ValueError: ``wire_dtype`` is not a floating dtype narrower than float32.
+        :raises MissingExtraError: ``verify=True`` without the ``verify`` extra
+            installed (the message names it)."""
+        self._configure(
+            strategy,
+            timeout=timeout,
+            verify=verify,
+            per_worker_weights=per_worker_weights,
+            wire_dtype=wire_dtype,
+        )
+
     def connect(
         self,
         *,
@@ -594,173 +776,6 @@ class WeightSyncScheme:
             if background:
                 receiver.start_applier()
         return None
-
-    def wait_for_workers(
-        self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None
-    ) -> dict[int, float]:
-        """Sender: block until the workers (default: all) have announced
-        themselves; the seconds each took. Sends nothing (unlike
-        :meth:`connect`). An async trainer awaits
-        ``get_async_sender().wait_for_workers()`` instead. See
-        :meth:`AsyncWeightSender.wait_for_workers` for what it logs while it
-        waits.
-
-        :raises RuntimeError: called before ``init_on_sender`` (on a worker too).
-        :raises WorkerError: naming every worker that died or did not
-            announce itself within ``timeout`` (default: the scheme's).
-        """
-        if self._async_sender is None:
-            raise WeightSyncStateError(
-                f"{self!r}: wait_for_workers() is the sender's, after init_on_sender()",
-                model_id=self._model_id,
-            )
-        return self.get_sender().wait_for_workers(worker_ids, timeout=timeout)
-
-    def _loop_is_a_collectors(self) -> bool:
-        """Whether this worker runs inside a loop that is not the user's: its
-        context is a torchrl collector, which never calls ``receive()``
-        (torchrl's own schemes apply from a thread of their own there)."""
-        return is_torchrl_collector(self._context)
-
-    def _waits_for_initial_weights(self) -> bool:
-        """Whether a worker's ``connect()`` waits for the sender's initial
-        weights: always, but under ``per_worker_weights`` for a model that
-        holds weights of its own already (none of its tensors on the meta
-        device)."""
-        if not self.per_worker_weights or self._model is None:
-            return True
-        try:
-            tensors = model_tensors(self._model, model_id=self._model_id)
-        except Exception:
-            return True
-        return any(t.is_meta for t in tensors.values())
-
-    def _connected(self) -> None:
-        """Called on the sender once its workers announced themselves."""
-
-    # -- membership -----------------------------------------------------------
-    def add_worker(
-        self,
-        channel: Any = None,
-        *,
-        worker_id: int | None = None,
-        weights: Any = None,
-        timeout: float | None = None,
-    ) -> int:
-        """Sender: add a worker while the trainer runs, and return its id.
-
-        ``channel`` is what the scheme reaches it by (see each scheme: the
-        trainer's end of a new pipe, a Ray actor handle). ``worker_id``: the
-        id of a worker that died and was restarted, to bring it back under
-        its old id (the old channel is closed); default, a new id. If the
-        sender has sent before (or ``weights`` are given), the new worker
-        gets the latest weights (``weights``, else the model), alone, and
-        this blocks until it applied them (its first ``receive()`` or its
-        ``connect()``), up to ``timeout``; the others get nothing.
-
-        :raises ValueError: a bad ``worker_id`` or channel.
-        :raises WorkerError: the new worker did not apply the weights (it
-            stays a worker: later sends go to it).
-        :raises RuntimeError: before ``init_on_sender``, or during a send.
-        """
-        sender = self.get_sender()
-        if worker_id is not None and (not isinstance(worker_id, int) or worker_id < 0):
-            raise ValueError(f"worker_id must be an int >= 0, not {worker_id!r}")
-        known = self.sender_transports
-        wid = worker_id if worker_id is not None else max(known, default=-1) + 1
-        sender.add_worker(wid, self._new_transport(wid, channel, replaces=wid in known))
-        if weights is not None or (sender.async_sender.version > 0 and self._holds_a_model()):
-            sender.send(weights, [wid], timeout=timeout)
-        return wid
-
-    def remove_worker(self, worker_id: int) -> None:
-        """Sender: stop sending to ``worker_id`` and free what was held for
-        it; its channel is closed (the worker hears a clean shutdown). Sends
-        to the others go on.
-
-        :raises UnknownWorkerError: no such worker.
-        :raises RuntimeError: before ``init_on_sender``, or during a send.
-        """
-        self.get_sender().remove_worker(worker_id)
-
-    def _new_transport(self, worker_id: int, channel: Any, *, replaces: bool) -> SenderTransport:
-        raise NotImplementedError(f"{type(self).__name__} has no workers to add")
-
-    def get_sender(self) -> WeightSender:
-        """The blocking sender. :raises RuntimeError: before ``init_on_sender``."""
-        if self._sender is None:
-            self._sender = WeightSender(self.get_async_sender())
-        return self._sender
-
-    def get_receiver(self) -> WeightReceiver:
-        """The blocking receiver. :raises RuntimeError: before ``init_on_receiver``."""
-        if self._receiver is None:
-            self._receiver = WeightReceiver(self.get_async_receiver())
-        return self._receiver
-
-    def get_async_sender(self) -> AsyncWeightSender:
-        """The coroutine sender, for async trainers (no blocking facade, no
-        loop thread involved). :raises RuntimeError: before ``init_on_sender``."""
-        if self._async_sender is None:
-            raise WeightSyncStateError(
-                f"{self!r}: get_sender() before init_on_sender()", model_id=self._model_id
-            )
-        return self._async_sender
-
-    def get_async_receiver(self) -> AsyncWeightReceiver:
-        """The coroutine receiver. :raises RuntimeError: before ``init_on_receiver``."""
-        if self._async_receiver is None:
-            raise WeightSyncStateError(
-                f"{self!r}: get_receiver() before init_on_receiver()", model_id=self._model_id
-            )
-        return self._async_receiver
-
-    def create_sender(self) -> WeightSender:
-        """Legacy: the sender of this scheme (same as :meth:`get_sender`)."""
-        return self.get_sender()
-
-    def create_receiver(self) -> WeightReceiver:
-        """Legacy: the receiver of this scheme (same as :meth:`get_receiver`)."""
-        return self.get_receiver()
-
-    # -- operations ---------------------------------------------------------
-    def prepare_weights(
-        self, weights: Any, model_id: str | None, strategy: WeightStrategy, context: Any = None
-    ) -> Any:
-        """Extract ``weights`` (None: the context's model) in ``strategy``'s form."""
-        if weights is None and context is None:
-            context = self._source()
-        return strategy.extract_weights(weights, context=context, model_id=model_id)
-
-    def apply_weights(self, weights: Any, inplace: bool = True) -> None:
-        """Apply ``weights`` to this process's model directly (no transport).
-
-        :raises WeightMismatchError: names, shapes or dtypes differ (nothing written).
-        """
-        if self._model is None:
-            raise WeightSyncStateError(f"{self!r} has no model to apply weights to")
-        self.strategy.apply_weights(self._model, weights, inplace=inplace, model_id=self._model_id)
-
-    def send(
-        self,
-        weights: Any = None,
-        worker_ids: int | Iterable[int] | None = None,
-        *,
-        timeout: float | None = None,
-        keys: Keys | None = None,
-        partial: bool = False,
-        verify: bool | None = None,
-    ) -> SendReport | None:
-        """Blocking send to ``worker_ids`` (default all), whole or partial
-        (``keys=``, ``partial=True``), checked end to end with ``verify``;
-        see :meth:`WeightSender.send`."""
-        return self.get_sender().send(
-            weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
-        )
-
-    def receive(self, timeout: float | None = None) -> int | None:
-        """Apply the newest pending update; see :meth:`WeightReceiver.receive`."""
-        return self.get_receiver().receive(timeout)
 
     def shutdown(self) -> None:
         """Close this side's channels and release shared memory and the loop
