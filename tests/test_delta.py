@@ -491,7 +491,9 @@ def test_the_choice_sends_a_delta_only_where_it_pays() -> None:
     fresh.fresh = True  # type: ignore[attr-defined]
     choice.observe(size, fresh, None, [])  # type: ignore[arg-type]
     assert choice.full is None
-    # 1 Gbit/s: 537 ms whole.
+    # 1 Gbit/s: 537 ms whole (two whole sends measured before any delta).
+    choice.observe(size, _route(size / 125e6, encoded=False), None, [])  # type: ignore[arg-type]
+    assert not choice.decide(size, 0.03, 0.5e-9)
     choice.observe(size, _route(size / 125e6, encoded=False), None, [])  # type: ignore[arg-type]
     assert choice.decide(size, 0.03, 0.5e-9), choice.why  # bf16 at a low lr: a delta pays
     assert not choice.decide(size, 1.0, 0.4e-9), choice.why  # random: the full bytes
@@ -499,11 +501,13 @@ def test_the_choice_sends_a_delta_only_where_it_pays() -> None:
     # fp32 at a high lr (0.75 of the bytes): a delta at 1 Gbit/s, whole at 10.
     assert choice.decide(size, 0.75, 0.8e-9), choice.why
     quicker = DeltaChoice()
-    quicker.observe(size, _route(size / 1.25e9, encoded=False), None, [])  # type: ignore[arg-type]
+    for _ in range(2):
+        quicker.observe(size, _route(size / 1.25e9, encoded=False), None, [])  # type: ignore[arg-type]
     assert not quicker.decide(size, 0.75, 0.8e-9), quicker.why
     # A link faster than the codec (10 GB/s): the full bytes.
     fast = DeltaChoice()
-    fast.observe(size, _route(size / 10e9, encoded=False), None, [])  # type: ignore[arg-type]
+    for _ in range(2):
+        fast.observe(size, _route(size / 10e9, encoded=False), None, [])  # type: ignore[arg-type]
     assert not fast.decide(size, 0.03, 0.5e-9), fast.why
     # A delta that took three times its guess adds the difference to the
     # next guesses; sends that go whole ease it back.
@@ -554,7 +558,7 @@ def test_the_delta_base_samples_the_send_and_reuses_the_sample() -> None:
         assert base is not None
         base.fit(v0.nbytes, 2)
         base.adopt(v0.copy(), 1)
-        base.choice.wholes = [1 / 125e6 if slow_link else 1 / 1e12]
+        base.choice.wholes = [1 / 125e6 if slow_link else 1 / 1e12] * 2
         send = base.chain(current, {7})
         assert (send is not None) == goes, (setting, base.choice.why)
         assert base.choice.went == goes

@@ -41,6 +41,8 @@ _SAMPLE_SHARE = 1 / 32
 # sends, and the least excess of the last few deltas (one send slowed by
 # others' load must not make deltas look good, nor stop them for long).
 _WINDOW = 4
+# Whole sends measured before the first delta is weighed (one may be slow).
+_FIRST_WHOLES = 2
 # How much what a delta took beyond its guess eases back per whole send: a
 # delta found slower than the full bytes by x is tried again after about
 # log(x) / -log(_EASE) whole sends (13 for 1.5x), a few percent of the sends.
@@ -140,8 +142,8 @@ class DeltaChoice:
 
     def decide(self, nbytes: int, ratio: float, encode: float) -> bool:
         guess = self.guess = self.expect(nbytes, ratio, encode)
-        if guess is None:
-            self.went, self.why = False, "full bytes: a whole send is measured first, to weigh deltas against"
+        if guess is None or len(self.wholes) < _FIRST_WHOLES:
+            self.went, self.why = False, "full bytes: whole sends are measured first, to weigh deltas against"
             return False
         delta, full = guess
         self.went = delta <= _MARGIN * full
