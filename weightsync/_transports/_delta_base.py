@@ -75,17 +75,18 @@ class DeltaChoice:
     A delta's chain is a pipeline: the trainer encodes, the links carry the
     frames, each host rebuilds, so it takes about the longest of the three;
     the full bytes take what the quickest of the last few whole sends took
-    per byte (a send goes whole until one was measured, and again after a
+    per byte (sends go whole until two were measured, and again after a
     run of deltas; a chain that formed a new group, and so also made its
-    connections, is not measured). The sample (a
-    few chunks of this send, encoded on the chain's thread; their frames
-    are sent if the delta goes) gives this send's encoded size and
-    the encoder's CPU per byte; the hosts' reports give the rebuild's; the
-    delta sends' own times add what they took beyond their guesses (fixed
-    costs, a host slower than thought, a busy machine), easing back while
-    sends go whole. A delta goes where it is expected to take at most
-    :data:`_MARGIN` of the full send's time: random weights, a dense
-    update, or a link faster than the codec go whole.
+    connections, is not measured). The sample (a few chunks of this send,
+    encoded on the chain's thread; their frames are sent if the delta
+    goes) gives this send's encoded size and the encoder's CPU per byte;
+    the hosts' reports give the rebuild's; the delta sends' own times add
+    the least of what the last few took beyond their guesses (fixed costs,
+    a host slower than thought, a busy machine; not the first delta, which
+    also paid for what is done once), easing back while sends go whole.
+    A delta goes where it is expected to take at most :data:`_MARGIN` of
+    the full send's time: random weights, a dense update, or a link faster
+    than the codec go whole.
     """
 
     #: Seconds per byte of the last few whole sends' chains (newest last).
