@@ -70,15 +70,10 @@ class AsyncWeightSender:
         #: float32 weights travel (and workers hold them) cast to this dtype;
         #: None: as they are.
         self.wire_dtype = wire_dtype
-        self._wire = None if wire_dtype is None else WireCast(wire_dtype)
-        #: Whether sends carry digests that each worker checks (the default
-        #: of ``send(verify=None)``).
-        self.verify = verify
         self.strategy = strategy
         self.workers = Workers(transports, model_id, per_worker_weights)
         self.staging = staging
-        self.timeout = timeout
-        self._packer = Packer(model_id, context, self._wire)
+        self._packer = Packer(model_id, context, None if wire_dtype is None else WireCast(wire_dtype))
         self._acks = AckGather(self.workers.transports, model_id)
         self._stager = Stager(
             self.workers,
@@ -90,6 +85,18 @@ class AsyncWeightSender:
             cast=wire_dtype is not None,
         )
         self._closed = False
+
+    @property
+    def verify(self) -> bool:
+        """Whether sends carry digests that each worker checks (the default
+        of ``send(verify=None)``)."""
+        return self._stager.verify
+
+    @property
+    def timeout(self) -> float:
+        """The default deadline of a send, and of a wait for workers to
+        announce themselves, in seconds."""
+        return self._stager.timeout
 
     @property
     def version(self) -> int:

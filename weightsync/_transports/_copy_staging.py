@@ -82,6 +82,8 @@ class CopyReader:
         # again for new sources, or a tensor of the model re-pointed
         # (``param.data = ...``) to memory of the same shape.
         self._plans = PlanCache()
+        # The last plan looked at for a copy to a GPU (see apply).
+        self._looked_at: object = None
 
     def is_current(self, descriptor: SegmentRef, version: int) -> bool:
         return self._segments.holds(descriptor, version)
@@ -101,10 +103,12 @@ class CopyReader:
         threads: int,
     ) -> None:
         plan = self._plans.plan(targets, self._segments.views(descriptor, manifest))
-        if plan.slow_dst and on_gpu(devices_of(plan.slow_dst)):
-            # A model on a GPU: the host-to-device copy at the bus's speed
-            # (the mapping is registered once).
-            self._segments.segment(descriptor).pin()
+        if plan is not self._looked_at:
+            # A new plan (made once per layout and mapping): if it copies to
+            # a GPU, page-lock the mapping, for the bus's speed.
+            self._looked_at = plan
+            if plan.slow_dst and on_gpu(devices_of(plan.slow_dst)):
+                self._segments.segment(descriptor).pin()
         plan.run(threads)
 
     def holding(self) -> None:
@@ -112,4 +116,5 @@ class CopyReader:
 
     def close(self) -> None:
         self._plans.clear()
+        self._looked_at = None
         self._segments.close()
