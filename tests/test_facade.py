@@ -161,7 +161,7 @@ async def test_async_trainer_awaits_sends(make_cluster) -> None:
 
 
 def _segments(c: Cluster) -> list[Segment]:
-    staging = c.scheme.staging
+    staging = c.scheme.staging.host  # (the pipe schemes' host staging)
     segment = getattr(staging, "segment", None)  # the multiprocess scheme's one segment
     return [segment] if segment is not None else list(getattr(staging, "slots", []))  # the shared scheme's
 

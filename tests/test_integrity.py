@@ -31,7 +31,7 @@ from weightsync._transports._slot_staging import SlotStaging
 
 def _staged(scheme: ws.WeightSyncScheme) -> torch.Tensor:
     """The trainer's writable view of the bytes its last send staged."""
-    staging = scheme.staging
+    staging = getattr(scheme.staging, "host", scheme.staging)  # (a pipe scheme's host staging)
     segment = getattr(staging, "segment", None) or getattr(staging, "current", None)
     assert segment is not None and segment.data is not None
     return segment.data
@@ -103,7 +103,7 @@ def test_shared_slot_bytes_changed_before_the_trainers_check_are_refused_by_name
         before = [c.state(i)["weights"] for i in range(2)]
         version = c.sender.async_sender.version
         spec = next(s for s in Manifest.of(flat_weights(c.model)).specs if s.name == "out.weight")
-        staging = c.scheme.staging
+        staging = c.scheme.staging.host
         assert isinstance(staging, SlotStaging)
 
         def flip(index: int, start: int) -> None:
@@ -148,7 +148,7 @@ ours, theirs = mp.Pipe()
 scheme = ws.SharedMemWeightSyncScheme(timeout=30)
 model = {"w": torch.ones(1 << 16)}
 scheme.init_on_sender("policy", pipes=[ours], model=model)
-staging = scheme.staging
+staging = scheme.staging.host
 # Staged (checked and published) with no worker: the packet goes no further.
 packet = Packer("policy", None, None).packet(1, model)
 asyncio.run(staging.stage(packet, True))

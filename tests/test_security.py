@@ -15,7 +15,7 @@ from weightsync._segment import HEADER_BYTES, Segment
 
 
 def _segments(c: Cluster) -> list:
-    shared = c.scheme.staging
+    shared = c.scheme.staging.host  # (the pipe schemes' host staging)
     segment = getattr(shared, "segment", None)  # the multiprocess scheme's staging
     return [segment] if segment is not None else list(shared.slots)  # the shared scheme's slots
 

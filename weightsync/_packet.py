@@ -13,6 +13,7 @@ import functools
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -269,6 +270,9 @@ class Packet:
     digests: tuple[int, ...] | None = None
     #: The devices the trainer's tensors are on (``_placement``).
     devices: tuple[str, ...] = ("cpu",)
+    #: The caller's CUDA stream when the send was planned
+    #: (``_placement.caller_stream``), for tensors on a GPU; else None.
+    stream: Any = field(default=None, repr=False, compare=False)
 
     @property
     def subset(self) -> Signature | None:

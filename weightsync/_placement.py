@@ -12,12 +12,26 @@ which one each worker's send took.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["Placement", "choose", "device_name", "devices_of", "on_gpu"]
+if TYPE_CHECKING:
+    from ._packet import Packet
+
+__all__ = [
+    "Placement",
+    "caller_stream",
+    "choose",
+    "device_name",
+    "devices_of",
+    "gpu_stream",
+    "on_caller_stream",
+    "on_gpu",
+]
 
 _UUIDS: dict[int, str] = {}
 
@@ -91,3 +105,31 @@ def choose(trainer: tuple[str, ...], worker: tuple[str, ...] | None) -> Placemen
     if on_gpu == (True, True):
         return Placement.SAME_DEVICE if source == target else Placement.PEER
     return Placement.MIXED
+
+
+def caller_stream() -> Any:
+    """The calling thread's current CUDA stream (on its current device), or
+    None where this process has not used CUDA. Taken when a send is
+    planned, on the caller's thread: the send's copies out of the trainer's
+    tensors are enqueued on it, after the work the caller enqueued before,
+    whichever thread makes them."""
+    return torch.cuda.current_stream() if torch.cuda.is_initialized() else None
+
+
+def gpu_stream(packet: Packet, device: torch.device) -> Any:
+    """The stream a copy out of ``packet``'s tensors on ``device`` runs on:
+    the caller's (:func:`caller_stream`) where it is on that device, else
+    that device's current stream."""
+    stream = packet.stream
+    if stream is not None and stream.device == device:
+        return stream
+    return torch.cuda.current_stream(device)
+
+
+def on_caller_stream(packet: Packet) -> contextlib.AbstractContextManager[Any]:
+    """A context in which copies out of ``packet``'s tensors run on the
+    caller's stream (:func:`gpu_stream`); a no-op for tensors in host
+    memory."""
+    if len(packet.devices) == 1 and packet.devices[0].startswith("cuda:") and packet.tensors:
+        return torch.cuda.stream(gpu_stream(packet, packet.tensors[0].device))
+    return contextlib.nullcontext()

@@ -39,6 +39,7 @@ from ._copy import PlanCache, usable_cores
 from ._digest import copy_and_check, copy_out
 from ._exceptions import out_of_resources
 from ._packet import Manifest, Packet
+from ._placement import on_caller_stream
 
 _log = logging.getLogger("weightsync")
 
@@ -186,12 +187,14 @@ class Segment:
         copied and return the digests (else None). Blocks; run it through
         ``run_blocking``."""
         self.begin_write()
-        # Workers read only once this is published: all cores are ours meanwhile.
-        if digest:
-            sums = copy_out(views, packet.tensors, True, usable_cores())
-        else:
-            self._plans.plan(views, packet.tensors).run(usable_cores())
-            sums = None
+        # Workers read only once this is published: all cores are ours
+        # meanwhile. Copies from a GPU follow the caller's stream.
+        with on_caller_stream(packet):
+            if digest:
+                sums = copy_out(views, packet.tensors, True, usable_cores())
+            else:
+                self._plans.plan(views, packet.tensors).run(usable_cores())
+                sums = None
         self.publish(packet.version)
         return sums
 
@@ -207,7 +210,8 @@ class Segment:
         block matched. Returns the sources' digests and the indices of the
         tensors that differ. Blocks; run it through ``run_blocking``."""
         self.begin_write()
-        sums, bad = copy_and_check(views, packet.tensors, usable_cores(), after_copy)
+        with on_caller_stream(packet):
+            sums, bad = copy_and_check(views, packet.tensors, usable_cores(), after_copy)
         if not bad:
             self.publish(packet.version)
         return sums, bad

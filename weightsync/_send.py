@@ -23,6 +23,7 @@ from ._acks import AckGather
 from ._exceptions import WeightSyncStateError, WorkerError, combine_worker_errors
 from ._packet import Packet
 from ._packing import Keys, Packer
+from ._placement import caller_stream, on_gpu
 from ._targets import Workers
 from ._transports._base import ChannelTransport, LoopFreeStaging, Outgoing, SendHandler, Staging
 
@@ -80,6 +81,9 @@ class SendPlan:
     #: Gives the sender back (idempotent): the send is over, or failed
     #: before it was staged.
     release: Claim
+    #: The caller's CUDA stream (``_placement.caller_stream``): copies out
+    #: of tensors on a GPU follow the work enqueued on it before the send.
+    stream: Any = None
 
 
 @dataclass(frozen=True)
@@ -387,7 +391,16 @@ class Stager:
             )
         timeout = self.timeout if options.timeout is None else options.timeout
         return SendPlan(
-            targets, weights, each, options, timeout, verifying, announce, loop_free, Claim(self.busy)
+            targets,
+            weights,
+            each,
+            options,
+            timeout,
+            verifying,
+            announce,
+            loop_free,
+            Claim(self.busy),
+            caller_stream(),
         )
 
     # -- the two drivers -----------------------------------------------------
@@ -507,6 +520,8 @@ class Stager:
         packet = self._packer.packet(
             self.version + 1, weights, fanout=len(targets), keys=options.keys, partial=options.partial
         )
+        if plan.stream is not None and on_gpu(packet.devices):
+            packet = dataclasses.replace(packet, stream=plan.stream)
         return packet, self.workers.check_layouts(packet, [w for w in targets if w not in failures])
 
     def _staged(self, packet: Packet) -> Packet:

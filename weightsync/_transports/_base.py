@@ -36,6 +36,7 @@ __all__ = [
     "EVERY_VERSION",
     "Applier",
     "ChannelTransport",
+    "DeviceAwareStaging",
     "Incoming",
     "LoopFreeStaging",
     "Outgoing",
@@ -122,6 +123,17 @@ class LoopFreeStaging(Staging, Protocol):
     def stage_now(self, packet: Packet) -> None:
         """What :meth:`Staging.stage` does without digests, blocking the
         calling thread for the copy; never enters an event loop."""
+
+
+@runtime_checkable
+class DeviceAwareStaging(Staging, Protocol):
+    """A :class:`Staging` that stages by where each worker's model is (the
+    pipe schemes' device slab for workers on GPUs): told the devices of
+    each worker as it announces itself."""
+
+    def placed(self, worker_id: int, devices: tuple[str, ...] | None) -> None:
+        """Worker ``worker_id`` announced its model on ``devices``
+        (``_placement.devices_of``)."""
 
 
 @runtime_checkable

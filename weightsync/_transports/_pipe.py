@@ -32,7 +32,7 @@ import torch
 from .._copy import usable_cores
 from .._exceptions import SenderClosedError, SenderLostError, WorkerLostError, WorkerProtocolError
 from .._packet import Manifest, Packet, Signature
-from ._base import EVERY_VERSION, Staging, StagingReader, worker_failed, worker_lost
+from ._base import EVERY_VERSION, DeviceAwareStaging, Staging, StagingReader, worker_failed, worker_lost
 from ._channel import PipeChannel, describe_exit, encode, exit_status, started_here
 
 __all__ = ["EncodedUpdates", "PipeEndpoint", "PipeSenderTransport", "PipeUpdate"]
@@ -79,6 +79,7 @@ class PipeSenderTransport:
         self._updates = updates if updates is not None else EncodedUpdates()
         self.model_id = model_id
         self._staging = staging
+        self._placed = staging.placed if isinstance(staging, DeviceAwareStaging) else None
         # Said along with a worker's SIGSEGV: what the scheme knows may cause one.
         self._fault_hint = fault_hint
         self._channel = PipeChannel(pipe, self._lost, self._garbled)
@@ -157,6 +158,8 @@ class PipeSenderTransport:
         self.layout = layout
         # A fresh worker runs on its own memory.
         self._staging.released(self.worker_id, 0, None)
+        if self._placed is not None:
+            self._placed(self.worker_id, devices)
 
     async def connect(self) -> Manifest | None:
         while self.layout is None:

@@ -15,6 +15,7 @@ import torch
 from .._sender import DEFAULT_TIMEOUT, Keys, SendReport
 from .._transports._base import SenderTransport, Staging
 from .._transports._copy_staging import CopyReader, SegmentStaging
+from .._transports._device_staging import PlacedReader, PlacedStaging
 from .._transports._pipe import EncodedUpdates, PipeEndpoint, PipeSenderTransport
 from .._transports._slot_staging import SlotReader, SlotStaging
 from ._base import EndpointFactory, SchemeConfig, StrategyName, WeightSyncScheme, _from, _num_workers
@@ -50,6 +51,10 @@ class _PipeScheme(WeightSyncScheme):
     _config: PipeSchemeConfig
     _staging_class: ClassVar[type[SegmentStaging] | type[SlotStaging]]
     _reader_class: ClassVar[type[CopyReader] | type[SlotReader]]
+    #: Whether workers on GPUs copy from a device slab shared through CUDA
+    #: IPC (``_device_staging``) when the trainer's tensors are on a GPU;
+    #: else every send goes through the host staging.
+    _device_slab: ClassVar[bool] = True
     #: Added to the error of a worker killed by SIGSEGV.
     _fault_hint: ClassVar[str | None] = None
 
@@ -208,7 +213,7 @@ class _PipeScheme(WeightSyncScheme):
     def _sender_side(
         self, context: Any, kwargs: dict[str, Any]
     ) -> tuple[dict[int, SenderTransport], Staging | None]:
-        staging = self._staging_class()
+        staging = self._new_staging()
         pipes = self._sender_pipes(context, kwargs)
         transports: dict[int, SenderTransport] = {
             i: self._pipe_transport(pipe, i, staging) for i, pipe in enumerate(pipes)
@@ -217,8 +222,15 @@ class _PipeScheme(WeightSyncScheme):
 
     def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> EndpointFactory:
         pipe = self._worker_pipe(context, kwargs)
-        model_id, reader = self._model_id, self._reader_class()
-        return lambda receiver: PipeEndpoint(pipe, model_id, reader)
+        reader = self._reader_class()
+        model_id, placed = self._model_id, PlacedReader(reader) if self._device_slab else reader
+        return lambda receiver: PipeEndpoint(pipe, model_id, placed)
+
+    def _new_staging(self) -> Staging:
+        """The sender's staging: the host staging, with a device slab for
+        workers on GPUs where the scheme has one (see ``_device_slab``)."""
+        host = self._staging_class()
+        return PlacedStaging(host) if self._device_slab else host
 
     def shutdown(self) -> None:
         """As :meth:`WeightSyncScheme.shutdown`; also closes the pipes the
@@ -235,8 +247,8 @@ class _PipeScheme(WeightSyncScheme):
         """Legacy: a sender channel over ``pipe``, sharing this scheme's
         staging memory once ``init_on_sender`` has run."""
         staging = self.staging
-        if not isinstance(staging, self._staging_class):
-            staging = self._staging_class()
+        if staging is None:
+            staging = self._new_staging()
         return PipeSenderTransport(pipe, len(self.sender_transports), staging, self._model_id)
 
 
@@ -336,6 +348,7 @@ class InProcessWeightSyncScheme(_PipeScheme):
     default_strategy = "state_dict"
     _staging_class = SegmentStaging
     _reader_class = CopyReader
+    _device_slab = False  # (no CUDA IPC within one process)
 
     def __init__(
         self,

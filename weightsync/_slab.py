@@ -1,0 +1,190 @@
+"""Device slabs: GPU memory that the trainer stages into and workers on
+GPUs copy out of, shared once through CUDA IPC.
+
+A slab is one ``cudaMalloc`` block on the trainer's GPU, allocated once per
+size, exported once (torch's CUDA reductions give the IPC handle), opened
+once per worker process and cached by its token. Its published version
+lives in host memory, in a header-only :class:`~weightsync._segment.Segment`,
+so a device slab is read under the same version check as a host segment: a
+reader checks the published version before its copy and again once its
+copy has finished (its stream synchronized), and discards a copy that the
+next send overwrote meanwhile.
+
+The trainer publishes a version only once its copy into the slab has
+completed on the GPU (it waits on an event recorded on its stream after the
+copy), so a worker needs no interprocess event: torch's own IPC rebuild
+waits on the producer's event only when a storage is first opened, and a
+slab is opened once, so relying on it would be wrong from the second send
+on.
+
+A GPU is named by its UUID (``_placement.device_name``): a worker maps the
+UUID to its own device index, which differs from the trainer's under
+another ``CUDA_VISIBLE_DEVICES``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import secrets
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from ._exceptions import out_of_resources
+from ._packet import Manifest
+from ._placement import device_name
+from ._segment import Segment, SegmentRef
+
+__all__ = ["AttachedSlabs", "DeviceSlab", "SlabRef", "copy_on_stream", "local_index"]
+
+
+class SlabRef(NamedTuple):
+    """What a worker needs to open a sender's device slab: small, picklable."""
+
+    #: The host header holding the slab's published version.
+    header: SegmentRef
+    #: The slab's GPU, as ``_placement.device_name`` names it (by UUID).
+    device: str
+    #: torch's CUDA IPC reduction of the slab (pickled ``(rebuild, args)``).
+    handle: bytes
+    nbytes: int
+    token: bytes
+
+
+def local_index(device: str) -> int:
+    """This process's index of the GPU named ``device`` (``cuda:GPU-...``).
+
+    :raises ValueError: no GPU of that UUID is visible to this process.
+    """
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            if device_name(torch.device("cuda", index)) == device:
+                return index
+    raise ValueError(
+        f"the trainer stages on the GPU {device.removeprefix('cuda:')}, which this process cannot "
+        "see (CUDA_VISIBLE_DEVICES); a worker on a GPU must see the trainer's GPU"
+    )
+
+
+def copy_on_stream(
+    destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], stream: torch.cuda.Stream
+) -> None:
+    """Enqueue the copies of ``sources`` into ``destinations`` on ``stream``
+    and wait until they are done (only this stream, not the whole device)."""
+    with torch.cuda.stream(stream), torch.inference_mode():
+        torch._foreach_copy_(list(destinations), list(sources), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    done.synchronize()
+
+
+class DeviceSlab:
+    """The sender's slab on one GPU: written with :meth:`write`, exported
+    with :meth:`ref`, freed with :meth:`close`."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes = nbytes
+        self.device = device
+        self.token = secrets.token_bytes(16)
+        with out_of_resources(f"allocate a staging slab of {nbytes} bytes on {device}"):
+            self.data: torch.Tensor | None = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        try:
+            self.header = Segment.create(0)
+        except BaseException:
+            self.data = None
+            raise
+        self._ref: SlabRef | None = None
+
+    def write(
+        self, views: list[torch.Tensor], sources: Sequence[torch.Tensor], version: int, stream: Any
+    ) -> None:
+        """Copy ``sources`` into ``views`` (of this slab) on ``stream`` (the
+        trainer's, so the copy follows the work it enqueued before), wait
+        for the copy, and publish ``version``. Blocks the calling thread
+        for the copy."""
+        self.header.begin_write()
+        copy_on_stream(views, sources, stream)
+        self.header.publish(version)
+
+    def ref(self) -> SlabRef:
+        """How a worker on this host opens this slab; made once."""
+        if self._ref is None:
+            assert self.data is not None, "the slab is closed"
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            # Exported once: every update carries the same handle, and each
+            # worker opens it once (AttachedSlabs caches it by token).
+            handle = pickle.dumps(reduce_tensor(self.data))
+            self._ref = SlabRef(self.header.ref(), device_name(self.device), handle, self.nbytes, self.token)
+        return self._ref
+
+    def close(self) -> None:
+        """Free the slab (torch keeps the block until every worker that
+        opened it let go) and its header. Idempotent."""
+        self.data = None
+        self._ref = None
+        self.header.close()
+
+
+class _Opened(NamedTuple):
+    header: Segment
+    data: torch.Tensor
+
+
+class AttachedSlabs:
+    """A worker's opened slabs (the newest only: the sender keeps one per
+    GPU), with typed views cached per layout."""
+
+    def __init__(self) -> None:
+        self._opened: dict[bytes, _Opened] = {}
+        self._views: dict[tuple[bytes, str], list[torch.Tensor]] = {}
+
+    def _open(self, ref: SlabRef) -> _Opened:
+        opened = self._opened.get(ref.token)
+        if opened is None:
+            self.close()  # a new slab replaces the last (the sender grew it)
+            header = Segment.attach(*ref.header)
+            try:
+                index = local_index(ref.device)
+                rebuild, args = pickle.loads(ref.handle)
+                args = list(args)
+                # torch's reduction names the trainer's device index (its 7th
+                # argument); this process's index of the same GPU may differ.
+                if len(args) > 6 and isinstance(args[6], int):
+                    args[6] = index
+                with torch.cuda.device(index), out_of_resources("open the trainer's staging slab"):
+                    data = rebuild(*args)
+            except BaseException:
+                header.close()
+                raise
+            opened = self._opened[ref.token] = _Opened(header, data)
+        return opened
+
+    def published(self, ref: SlabRef) -> int:
+        """The version the slab holds now (-1 while the sender writes it).
+
+        :raises OSError: the sender is gone.
+        :raises ValueError: the slab's GPU is not visible here, or the
+            descriptor names another segment now.
+        """
+        return self._open(ref).header.published()
+
+    def views(self, ref: SlabRef, manifest: Manifest) -> list[torch.Tensor]:
+        """Typed views (on the slab's GPU) of ``manifest``'s tensors; the
+        same list object for as long as the slab and layout stay."""
+        key = (ref.token, manifest.layout_id)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = manifest.views(self._open(ref).data)
+        return views
+
+    def close(self) -> None:
+        """Let go of every slab (torch closes the IPC mapping once no view
+        of it is left). Idempotent."""
+        self._views = {}
+        opened, self._opened = self._opened, {}
+        for one in opened.values():
+            with contextlib.suppress(Exception):
+                one.header.close()
