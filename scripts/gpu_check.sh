@@ -5,10 +5,12 @@
 #   gpu_check.log         every step's output, its exit status and seconds
 #   summary.txt           one line per step, the pytest summary line, the device
 #   bench-cuda.json       trainer and workers on the GPU (multiprocess, shared,
-#                         --compare cuda-ipc; 64 and 1024 MiB; 1 and 4 workers)
+#                         --compare cuda-ipc; 64 and 1024 MiB; 4 workers)
+#   bench-cuda-1.json     the same, one worker, 64 MiB (multiprocess, cuda-ipc)
 #   bench-cuda-cpu.json   GPU trainer, CPU workers (1024 MiB, 4 workers)
 #   bench-cpu-cuda.json   CPU trainer, GPU workers (1024 MiB, 4 workers,
 #                         --compare pinned-shm)
+# (every bench case: the bytes as 4 tensors, each send checked on every worker)
 # Each step has its own time limit, cut to what is left of the 6 minutes;
 # a step that fails or runs out is reported and the next one runs, so one
 # failure still leaves the other results. Ends 0 when every step passed,
@@ -142,12 +144,15 @@ export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 step import 30 "$PYTHON" -c "import tensordict, weightsync; print('weightsync', weightsync.__version__)"
 step pytest-cuda 110 "$PYTHON" -m pytest -m cuda -p no:cacheprovider -q -rfEs --durations=10
 step bench-cuda-cuda 100 bench --trainer-device cuda --worker-device cuda \
-    --scheme multiprocess shared --compare cuda-ipc --size 64 1024 --workers 1 4 \
+    --scheme multiprocess shared --compare cuda-ipc --size 64 1024 --workers 4 --tensors 4 \
     --json "$OUT/bench-cuda.json"
+step bench-cuda-cuda-1 40 bench --trainer-device cuda --worker-device cuda \
+    --scheme multiprocess --compare cuda-ipc --size 64 --workers 1 --tensors 4 \
+    --json "$OUT/bench-cuda-1.json"
 step bench-cuda-cpu 40 bench --trainer-device cuda --worker-device cpu \
-    --scheme multiprocess --size 1024 --workers 4 --json "$OUT/bench-cuda-cpu.json"
+    --scheme multiprocess --size 1024 --workers 4 --tensors 4 --json "$OUT/bench-cuda-cpu.json"
 step bench-cpu-cuda 45 bench --trainer-device cpu --worker-device cuda \
-    --scheme multiprocess --compare pinned-shm --size 1024 --workers 4 \
+    --scheme multiprocess --compare pinned-shm --size 1024 --workers 4 --tensors 4 \
     --json "$OUT/bench-cpu-cuda.json"
 
 {

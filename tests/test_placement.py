@@ -9,7 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from weightsync import ResourceExhaustedError
 from weightsync._placement import Placement, choose, devices_of
+from weightsync._segment import Segment
+from weightsync._slab import AttachedSlabs, SlabRef
 
 GPU_A = "cuda:GPU-0b42632a-bc5c-f731-724b-6936a19c4b24"
 GPU_B = "cuda:GPU-5e9b0c41-0d8e-2a71-93c4-1f2e3d4c5b6a"
@@ -48,3 +51,19 @@ def test_a_gpu_is_named_by_its_uuid_not_its_index() -> None:
     name = devices_of([torch.zeros(1, device="cuda:0")])[0]
     assert name.startswith("cuda:GPU-") and name != "cuda:0"
     assert choose((name,), (name,)) is Placement.SAME_DEVICE
+
+
+def test_a_slab_on_a_gpu_this_process_cannot_see_is_refused_with_its_name() -> None:
+    """A worker that cannot see the trainer's GPU (another
+    CUDA_VISIBLE_DEVICES) refuses the update with a reason that names the
+    GPU, before it opens anything: the sender reports it for that worker,
+    the model untouched."""
+    header = Segment.create(0)
+    try:
+        ref = SlabRef(header.ref(), "cuda:GPU-00000000-0000-0000-0000-000000000000", b"", 1, b"t" * 16)
+        slabs = AttachedSlabs()
+        with pytest.raises(ResourceExhaustedError, match="GPU-00000000-0000-0000-0000-000000000000"):
+            slabs.published(ref)
+        slabs.close()
+    finally:
+        header.close()

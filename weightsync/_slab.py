@@ -17,6 +17,9 @@ waits on the producer's event only when a storage is first opened, and a
 slab is opened once, so relying on it would be wrong from the second send
 on.
 
+Within one process (the in-process scheme) a reader takes the slab's tensor
+itself: CUDA cannot open an IPC handle in the process that exported it.
+
 A GPU is named by its UUID (``_placement.device_name``): a worker maps the
 UUID to its own device index, which differs from the trainer's under
 another ``CUDA_VISIBLE_DEVICES``.
@@ -25,14 +28,16 @@ another ``CUDA_VISIBLE_DEVICES``.
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import secrets
+import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from ._exceptions import out_of_resources
+from ._exceptions import ResourceExhaustedError, out_of_resources
 from ._packet import Manifest
 from ._placement import device_name
 from ._segment import Segment, SegmentRef
@@ -96,6 +101,7 @@ class DeviceSlab:
             self.data = None
             raise
         self._ref: SlabRef | None = None
+        _MINE[self.token] = self
 
     def write(
         self, views: list[torch.Tensor], sources: Sequence[torch.Tensor], version: int, stream: Any
@@ -125,12 +131,48 @@ class DeviceSlab:
         opened it let go) and its header. Idempotent."""
         self.data = None
         self._ref = None
+        _MINE.pop(self.token, None)
         self.header.close()
+
+
+#: The slabs this process made, by token: a reader in the same process (the
+#: in-process scheme) takes the tensor itself, as CUDA cannot open an IPC
+#: handle in the process that exported it.
+_MINE: weakref.WeakValueDictionary[bytes, DeviceSlab] = weakref.WeakValueDictionary()
 
 
 class _Opened(NamedTuple):
     header: Segment
     data: torch.Tensor
+
+
+def _rebuild(ref: SlabRef) -> torch.Tensor:
+    """Open the slab ``ref`` names (its IPC handle), on this process's index
+    of its GPU.
+
+    :raises ResourceExhaustedError: the GPU is not visible here, or CUDA
+        could not open the handle (out of memory, a broken context): the
+        update is refused with this reason, the model untouched.
+    """
+    mine = _MINE.get(ref.token) if ref.header.pid == os.getpid() else None
+    if mine is not None and mine.data is not None:
+        return mine.data
+    try:
+        index = local_index(ref.device)
+        rebuild, args = pickle.loads(ref.handle)
+        args = list(args)
+        # torch's reduction names the trainer's device index (its 7th
+        # argument); this process's index of the same GPU may differ.
+        if len(args) > 6 and isinstance(args[6], int):
+            args[6] = index
+        with torch.cuda.device(index):
+            return rebuild(*args)
+    except (RuntimeError, ValueError) as exc:
+        memory = isinstance(exc, torch.cuda.OutOfMemoryError)
+        raise ResourceExhaustedError(
+            f"cannot open the trainer's staging slab on {ref.device}: {exc}",
+            resource="GPU memory" if memory else "a GPU it can open",
+        ) from exc
 
 
 class AttachedSlabs:
@@ -147,15 +189,7 @@ class AttachedSlabs:
             self.close()  # a new slab replaces the last (the sender grew it)
             header = Segment.attach(*ref.header)
             try:
-                index = local_index(ref.device)
-                rebuild, args = pickle.loads(ref.handle)
-                args = list(args)
-                # torch's reduction names the trainer's device index (its 7th
-                # argument); this process's index of the same GPU may differ.
-                if len(args) > 6 and isinstance(args[6], int):
-                    args[6] = index
-                with torch.cuda.device(index), out_of_resources("open the trainer's staging slab"):
-                    data = rebuild(*args)
+                data = _rebuild(ref)
             except BaseException:
                 header.close()
                 raise
@@ -166,8 +200,9 @@ class AttachedSlabs:
         """The version the slab holds now (-1 while the sender writes it).
 
         :raises OSError: the sender is gone.
-        :raises ValueError: the slab's GPU is not visible here, or the
-            descriptor names another segment now.
+        :raises ValueError: the descriptor names another segment now.
+        :raises ResourceExhaustedError: the slab cannot be opened here (see
+            ``_rebuild``).
         """
         return self._open(ref).header.published()
 

@@ -37,7 +37,9 @@ class PipeSchemeConfig(SchemeConfig):
 
 class _PipeScheme(WeightSyncScheme):
     """Control over one duplex pipe per worker; bytes through a staging
-    (``_staging_class`` on the sender, ``_reader_class`` on each worker).
+    (``_staging_class`` on the sender, ``_reader_class`` on each worker),
+    and, for workers on GPUs of a trainer on a GPU, through a device slab
+    (``_device_staging``).
 
     The pipes are the user's (``pipes=`` on the sender, ``pipe=`` on each
     worker), or the scheme's own: given a multiprocessing context (``ctx=``,
@@ -51,10 +53,6 @@ class _PipeScheme(WeightSyncScheme):
     _config: PipeSchemeConfig
     _staging_class: ClassVar[type[SegmentStaging] | type[SlotStaging]]
     _reader_class: ClassVar[type[CopyReader] | type[SlotReader]]
-    #: Whether workers on GPUs copy from a device slab shared through CUDA
-    #: IPC (``_device_staging``) when the trainer's tensors are on a GPU;
-    #: else every send goes through the host staging.
-    _device_slab: ClassVar[bool] = True
     #: Added to the error of a worker killed by SIGSEGV.
     _fault_hint: ClassVar[str | None] = None
 
@@ -222,15 +220,14 @@ class _PipeScheme(WeightSyncScheme):
 
     def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> EndpointFactory:
         pipe = self._worker_pipe(context, kwargs)
-        reader = self._reader_class()
-        model_id, placed = self._model_id, PlacedReader(reader) if self._device_slab else reader
-        return lambda receiver: PipeEndpoint(pipe, model_id, placed)
+        model_id, reader = self._model_id, PlacedReader(self._reader_class())
+        return lambda receiver: PipeEndpoint(pipe, model_id, reader)
 
     def _new_staging(self) -> Staging:
-        """The sender's staging: the host staging, with a device slab for
-        workers on GPUs where the scheme has one (see ``_device_slab``)."""
-        host = self._staging_class()
-        return PlacedStaging(host) if self._device_slab else host
+        """The sender's staging: the scheme's host staging, and a device
+        slab for workers on GPUs when the trainer's tensors are on a GPU
+        (``_device_staging``)."""
+        return PlacedStaging(self._staging_class())
 
     def shutdown(self) -> None:
         """As :meth:`WeightSyncScheme.shutdown`; also closes the pipes the
@@ -348,7 +345,6 @@ class InProcessWeightSyncScheme(_PipeScheme):
     default_strategy = "state_dict"
     _staging_class = SegmentStaging
     _reader_class = CopyReader
-    _device_slab = False  # (no CUDA IPC within one process)
 
     def __init__(
         self,
