@@ -146,14 +146,14 @@ step pytest-cuda 110 "$PYTHON" -m pytest -m cuda -p no:cacheprovider -q -rfEs --
 step bench-cuda-cuda 100 bench --trainer-device cuda --worker-device cuda \
     --scheme multiprocess shared --compare cuda-ipc --size 64 1024 --workers 4 --tensors 4 \
     --json "$OUT/bench-cuda.json"
-step bench-cuda-cuda-1 40 bench --trainer-device cuda --worker-device cuda \
-    --scheme multiprocess --compare cuda-ipc --size 64 --workers 1 --tensors 4 \
-    --json "$OUT/bench-cuda-1.json"
 step bench-cuda-cpu 40 bench --trainer-device cuda --worker-device cpu \
     --scheme multiprocess --size 1024 --workers 4 --tensors 4 --json "$OUT/bench-cuda-cpu.json"
 step bench-cpu-cuda 45 bench --trainer-device cpu --worker-device cuda \
     --scheme multiprocess --compare pinned-shm --size 1024 --workers 4 --tensors 4 \
     --json "$OUT/bench-cpu-cuda.json"
+step bench-cuda-cuda-1 40 bench --trainer-device cuda --worker-device cuda \
+    --scheme multiprocess --compare cuda-ipc --size 64 --workers 1 --tensors 4 \
+    --json "$OUT/bench-cuda-1.json"
 
 {
     echo "pytest: $(grep -E '^=*.*(passed|failed|skipped|error|deselected).* in [0-9.]+s' "$LOG" | tail -n 1)"

@@ -494,3 +494,31 @@ def test_shared_scheme_workers_on_the_gpu_copy_and_keep_their_memory(rig: Callab
             state = r.assert_holds(i, expected)
             assert all(d.startswith("cuda") for d in state["devices"].values()), state["devices"]
             assert state["ptrs"] == before[i]["ptrs"], f"worker {i}: a tensor's data_ptr() changed"
+
+
+def test_the_trainers_gpu_memory_is_given_back_once_its_gpu_workers_are_gone() -> None:
+    """Two GPU workers open the slab; once they stopped and the scheme shut
+    down, torch frees it: each worker process got an export of its own,
+    whose reference count it gave back (one export shared by both would be
+    given back twice and never free the block)."""
+    r = Rig(ws.MultiProcessWeightSyncScheme)
+    try:
+        r.start(["cuda", "cuda"])
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()  # the trainer's model, no slab yet
+        for _ in range(3):
+            r.bump()
+            r.scheme.get_sender().send()
+        assert r.scheme.staging.slab is not None
+        assert torch.cuda.memory_allocated() > before
+        expected = on_host(r.model)
+        for i in range(2):
+            r.assert_holds(i, expected)
+    finally:
+        r.close()
+
+    def freed() -> bool:
+        torch.cuda.ipc_collect()
+        return torch.cuda.memory_allocated() <= before
+
+    assert wait_for(freed, timeout=10.0), (before, torch.cuda.memory_allocated())

@@ -2,8 +2,9 @@
 GPUs copy out of, shared once through CUDA IPC.
 
 A slab is one ``cudaMalloc`` block on the trainer's GPU, allocated once per
-size, exported once (torch's CUDA reductions give the IPC handle), opened
-once per worker process and cached by its token. Its published version
+size, exported once per worker process (torch's CUDA reductions give the IPC
+handle and count who holds it), opened once per worker process and cached
+by its token. Its published version
 lives in host memory, in a header-only :class:`~weightsync._segment.Segment`,
 so a device slab is read under the same version check as a host segment: a
 reader checks the published version before its copy and again once its
@@ -100,7 +101,8 @@ class DeviceSlab:
         except BaseException:
             self.data = None
             raise
-        self._ref: SlabRef | None = None
+        # One export per worker process (see ref).
+        self._refs: dict[int, SlabRef] = {}
         _MINE[self.token] = self
 
     def write(
@@ -114,23 +116,36 @@ class DeviceSlab:
         copy_on_stream(views, sources, stream)
         self.header.publish(version)
 
-    def ref(self) -> SlabRef:
-        """How a worker on this host opens this slab; made once."""
-        if self._ref is None:
+    def ref(self, worker_id: int) -> SlabRef:
+        """How worker ``worker_id`` opens this slab; made once per worker
+        process (:meth:`forget` when a new process takes the id).
+
+        Each export carries a reference count that torch sets to one and
+        the one process that opens it takes back when it lets go; the
+        block is freed once every export is back. An export shared by two
+        processes would be taken back twice and never free the block."""
+        ref = self._refs.get(worker_id)
+        if ref is None:
             assert self.data is not None, "the slab is closed"
             from torch.multiprocessing.reductions import reduce_tensor
 
-            # Exported once: every update carries the same handle, and each
-            # worker opens it once (AttachedSlabs caches it by token).
+            # Every update to this worker carries the same handle, and it
+            # opens it once (AttachedSlabs caches it by token).
             handle = pickle.dumps(reduce_tensor(self.data))
-            self._ref = SlabRef(self.header.ref(), device_name(self.device), handle, self.nbytes, self.token)
-        return self._ref
+            ref = SlabRef(self.header.ref(), device_name(self.device), handle, self.nbytes, self.token)
+            self._refs[worker_id] = ref
+        return ref
+
+    def forget(self, worker_id: int) -> None:
+        """Worker ``worker_id`` is a new process (or gone): its next
+        :meth:`ref` is a new export."""
+        self._refs.pop(worker_id, None)
 
     def close(self) -> None:
         """Free the slab (torch keeps the block until every worker that
         opened it let go) and its header. Idempotent."""
         self.data = None
-        self._ref = None
+        self._refs = {}
         _MINE.pop(self.token, None)
         self.header.close()
 

@@ -44,8 +44,10 @@ class PlacedStaging:
         self._via_slab: frozenset[int] = frozenset()
 
     def placed(self, worker_id: int, devices: tuple[str, ...] | None) -> None:
-        """Worker ``worker_id`` announced its model on ``devices``."""
+        """Worker ``worker_id`` (a new process) announced its model on ``devices``."""
         self._devices[worker_id] = devices
+        if self.slab is not None:
+            self.slab.forget(worker_id)
 
     def _split(self, packet: Packet, digest: bool) -> tuple[frozenset[int], bool]:
         """The workers this packet reaches through the slab, and whether any
@@ -93,13 +95,15 @@ class PlacedStaging:
     def descriptor(self, worker_id: int) -> Any:
         if worker_id in self._via_slab:
             assert self.slab is not None
-            return self.slab.ref()
+            return self.slab.ref(worker_id)
         return self.host.descriptor(worker_id)
 
     def released(self, worker_id: int, version: int, holding: Any) -> None:
         self.host.released(worker_id, version, holding)
         if version == EVERY_VERSION:
             self._devices.pop(worker_id, None)  # gone: it needs no staging any more
+            if self.slab is not None:
+                self.slab.forget(worker_id)
 
     async def aclose(self) -> None:
         self._views = None
