@@ -501,24 +501,28 @@ def test_the_trainers_gpu_memory_is_given_back_once_its_gpu_workers_are_gone() -
     down, torch frees it: each worker process got an export of its own,
     whose reference count it gave back (one export shared by both would be
     given back twice and never free the block)."""
-    r = Rig(ws.MultiProcessWeightSyncScheme)
+    # Wide enough that the slab (4 MiB) stands far above what the
+    # allocator's other small blocks come and go by.
+    r = Rig(ws.MultiProcessWeightSyncScheme, width=1024)
     try:
         r.start(["cuda", "cuda"])
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()  # the trainer's model, no slab yet
         for _ in range(3):
             r.bump()
             r.scheme.get_sender().send()
-        assert r.scheme.staging.slab is not None
-        assert torch.cuda.memory_allocated() > before
+        slab = r.scheme.staging.slab
+        assert slab is not None and slab.nbytes >= 4 << 20
+        slab_bytes = slab.nbytes
+        del slab
         expected = on_host(r.model)
         for i in range(2):
             r.assert_holds(i, expected)
+        torch.cuda.synchronize()
+        with_slab = torch.cuda.memory_allocated()
     finally:
         r.close()
 
     def freed() -> bool:
         torch.cuda.ipc_collect()
-        return torch.cuda.memory_allocated() <= before
+        return torch.cuda.memory_allocated() <= with_slab - slab_bytes
 
-    assert wait_for(freed, timeout=10.0), (before, torch.cuda.memory_allocated())
+    assert wait_for(freed, timeout=10.0), (with_slab, slab_bytes, torch.cuda.memory_allocated())
