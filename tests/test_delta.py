@@ -592,7 +592,9 @@ def test_the_schemes_take_delta_threads() -> None:
 
 def test_the_first_frame_leaves_before_the_last_chunk_is_encoded() -> None:
     """The chain takes a delta's frames from the encoder as it sends them:
-    the first frame is on the wire before the last chunk is encoded."""
+    the first batch is on the wire before the last chunk is encoded (here
+    every frame is a batch of its own: this update's frames are smaller
+    than one batch together)."""
     from weightsync._delta import HEADER_SIZE
     from weightsync._transports._gloo_chain import send_frames
 
@@ -616,6 +618,64 @@ def test_the_first_frame_leaves_before_the_last_chunk_is_encoded() -> None:
             events.append("encoded")
             yield frame
 
-    send_frames(Group(), frames(), HEADER_SIZE, 1, 1.0, len(encoder.spans))
+    send_frames(Group(), frames(), HEADER_SIZE, 1, 1.0, len(encoder.spans), batch_bytes=1)
     assert events.index("send 1") < len(events) - 1 - events[::-1].index("encoded")
     assert events.count("encoded") == len(encoder.spans) > 2
+
+
+@pytest.mark.parametrize("batch_bytes", [1, 8000, 1 << 30], ids=["each", "some", "all"])
+def test_frames_cross_a_real_gloo_chain_in_batches_bit_exact(batch_bytes: int) -> None:
+    """A delta's frames, gathered into batches (one frame each, a few, all
+    in one), go from rank 0 through rank 1, which hands each on and passes
+    every batch to rank 2, over a real gloo group of three members (threads
+    of this process); both receivers get every frame, in order, and
+    rebuild the trainer's version from them."""
+    import threading
+
+    import torch.distributed as dist
+
+    from weightsync._delta import HEADER_SIZE, read_header
+    from weightsync._transports._gloo_chain import gloo_group, relay_frames, send_frames
+
+    v0, v1 = _trajectory("bf16-lr1e-5", 1)
+    encoder = DeltaEncoder(v0.nbytes, 2, chunk_bytes=CHUNK)
+    encoder.commit(v0)
+    frames = list(encoder.frames(v1))
+    # Several frames, several batches of a few of them at 8000 bytes.
+    assert len(frames) > 4 and 3 * 8000 < sum(map(len, frames)) < len(frames) * 8000
+    store = dist.HashStore()
+    got: dict[int, list[bytes]] = {1: [], 2: []}
+    results: dict[int, object] = {}
+
+    def length(header: torch.Tensor) -> int:
+        return read_header(header.numpy()).payload_length
+
+    def member(rank: int) -> None:
+        try:
+            group = gloo_group(store, f"batches-{batch_bytes}", rank, 3, "127.0.0.1", 30.0)
+            if rank == 0:
+                send_frames(group, iter(frames), HEADER_SIZE, 1, 30.0, len(frames), batch_bytes=batch_bytes)
+                results[rank] = True
+            else:
+                results[rank] = relay_frames(
+                    group, len(frames), HEADER_SIZE, length, rank - 1, 2 if rank == 1 else None, 30.0, 30.0,
+                    lambda k, frame: got[rank].append(frame.numpy().tobytes()),
+                )  # fmt: skip
+        except Exception as exc:  # reported below, by rank
+            results[rank] = exc
+
+    threads = [threading.Thread(target=member, args=(rank,), daemon=True) for rank in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads), "a member of the chain did not end"
+    assert results == {0: True, 1: (True, None), 2: (True, None)}, results
+    for rank in (1, 2):
+        assert got[rank] == [bytes(f) for f in frames], f"rank {rank} got other frames"
+        rebuilt = v0.copy()
+        decoder = DeltaDecoder(rebuilt, 2, chunk_bytes=CHUNK)
+        for frame in got[rank]:
+            decoder.feed(np.frombuffer(frame, dtype=np.uint8))
+        decoder.finish()
+        assert np.array_equal(rebuilt, v1), f"rank {rank} did not rebuild the version"

@@ -825,10 +825,12 @@ class DeltaDecoder:
     chunk order. Costs no memory beyond ``buffer`` and a chunk a thread
     (and the frames not yet rebuilt).
 
-    With ``threads > 1`` :meth:`feed` hands each chunk to one of ``threads``
-    threads of its own (named ``weightsync-delta``) and returns: chunks are
-    rebuilt in parallel, while the caller passes the next frame on;
-    :meth:`finish` (or :meth:`check`) waits for them and ends the threads.
+    With ``threads > 1``, or with ``background``, :meth:`feed` hands each
+    chunk to one of ``threads`` threads of its own (named
+    ``weightsync-delta``) and returns: chunks are rebuilt in parallel (or,
+    one thread in the background, one after the other), while the caller
+    receives and passes on the next frame; :meth:`finish` (or
+    :meth:`check`) waits for them and ends the threads.
     """
 
     def __init__(
@@ -839,10 +841,15 @@ class DeltaDecoder:
         chunk_bytes: int = CHUNK_BYTES,
         base: Any = None,
         threads: int = 1,
+        background: bool = False,
     ) -> None:
         """``base``: another buffer of the same size that holds the base
         (read only; each chunk a frame needs it for is copied into
         ``buffer`` first), when ``buffer`` does not hold it itself.
+        ``background``: rebuild off the calling thread even with one
+        thread, for a caller that receives the frames: the next frame's
+        transfer then overlaps this one's rebuild (a receiver busy
+        rebuilding posts no receive, and the sender waits for one).
 
         :raises MissingExtraError: the delta extra is not installed.
         :raises ValueError: ``base`` is not as long as ``buffer``.
@@ -854,6 +861,7 @@ class DeltaDecoder:
             raise ValueError(f"a base of {self._base.nbytes} bytes for a buffer of {self._data.nbytes}")
         self.spans = frame_spans(self._data.nbytes, chunk_bytes, element_size)
         self.threads = max(1, threads)
+        self._inline = self.threads == 1 and not background
         self._next = 0
         self._scratches = _Scratches()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -882,7 +890,7 @@ class DeltaDecoder:
     def feed(self, frame: Any) -> FrameHeader:
         """Rebuild the next chunk from its frame into the buffer (see
         :func:`decode_frame`): on the calling thread, or with
-        ``threads > 1`` on the decoder's threads (returns its header at
+        ``threads > 1`` or ``background`` on the decoder's threads (returns its header at
         once; an error of an earlier chunk is raised here or by
         :meth:`finish`). Blocks the calling thread while ``2 x threads``
         chunks are in progress.
@@ -895,7 +903,7 @@ class DeltaDecoder:
             raise DeltaFrameError(f"a frame past the last of {len(self.spans)} chunks")
         index = self._next
         self._next += 1
-        if self.threads == 1:
+        if self._inline:
             head, cpu = self._rebuild(index, frame)
             self.cpu += cpu
             self._rebuilt = self._next

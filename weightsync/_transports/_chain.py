@@ -553,9 +553,9 @@ class ChainMember:
 class _Rebuild:
     """A member's rebuilding of an encoded chain's frames into its buffer,
     frame by frame as they arrive (each passed on first), its chunks
-    rebuilt in parallel on ``link.encoded.threads`` threads (at most its
-    usable cores); the first failure stops it (later frames are still
-    passed on) and is kept in :attr:`error`."""
+    rebuilt off the relay's thread, in parallel on ``link.encoded.threads``
+    threads (at most its usable cores); the first failure stops it (later
+    frames are still passed on) and is kept in :attr:`error`."""
 
     def __init__(
         self,
@@ -576,6 +576,9 @@ class _Rebuild:
             chunk_bytes=link.chunk,
             base=None if base is None or base.data_ptr() == buffer.data_ptr() else base,
             threads=self.threads,
+            # Off the relay's thread, which then posts the next frame's
+            # receive at once (the frames' transfer overlaps the rebuild).
+            background=True,
         )
         if len(self._decoder.spans) != link.encoded.count:
             self.error = f"{link.encoded.count} frames for {len(self._decoder.spans)} chunks"
