@@ -148,7 +148,7 @@ step bench-cuda-cuda 100 bench --trainer-device cuda --worker-device cuda \
     --json "$OUT/bench-cuda.json"
 step bench-cuda-cpu 40 bench --trainer-device cuda --worker-device cpu \
     --scheme multiprocess --size 1024 --workers 4 --tensors 4 --json "$OUT/bench-cuda-cpu.json"
-step bench-cpu-cuda 45 bench --trainer-device cpu --worker-device cuda \
+step bench-cpu-cuda 75 bench --trainer-device cpu --worker-device cuda \
     --scheme multiprocess --compare pinned-shm --size 1024 --workers 4 --tensors 4 \
     --json "$OUT/bench-cpu-cuda.json"
 step bench-cuda-cuda-1 40 bench --trainer-device cuda --worker-device cuda \
