@@ -526,3 +526,40 @@ def test_the_trainers_gpu_memory_is_given_back_once_its_gpu_workers_are_gone() -
         return torch.cuda.memory_allocated() <= with_slab - slab_bytes
 
     assert wait_for(freed, timeout=10.0), (with_slab, slab_bytes, torch.cuda.memory_allocated())
+
+
+def test_in_process_workers_on_the_trainers_gpu_copy_from_its_slab() -> None:
+    """The in-process scheme: a worker thread whose model is on the trainer's
+    GPU copies from the slab, taken as the tensor itself (no CUDA IPC
+    within one process), and keeps its tensors' memory."""
+    import copy
+    import threading
+
+    trainer_model = make_model("cuda", seed=7)
+    trainer = ws.InProcessWeightSyncScheme(timeout=30)
+    trainer.init_on_sender("policy", model=trainer_model, num_workers=1)
+    worker = copy.copy(trainer)
+    model = make_model("cuda", seed=8)
+    ptrs = {name: t.data_ptr() for name, t in model.state_dict().items()}
+    worker.init_on_worker("policy", model=model, worker_idx=0)
+    try:
+        joined = threading.Thread(target=worker.connect, daemon=True)
+        joined.start()
+        trainer.connect()
+        joined.join(30)
+        assert not joined.is_alive(), "the worker did not connect"
+        for _ in range(3):
+            with torch.no_grad():
+                for t in trainer_model.parameters():
+                    t.add_(1.0)
+            report = trainer.send()
+            assert report.placements == {0: "same-device"}, report.placements
+            torch.cuda.synchronize()
+            held = model.state_dict()
+            for name, value in trainer_model.state_dict().items():
+                assert torch.equal(held[name], value), f"{name} is not the trainer's"
+        assert trainer.staging is not None and trainer.staging.slab is not None
+        assert {name: t.data_ptr() for name, t in model.state_dict().items()} == ptrs
+    finally:
+        worker.shutdown()
+        trainer.shutdown()
