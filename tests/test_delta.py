@@ -4,6 +4,7 @@ over many steps, every mode, damaged frames caught, the missing extra named."""
 from __future__ import annotations
 
 import collections
+import datetime
 import functools
 import subprocess
 import sys
@@ -679,3 +680,64 @@ def test_frames_cross_a_real_gloo_chain_in_batches_bit_exact(batch_bytes: int) -
             decoder.feed(np.frombuffer(frame, dtype=np.uint8))
         decoder.finish()
         assert np.array_equal(rebuilt, v1), f"rank {rank} did not rebuild the version"
+
+
+def test_a_damaged_batch_head_is_a_broken_hop_named_as_such() -> None:
+    """A batch head that announces more frames than the chain carries (or
+    frames that run past their batch) is refused by the receiving member
+    with a reason, never read as frames: its hop reports incomplete."""
+    import struct
+    import threading
+
+    import torch.distributed as dist
+
+    from weightsync._delta import HEADER_SIZE, read_header
+    from weightsync._transports._gloo_chain import gloo_group, relay_frames
+
+    store = dist.HashStore()
+    results: dict[int, object] = {}
+    # 9 frames announced where the chain carries 3; then a frame whose
+    # header promises a payload past the end of its batch.
+    cases = {"head": struct.pack("<qq", 64, 9), "frame": struct.pack("<qq", HEADER_SIZE, 1)}
+
+    def length(header: torch.Tensor) -> int:
+        return read_header(header.numpy()).payload_length
+
+    def run(name: str, head: bytes) -> None:
+        body = torch.zeros(struct.unpack("<qq", head)[0], dtype=torch.uint8)
+        if name == "frame":
+            encoder = DeltaEncoder(4096, 2, chunk_bytes=4096)
+            frame = next(iter(encoder.frames(np.ones(4096, dtype=np.uint8))))
+            body[:] = torch.frombuffer(bytearray(frame[:HEADER_SIZE]), dtype=torch.uint8)
+
+        def member(rank: int) -> None:
+            try:
+                group = gloo_group(store, f"damaged-{name}", rank, 2, "127.0.0.1", 30.0)
+                if rank == 0:
+                    sent = [
+                        group.send([torch.frombuffer(bytearray(head), dtype=torch.uint8)], 1, 1),
+                        group.send([body], 1, 2),
+                    ]
+                    for work in sent:
+                        work.wait(datetime.timedelta(seconds=10))
+                    results[(name, rank)] = True
+                else:
+                    results[(name, rank)] = relay_frames(
+                        group, 3, HEADER_SIZE, length, 0, None, 10.0, 10.0, lambda k, f: None
+                    )
+            except Exception as exc:  # reported below
+                results[(name, rank)] = exc
+
+        threads = [threading.Thread(target=member, args=(rank,), daemon=True) for rank in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(t.is_alive() for t in threads), f"{name}: a member did not end"
+
+    for name, head in cases.items():
+        run(name, head)
+    complete, why = results[("head", 1)]  # type: ignore[misc]
+    assert not complete and "a damaged batch head (9 frames in 64 bytes)" in why, why
+    complete, why = results[("frame", 1)]  # type: ignore[misc]
+    assert not complete and "runs past its batch" in why, why
