@@ -20,7 +20,7 @@ from ._digest import digests
 from ._exceptions import WeightMismatchError
 from ._offload import run_blocking
 from ._packet import Manifest, Packet, describe_mismatch, signature_of
-from ._placement import devices_of
+from ._placement import devices_of, on_gpu
 from ._strategy import ModuleReads
 from ._transports._base import Staging
 
@@ -44,10 +44,19 @@ class Packer:
         ) = None
 
     def packet(
-        self, version: int, weights: Any, *, fanout: int = 1, keys: Keys | None = None, partial: bool = False
+        self,
+        version: int,
+        weights: Any,
+        *,
+        fanout: int = 1,
+        keys: Keys | None = None,
+        partial: bool = False,
+        stream: Any = None,
     ) -> Packet:
         """``weights`` (None: the context's model) as the packet of
-        ``version``: all of them, or (``keys``) those named.
+        ``version``: all of them, or (``keys``) those named. ``stream``:
+        the caller's CUDA stream (``_placement.caller_stream``), kept only
+        where the weights are on a GPU.
 
         :raises InvalidWeightsError: the weights hold something unsendable.
         :raises WeightMismatchError: ``keys`` names something the weights lack.
@@ -63,7 +72,8 @@ class Packer:
             ordered = manifest.ordered(tensors)
             # (The same list, send after send, lets the staging keep its copy plan.)
             derived = self._derived = (tensors, manifest, ordered, devices_of(ordered))
-        return Packet(version, derived[1], derived[2], fanout, partial, devices=derived[3])
+        stream = stream if stream is not None and on_gpu(derived[3]) else None
+        return Packet(version, derived[1], derived[2], fanout, partial, devices=derived[3], stream=stream)
 
     def _manifest(self, tensors: Mapping[str, torch.Tensor]) -> Manifest:
         key = signature = signature_of(tensors)

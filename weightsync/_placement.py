@@ -129,7 +129,7 @@ def gpu_stream(packet: Packet, device: torch.device) -> Any:
 def on_caller_stream(packet: Packet) -> contextlib.AbstractContextManager[Any]:
     """A context in which copies out of ``packet``'s tensors run on the
     caller's stream (:func:`gpu_stream`); a no-op for tensors in host
-    memory."""
-    if len(packet.devices) == 1 and packet.devices[0].startswith("cuda:") and packet.tensors:
-        return torch.cuda.stream(gpu_stream(packet, packet.tensors[0].device))
-    return contextlib.nullcontext()
+    memory (a packet holds a stream only for tensors on a GPU)."""
+    if packet.stream is None or not packet.tensors:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(gpu_stream(packet, packet.tensors[0].device))

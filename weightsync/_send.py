@@ -23,7 +23,7 @@ from ._acks import AckGather
 from ._exceptions import WeightSyncStateError, WorkerError, combine_worker_errors
 from ._packet import Packet
 from ._packing import Keys, Packer
-from ._placement import caller_stream, on_gpu
+from ._placement import caller_stream
 from ._targets import Workers
 from ._transports._base import ChannelTransport, LoopFreeStaging, Outgoing, SendHandler, Staging
 
@@ -518,10 +518,13 @@ class Stager:
         """
         options = plan.options
         packet = self._packer.packet(
-            self.version + 1, weights, fanout=len(targets), keys=options.keys, partial=options.partial
+            self.version + 1,
+            weights,
+            fanout=len(targets),
+            keys=options.keys,
+            partial=options.partial,
+            stream=plan.stream,
         )
-        if plan.stream is not None and on_gpu(packet.devices):
-            packet = dataclasses.replace(packet, stream=plan.stream)
         return packet, self.workers.check_layouts(packet, [w for w in targets if w not in failures])
 
     def _staged(self, packet: Packet) -> Packet:
