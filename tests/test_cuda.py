@@ -90,6 +90,8 @@ def cuda_worker(
                         "devices": {name: str(t.device) for name, t in now.items()},
                         "ptrs": {name: t.data_ptr() for name, t in now.items()},
                         "same_identity": all(id(now[name]) == ids[name] for name in ids),
+                        # What this process holds of its GPU's memory.
+                        "allocated": torch.cuda.memory_allocated() if device != "cpu" else 0,
                     }
                 )
             try:
@@ -186,11 +188,15 @@ def test_workers_get_the_weights_bit_exact_and_keep_their_device(
             for name, value in expected.items():
                 assert state["devices"][name].split(":")[0] == worker_device, (name, state["devices"][name])
                 assert torch.equal(state["weights"][name], value), f"worker {i}: {name} differs"
-            # A worker's tensors keep their memory: under the multiprocess
-            # scheme always, under the shared one where a view of the host
-            # slot would move them off their GPU.
-            if scheme_name == "multiprocess" or worker_device != "cpu":
+            # A worker's tensors keep their memory under the multiprocess
+            # scheme, and under the shared one where a view of the host slot
+            # would move them off their GPU; a shared scheme's worker on the
+            # trainer's GPU runs on a slot there instead (no copy).
+            if scheme_name == "multiprocess" or (trainer_device, worker_device) == ("cpu", "cuda"):
                 assert state["ptrs"] == before[i]["ptrs"], f"worker {i}: a tensor's data_ptr() changed"
+            elif (trainer_device, worker_device) == ("cuda", "cuda"):
+                moved = [n for n in expected if state["ptrs"][n] != before[i]["ptrs"][n]]
+                assert moved == list(expected), f"worker {i}: not re-pointed to a slot: {moved}"
 
 
 @pytest.mark.parametrize("scheme_name", list(SCHEMES))

@@ -340,13 +340,20 @@ def test_a_cuda_graph_captured_before_an_update_replays_with_the_new_weights() -
         stop_pipe_workers(scheme, [proc], [ctrl], [pipe])
 
 
-def test_200_sends_with_a_layout_change_and_a_worker_restart_leak_nothing(rig: Callable[..., Rig]) -> None:
+@pytest.mark.parametrize(
+    "scheme_class",
+    [ws.MultiProcessWeightSyncScheme, ws.SharedMemWeightSyncScheme],
+    ids=["multiprocess", "shared"],
+)
+def test_200_sends_with_a_layout_change_and_a_worker_restart_leak_nothing(
+    rig: Callable[..., Rig], scheme_class: type[ws.WeightSyncScheme]
+) -> None:
     """100 sends to two GPU workers, then a wider model (one worker stopped,
     one killed, each replaced by a process with the wider model under its
     old id), then 100 more: GPU memory grows by at most the new slab,
     descriptors and /dev/shm entries not at all (but a small slack), and the
     slab has the new layout's size."""
-    r = rig(ws.MultiProcessWeightSyncScheme, ["cuda", "cuda"], width=64)
+    r = rig(scheme_class, ["cuda", "cuda"], width=64)
     sender = r.scheme.get_sender()
     staging = r.scheme.staging
     assert staging is not None
@@ -386,12 +393,16 @@ def test_200_sends_with_a_layout_change_and_a_worker_restart_leak_nothing(rig: C
     assert layout.nbytes > narrow_bytes
     assert staging.slab is not None
     assert staging.slab.nbytes == layout.nbytes, (staging.slab.nbytes, layout.nbytes)
-    assert staging.host.segment is None, "the host staging was written, though no worker reads it"
-    # At most one slab more (the old one may still wait in torch's IPC limbo):
-    # the allocator rounds a block up to 512 bytes.
+    shared = scheme_class is ws.SharedMemWeightSyncScheme
+    host_written = staging.host.slots if shared else staging.host.segment
+    assert not host_written, "the host staging was written, though no worker reads it"
+    # At most the new slab (or slots) more: the old ones may still wait in
+    # torch's IPC limbo, for the killed worker never gave its export back.
+    # The allocator rounds a block up to 512 bytes.
+    slabs = len(getattr(staging.device, "slots", [staging.slab]))
     one_slab = -(-staging.slab.nbytes // 512) * 512
     memory_after = torch.cuda.memory_allocated()
-    assert memory_after <= memory_before + one_slab, (memory_before, memory_after, one_slab)
+    assert memory_after <= memory_before + slabs * one_slab, (memory_before, memory_after, slabs, one_slab)
     assert wait_for(lambda: len(open_fds()) <= fds_before + 2), (fds_before, sorted(open_fds()))
     # (Counted, not named: each worker process may keep entries of its own,
     # and two of them were replaced by two others.)
@@ -477,23 +488,160 @@ def test_a_trainer_with_expandable_segments_still_reaches_gpu_workers() -> None:
     assert "expandable_segments" in done.stdout + done.stderr, output
 
 
-def test_shared_scheme_workers_on_the_gpu_copy_and_keep_their_memory(rig: Callable[..., Rig]) -> None:
-    r = rig(ws.SharedMemWeightSyncScheme, ["cuda", "cuda"])
-    before = [r.state(i) for i in range(2)]
+def lingering_worker(
+    scheme: ws.WeightSyncScheme, pipe: Connection, ctrl: Connection, device: str, width: int
+) -> None:
+    """:func:`test_cuda.cuda_worker`, but one that goes on answering "state"
+    once its sender shut down (as a collector finishing its episode would
+    go on running its model), until "stop"."""
+    model = make_model(device, seed=1000 + os.getpid(), width=width)
+    scheme.init_on_worker("policy", pipe=pipe, model=model)
+    ctrl.send(("ready", os.getpid()))
+    closed = False
+    try:
+        while True:
+            if ctrl.poll(0.02 if closed else 0):
+                if ctrl.recv() == "stop":
+                    break
+                torch.cuda.synchronize()
+                # The model still runs: a forward pass reads every parameter.
+                model(torch.ones(1, width, device=device))
+                torch.cuda.synchronize()
+                ctrl.send(
+                    {
+                        "weights": {k: t.detach().cpu().clone() for k, t in model.state_dict().items()},
+                        "allocated": torch.cuda.memory_allocated(),
+                        "closed": closed,
+                    }
+                )
+            if not closed:
+                try:
+                    scheme.receive(timeout=0.02)
+                except ws.SenderClosedError:
+                    closed = True
+    finally:
+        scheme.shutdown()
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def test_shared_scheme_workers_on_the_trainers_gpu_run_on_its_slots(rig: Callable[..., Rig]) -> None:
+    """Under the shared scheme, workers on the trainer's GPU run on slots
+    there (their parameters re-pointed, no copy: their own GPU memory is
+    given back), two slots serve every send of a prompt pair, and a worker
+    in host memory beside them still gets each send through the host slots."""
+    r = rig(ws.SharedMemWeightSyncScheme, ["cuda", "cuda", "cpu"], width=1024)
+    size = model_bytes(r.model)
+    before = [r.state(i) for i in range(3)]
     staging = r.scheme.staging
     assert staging is not None
-    for _ in range(3):
+    last = [before[0]["ptrs"], before[1]["ptrs"]]
+    for n in range(4):
         r.bump()
         report = r.scheme.get_sender().send()
-        assert report.placements == {0: "same-device", 1: "same-device"}, report.placements
-        assert staging.slab is not None, "no device slab for the workers on the GPU"
+        assert report.placements == {0: "same-device", 1: "same-device", 2: "device-to-host"}
+        assert staging.slab is not None, "no device slot for the workers on the GPU"
         assert staging.slab.header.published() == report.version
-        assert not staging.host.slots, "a host slot was written, though no worker reads it"
+        # Each send goes into a slot no worker runs on: two slots suffice
+        # for workers that ack at once.
+        assert len(staging.device.slots) == min(n + 1, 2), len(staging.device.slots)
+        assert staging.host.slots, "the worker in host memory got no host slot"
         expected = on_host(r.model)
         for i in range(2):
             state = r.assert_holds(i, expected)
             assert all(d.startswith("cuda") for d in state["devices"].values()), state["devices"]
-            assert state["ptrs"] == before[i]["ptrs"], f"worker {i}: a tensor's data_ptr() changed"
+            moved = [k for k in expected if state["ptrs"][k] != last[i][k]]
+            assert moved == list(expected), f"worker {i}: not moved to the new slot: {moved}"
+            last[i] = state["ptrs"]
+            # Its own copy of the weights is gone: it runs on the trainer's memory.
+            assert state["allocated"] <= before[i]["allocated"] - size * 3 // 4, (
+                before[i]["allocated"],
+                state["allocated"],
+                size,
+            )
+        r.assert_holds(2, expected)
+
+
+def test_a_verified_send_reaches_workers_on_slots_without_writing_a_slot(rig: Callable[..., Rig]) -> None:
+    """A verified send goes through host memory; workers that ran on a
+    device slot take memory of their own for it, so the slot they left (which
+    others may still run on) keeps its bytes; the next send re-points them."""
+    r = rig(ws.SharedMemWeightSyncScheme, ["cuda", "cuda"], width=256)
+    sender = r.scheme.get_sender()
+    staging = r.scheme.staging
+    assert staging is not None
+    first = sender.send()
+    slot = staging.slab
+    assert slot is not None and slot.data is not None
+    held = slot.data.clone()
+    r.bump()
+    sender.send(verify=True)
+    expected = on_host(r.model)
+    for i in range(2):
+        r.assert_holds(i, expected)
+    torch.cuda.synchronize()
+    assert slot.header.published() == first.version
+    assert torch.equal(slot.data, held), "a verified send wrote into a device slot"
+    r.bump()
+    sender.send()
+    expected = on_host(r.model)
+    for i in range(2):
+        r.assert_holds(i, expected)
+
+
+def test_workers_on_slots_keep_their_weights_once_the_trainer_shuts_down() -> None:
+    """The sender's shutdown tells each worker, which copies the weights it
+    runs on into its own memory (a slot lives only as long as the trainer's
+    process); the trainer's slots are then freed."""
+    scheme = ws.SharedMemWeightSyncScheme(timeout=60)
+    model = make_model("cuda", seed=7, width=1024)
+    size = model_bytes(model)
+    procs, pipes, ctrls = [], [], []
+    try:
+        for _ in range(2):
+            proc, pipe, ctrl = start_pipe_worker(
+                lingering_worker, lambda pipe, ctrl: (scheme, pipe, ctrl, "cuda", 1024)
+            )
+            procs.append(proc)
+            pipes.append(pipe)
+            ctrls.append(ctrl)
+        scheme.init_on_sender("policy", pipes=pipes, model=model)
+        for ctrl in ctrls:
+            assert ctrl.poll(60) and ctrl.recv()[0] == "ready"
+        for _ in range(3):
+            with torch.no_grad():
+                for t in model.parameters():
+                    t.add_(torch.randn_like(t))
+            scheme.get_sender().send()
+        expected = on_host(model)
+        staging = scheme.staging
+        assert staging is not None
+        slots = len(staging.device.slots)
+        torch.cuda.synchronize()
+        with_slots = torch.cuda.memory_allocated()
+        scheme.shutdown()
+
+        def state(i: int) -> dict[str, Any]:
+            ctrls[i].send("state")
+            assert ctrls[i].poll(60), f"worker {i} did not answer"
+            return ctrls[i].recv()
+
+        for i in range(2):
+            assert wait_for(lambda i=i: state(i)["closed"], timeout=20), f"worker {i} was not told"
+            got = state(i)
+            assert got["allocated"] >= size, f"worker {i} does not hold its weights itself"
+            for name, value in expected.items():
+                assert torch.equal(got["weights"][name], value), f"worker {i}: {name} changed"
+
+        def freed() -> bool:
+            torch.cuda.ipc_collect()
+            return torch.cuda.memory_allocated() <= with_slots - slots * size
+
+        assert wait_for(freed, timeout=10.0), (with_slots, slots, size, torch.cuda.memory_allocated())
+    finally:
+        stop_pipe_workers(scheme, procs, ctrls, pipes)
 
 
 def test_the_trainers_gpu_memory_is_given_back_once_its_gpu_workers_are_gone() -> None:

@@ -53,7 +53,7 @@ def test_workers_join_leave_and_come_back(scheme_name: str) -> None:
         # Leave: worker 1 hears a clean shutdown; the others go on.
         scheme.remove_worker(1)
         if scheme_name == "shared":
-            assert 1 not in scheme.staging.host._holding  # its slot is free again
+            assert 1 not in scheme.staging.host._ledger._holding  # its slot is free again
         cluster.bump()
         assert scheme.send().worker_ids == (0, 2)
         cluster.assert_has(0, cluster.expected())

@@ -57,6 +57,11 @@ class SlabRef(NamedTuple):
     handle: bytes
     nbytes: int
     token: bytes
+    #: Device slots (the shared scheme): the tokens of every slot the
+    #: sender still keeps, so a worker lets go of the others; a worker on
+    #: the slab's GPU may run on a slot (re-point its parameters to it).
+    #: None: a single slab, which workers copy out of.
+    live: tuple[bytes, ...] | None = None
 
 
 def local_index(device: str) -> int:
@@ -191,8 +196,10 @@ def _rebuild(ref: SlabRef) -> torch.Tensor:
 
 
 class AttachedSlabs:
-    """A worker's opened slabs (the newest only: the sender keeps one per
-    GPU), with typed views cached per layout."""
+    """A worker's opened slabs, with typed views cached per layout: the
+    newest only for a single slab (the sender keeps one per GPU), those the
+    sender still keeps for device slots (``SlabRef.live``), so that a slot
+    used again is not opened again."""
 
     def __init__(self) -> None:
         self._opened: dict[bytes, _Opened] = {}
@@ -201,7 +208,9 @@ class AttachedSlabs:
     def _open(self, ref: SlabRef) -> _Opened:
         opened = self._opened.get(ref.token)
         if opened is None:
-            self.close()  # a new slab replaces the last (the sender grew it)
+            # A new slab replaces the last (the sender grew it); the slots
+            # the sender let go of are let go of here too.
+            self.retain(ref.live or ())
             header = Segment.attach(*ref.header)
             try:
                 data = _rebuild(ref)
@@ -230,11 +239,18 @@ class AttachedSlabs:
             views = self._views[key] = manifest.views(self._open(ref).data)
         return views
 
-    def close(self) -> None:
-        """Let go of every slab (torch closes the IPC mapping once no view
-        of it is left). Idempotent."""
-        self._views = {}
-        opened, self._opened = self._opened, {}
-        for one in opened.values():
+    def retain(self, tokens: Sequence[bytes]) -> None:
+        """Let go of every slab but those of ``tokens`` (torch closes an IPC
+        mapping once no view of it is left: a tensor still running on a
+        slab keeps it mapped)."""
+        gone = [token for token in self._opened if token not in tokens]
+        if not gone:
+            return
+        self._views = {key: views for key, views in self._views.items() if key[0] not in gone}
+        for token in gone:
             with contextlib.suppress(Exception):
-                one.header.close()
+                self._opened.pop(token).header.close()
+
+    def close(self) -> None:
+        """Let go of every slab. Idempotent."""
+        self.retain(())

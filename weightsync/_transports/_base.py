@@ -376,5 +376,10 @@ class StagingReader(Protocol):
     def holding(self) -> Any:
         """What the worker runs on now, for its ack (None: its own memory)."""
 
+    def keep_own(self) -> None:
+        """The sender shut down: make whatever the worker's tensors run on
+        that lives only as long as the sender's process its own (a copy);
+        a no-op for host memory, which outlives the sender."""
+
     def close(self) -> None:
         """Let go of every mapping. Idempotent."""

@@ -114,6 +114,9 @@ class CopyReader:
     def holding(self) -> None:
         return None
 
+    def keep_own(self) -> None:
+        return None  # host memory outlives the sender
+
     def close(self) -> None:
         self._plans.clear()
         self._looked_at = None

@@ -1,13 +1,16 @@
-"""Staging by placement: a device slab for workers on GPUs, host memory for
+"""Staging by placement: GPU memory for workers on GPUs, host memory for
 the others.
 
-A trainer on a GPU stages each send once into a slab on its GPU
-(``_slab.DeviceSlab``: one device-to-device copy, enqueued on the trainer's
-stream) for the workers whose models are on GPUs, and into the scheme's host
-staging (page-locked, one device-to-host copy) only where a worker's model
-is in host memory; a host staging that no worker reads is not written. Each
-worker on a GPU copies from the slab into its own tensors (device to device,
-or GPU to GPU), so its parameters keep their device and ``data_ptr()``.
+A trainer on a GPU stages each send once on its GPU (one device-to-device
+copy, enqueued on the trainer's stream) for the workers whose models are on
+GPUs, and into the scheme's host staging (page-locked, one device-to-host
+copy) only where a worker's model is in host memory; a host staging that no
+worker reads is not written. Its GPU memory (``_device_slots``) is one slab
+that each worker on a GPU copies out of into its own tensors (device to
+device, or GPU to GPU), which keep their device and ``data_ptr()``; or,
+under the shared scheme, versioned slots: a worker whose parameters are on
+the slots' GPU runs on a slot (its parameters re-pointed to it, no byte
+copied), the others copy.
 
 A verified send (digests) and a trainer in host memory go through the host
 staging alone: digests are taken of host bytes.
@@ -15,15 +18,17 @@ staging alone: digests are taken of host bytes.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 from .._offload import run_blocking
 from .._packet import Manifest, Packet
-from .._placement import Placement, choose, gpu_stream
+from .._placement import Placement, choose
 from .._slab import AttachedSlabs, DeviceSlab, SlabRef, copy_on_stream, local_index
 from ._base import EVERY_VERSION, LoopFreeStaging, StagingReader
+from ._device_slots import DeviceSlots, OneSlab
 
 __all__ = ["DeviceReader", "PlacedReader", "PlacedStaging"]
 
@@ -31,55 +36,41 @@ _ON_DEVICE = (Placement.SAME_DEVICE, Placement.PEER)
 
 
 class PlacedStaging:
-    """A scheme's host staging (segment or slots), and a device slab for the
-    workers on GPUs of a trainer on a GPU."""
+    """A scheme's host staging (segment or slots), and GPU memory for the
+    workers on GPUs of a trainer on a GPU: one slab, or with
+    ``device_slots`` versioned slots that workers on their GPU run on."""
 
-    def __init__(self, host: LoopFreeStaging) -> None:
+    def __init__(self, host: LoopFreeStaging, *, device_slots: bool = False) -> None:
         self.host = host
-        self.slab: DeviceSlab | None = None
-        self._views: tuple[str, list[torch.Tensor]] | None = None
+        self.device: OneSlab | DeviceSlots = DeviceSlots() if device_slots else OneSlab()
         # The devices each worker announced (None: it did not say).
         self._devices: dict[int, tuple[str, ...] | None] = {}
-        # The workers told the slab for the send staged last.
+        # The workers told the GPU memory for the send staged last.
         self._via_slab: frozenset[int] = frozenset()
+
+    @property
+    def slab(self) -> DeviceSlab | None:
+        """The slab or slot the last send to workers on GPUs was staged in."""
+        return self.device.current
 
     def placed(self, worker_id: int, devices: tuple[str, ...] | None) -> None:
         """Worker ``worker_id`` (a new process) announced its model on ``devices``."""
         self._devices[worker_id] = devices
-        if self.slab is not None:
-            self.slab.forget(worker_id)
+        self.device.forget(worker_id)
 
     def _split(self, packet: Packet, digest: bool) -> tuple[frozenset[int], bool]:
-        """The workers this packet reaches through the slab, and whether any
-        other worker needs the host staging."""
+        """The workers this packet reaches through GPU memory, and whether
+        any other worker needs the host staging."""
         if digest or len(packet.devices) != 1 or not packet.devices[0].startswith("cuda:"):
             return frozenset(), True
         via = frozenset(w for w, d in self._devices.items() if choose(packet.devices, d) in _ON_DEVICE)
         return via, len(via) < len(self._devices) or not self._devices
 
-    def _slab_for(self, packet: Packet) -> tuple[DeviceSlab, list[torch.Tensor]]:
-        manifest = packet.manifest
-        device = packet.tensors[0].device
-        if self.slab is None or self.slab.nbytes < manifest.nbytes or self.slab.device != device:
-            self._views = None
-            if self.slab is not None:
-                self.slab.close()
-                self.slab = None
-            self.slab = DeviceSlab(manifest.nbytes, device)
-        if self._views is None or self._views[0] != manifest.layout_id:
-            assert self.slab.data is not None
-            self._views = (manifest.layout_id, manifest.views(self.slab.data))
-        return self.slab, self._views[1]
-
-    def _write_slab(self, packet: Packet) -> None:
-        slab, views = self._slab_for(packet)
-        slab.write(views, packet.tensors, packet.version, gpu_stream(packet, slab.device))
-
     async def stage(self, packet: Packet, digest: bool = False) -> tuple[int, ...] | None:
         via, host = self._split(packet, digest)
         sums = await self.host.stage(packet, digest) if host else None
         if via:
-            await run_blocking(packet.nbytes, self._write_slab, packet)
+            await run_blocking(packet.nbytes, self.device.write, packet)
         self._via_slab = via
         return sums
 
@@ -89,40 +80,43 @@ class PlacedStaging:
         if host:
             self.host.stage_now(packet)
         if via:
-            self._write_slab(packet)
+            self.device.write(packet)
         self._via_slab = via
 
     def descriptor(self, worker_id: int) -> Any:
         if worker_id in self._via_slab:
-            assert self.slab is not None
-            return self.slab.ref(worker_id)
+            return self.device.descriptor(worker_id)
         return self.host.descriptor(worker_id)
 
     def released(self, worker_id: int, version: int, holding: Any) -> None:
+        # (``holding`` names host slots and device slots alike, by token:
+        # each side looks for its own.)
         self.host.released(worker_id, version, holding)
+        self.device.released(worker_id, version, holding)
         if version == EVERY_VERSION:
             self._devices.pop(worker_id, None)  # gone: it needs no staging any more
-            if self.slab is not None:
-                self.slab.forget(worker_id)
 
     async def aclose(self) -> None:
-        self._views = None
         self._via_slab = frozenset()
-        if self.slab is not None:
-            self.slab.close()
-            self.slab = None
+        self.device.close()
         await self.host.aclose()
 
 
 class DeviceReader:
-    """A worker's side of a device slab: copies out of it into its model's
-    tensors on GPUs, on the worker's current stream, and waits for the
-    copy before the version is checked again (and before the ack)."""
+    """A worker's side of the sender's GPU memory. From a slab, or a slot
+    on another GPU, it copies into its model's tensors on their GPUs, on
+    the worker's current stream, and waits for the copy before the version
+    is checked again (and before the ack). On a slot of its parameters' own
+    GPU, it re-points them to the slot (``tensor.data = view``), then waits
+    for its current stream, so that whatever it enqueued on the slot it
+    leaves is done before its ack lets the sender rewrite that slot."""
 
     checked_on_host = False
 
     def __init__(self) -> None:
         self._slabs = AttachedSlabs()
+        # The tensors re-pointed to a slot: id -> (the tensor, the slot's token).
+        self._on: dict[int, tuple[weakref.ref[torch.Tensor], bytes]] = {}
 
     def is_current(self, descriptor: SlabRef, version: int) -> bool:
         return self._slabs.published(descriptor) == version
@@ -136,23 +130,72 @@ class DeviceReader:
     def apply(
         self, descriptor: SlabRef, model: Any, targets: list[torch.Tensor], manifest: Manifest, threads: int
     ) -> None:
+        if descriptor.live is not None:
+            self._slabs.retain(descriptor.live)
         sources = self._slabs.views(descriptor, manifest)
-        # The worker's stream on its model's GPU: the copy waits for the
-        # work the worker enqueued before (a forward pass reading these
-        # weights), and the update is whole once it returns.
-        device = next((t.device for t in targets if t.is_cuda), None)
-        index = (
-            device.index
-            if device is not None and device.index is not None
-            else local_index(descriptor.device)
-        )
-        copy_on_stream(targets, sources, torch.cuda.current_stream(index))
+        slab_device = sources[0].device if sources else None
+        share = [
+            descriptor.live is not None
+            and t.device == slab_device
+            and (isinstance(t, torch.nn.Parameter) or not isinstance(model, torch.nn.Module))
+            for t in targets
+        ]
+        # A module's buffers are copied into the worker's own memory: worker
+        # code writes into them (BatchNorm statistics), and a slot is shared
+        # by every worker on its GPU.
+        copies = [(t, s) for t, s, shared in zip(targets, sources, share, strict=True) if not shared]
+        if copies:
+            self.own([t for t, _ in copies])
+            # The worker's stream on its model's GPU: the copy waits for the
+            # work the worker enqueued before (a forward pass reading these
+            # weights), and the update is whole once it returns.
+            device = copies[0][0].device
+            index = device.index if device.type == "cuda" else None
+            if index is None:
+                index = local_index(descriptor.device)
+            copy_on_stream([t for t, _ in copies], [s for _, s in copies], torch.cuda.current_stream(index))
+        if any(share):
+            assert slab_device is not None
+            for target, source, shared in zip(targets, sources, share, strict=True):
+                if shared:
+                    target.data = source
+                    self._on[id(target)] = (weakref.ref(target), descriptor.token)
+            # What the worker enqueued before on the slot it leaves is done
+            # before the ack frees that slot.
+            torch.cuda.current_stream(slab_device).synchronize()
 
-    def holding(self) -> None:
-        return None
+    def own(self, targets: list[torch.Tensor]) -> None:
+        """Give each of ``targets`` that runs on a slot memory of its own
+        (uninitialised: the caller copies into it), so that a copy into it
+        never writes a slot other workers run on."""
+        for target in targets:
+            if self._on.pop(id(target), None) is not None:
+                target.data = torch.empty_like(target)
+
+    def keep_own(self) -> None:
+        """Copy every tensor that runs on a slot into the worker's own
+        memory and let go of the sender's GPU memory: the sender is going,
+        and its memory lives only as long as the trainer's process does
+        (CUDA IPC), which frees it once every worker let go. Waits for the
+        copies."""
+        on, self._on = self._on, {}
+        devices: set[torch.device] = set()
+        for ref, _token in on.values():
+            target = ref()
+            if target is not None:
+                with torch.cuda.device(target.device):
+                    target.data = target.data.clone()  # (on the current stream)
+                devices.add(target.device)
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
+        self._slabs.close()
+
+    def holding(self) -> frozenset[bytes] | None:
+        """The slots this worker's tensors run on (None: none)."""
+        return frozenset(token for ref, token in self._on.values() if ref() is not None) or None
 
     def close(self) -> None:
-        self._slabs.close()
+        self.keep_own()
 
 
 class PlacedReader:
@@ -180,10 +223,23 @@ class PlacedReader:
     def apply(
         self, descriptor: Any, model: Any, targets: list[torch.Tensor], manifest: Manifest, threads: int
     ) -> None:
-        self._of(descriptor).apply(descriptor, model, targets, manifest, threads)
+        reader = self._of(descriptor)
+        if reader is self.host:
+            # The host staging's reader copies into tensors on GPUs: those
+            # running on a device slot get memory of their own first.
+            self.device.own(targets)
+        reader.apply(descriptor, model, targets, manifest, threads)
 
     def holding(self) -> Any:
-        return self.host.holding()
+        # Host slots and device slots, by token (see PlacedStaging.released).
+        host, device = self.host.holding(), self.device.holding()
+        if host is None or device is None:
+            return host if device is None else device
+        return frozenset(host) | device
+
+    def keep_own(self) -> None:
+        self.device.keep_own()
+        self.host.keep_own()
 
     def close(self) -> None:
         self.device.close()

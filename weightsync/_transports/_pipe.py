@@ -335,6 +335,9 @@ class PipeEndpoint:
             self._channel.watch(sender_pid)
             return PipeUpdate(version, layout_id, descriptor, threads, self, subset, digests)
         if kind == "close":
+            # A slot on the trainer's GPU lives only as long as its process:
+            # the model keeps running on copies of its own.
+            self.reader.keep_own()
             raise SenderClosedError(
                 f"the sender of model {self.model_id!r} shut down", model_id=self.model_id
             )

@@ -31,7 +31,44 @@ from .._packet import Manifest, Packet
 from .._placement import devices_of, on_gpu
 from .._segment import AttachedSegments, Segment, SegmentRef
 
-__all__ = ["SlotReader", "SlotStaging"]
+__all__ = ["SlotLedger", "SlotReader", "SlotStaging"]
+
+
+class SlotLedger:
+    """Which slots each worker may be reading, by slot token: the slots it
+    was told about and has not answered for, and the slots it runs on (more
+    than one after partial updates: each tensor runs on the slot of the last
+    update that wrote it). A slot no worker may be reading is free to be
+    rewritten."""
+
+    def __init__(self) -> None:
+        # Per worker: token -> newest version told, and the tokens it runs on.
+        self._told: dict[int, dict[bytes, int]] = {}
+        self._holding: dict[int, frozenset[bytes]] = {}
+
+    def busy(self) -> set[bytes]:
+        """The tokens of the slots some worker may be reading."""
+        busy: set[bytes] = set().union(*self._holding.values())
+        for told in self._told.values():
+            busy |= told.keys()
+        return busy
+
+    def told(self, worker_id: int, token: bytes, version: int) -> None:
+        """Worker ``worker_id`` was told that slot ``token`` holds ``version``."""
+        self._told.setdefault(worker_id, {})[token] = version
+
+    def released(self, worker_id: int, version: int, holding: Any) -> None:
+        """As ``Staging.released``: ``holding`` is the tokens the worker's
+        ack named (tokens of other stagings among them are ignored by
+        :meth:`busy`'s callers, which look up their own slots only)."""
+        if not holding:
+            self._holding.pop(worker_id, None)  # a fresh worker runs on its own memory
+        else:
+            self._holding[worker_id] = frozenset(holding)
+        # Updates up to this version are answered: the worker is past them.
+        told = self._told.get(worker_id)
+        if told:
+            self._told[worker_id] = {t: v for t, v in told.items() if v > version}
 
 
 class SlotStaging:
@@ -42,26 +79,15 @@ class SlotStaging:
         self.current: Segment | None = None
         self._version = 0
         self._views: dict[tuple[bytes, str], list[torch.Tensor]] = {}
-        # Per worker: the slots it was told about (token -> newest version
-        # told) and has not answered for, and the slots it runs on (more
-        # than one after partial updates: each tensor runs on the slot of
-        # the last update that wrote it).
-        self._told: dict[int, dict[bytes, int]] = {}
-        self._holding: dict[int, frozenset[bytes]] = {}
+        self._ledger = SlotLedger()
         #: Testing hook: called with (tensor index, first byte) between the
         #: copy of a block and its check, when a send is verified.
         self.after_copy: Callable[[int, int], None] | None = None
         # Slots being made writable again, by token.
         self._unprotecting: dict[bytes, threading.Thread] = {}
 
-    def _busy(self) -> set[bytes]:
-        busy: set[bytes] = set().union(*self._holding.values())
-        for told in self._told.values():
-            busy |= told.keys()
-        return busy
-
     def _choose(self, manifest: Manifest) -> Segment:
-        busy = self._busy()
+        busy = self._ledger.busy()
         for slot in self.slots:
             if slot.token not in busy and slot.nbytes >= manifest.nbytes:
                 return slot
@@ -127,23 +153,16 @@ class SlotStaging:
 
     def descriptor(self, worker_id: int) -> SegmentRef:
         assert self.current is not None, "stage() comes first"
-        self._told.setdefault(worker_id, {})[self.current.token] = self._version
+        self._ledger.told(worker_id, self.current.token, self._version)
         return self.current.ref()
 
     def released(self, worker_id: int, version: int, holding: Any) -> None:
-        if not holding:
-            self._holding.pop(worker_id, None)  # a fresh worker runs on its own memory
-        else:
-            self._holding[worker_id] = frozenset(holding)
-        # Updates up to this version are answered: the worker is past them.
-        told = self._told.get(worker_id)
-        if told:
-            self._told[worker_id] = {t: v for t, v in told.items() if v > version}
+        self._ledger.released(worker_id, version, holding)
         # A checked slot that no worker holds or was told about any more
         # will only be rewritten: it is made writable now, on a thread of
         # its own, rather than when the next send stages (mprotect takes
         # about 12 ms for 512 MiB on the project's machine).
-        busy = self._busy()
+        busy = self._ledger.busy()
         for slot in self.slots:
             if (
                 slot.protected
@@ -247,6 +266,9 @@ class SlotReader:
     def holding(self) -> frozenset[bytes] | None:
         """The slots this worker's tensors run on (None: none yet)."""
         return frozenset(self._on.values()) or None
+
+    def keep_own(self) -> None:
+        return None  # host memory outlives the sender
 
     def close(self) -> None:
         # The model may still run on these views: a slot stays mapped until

@@ -52,6 +52,9 @@ class _PipeScheme(WeightSyncScheme):
     _config_class = PipeSchemeConfig
     _config: PipeSchemeConfig
     _staging_class: ClassVar[type[SegmentStaging] | type[SlotStaging]]
+    # Whether workers on the trainer's GPU run on its slots (zero-copy)
+    # rather than copy out of one slab.
+    _device_slots: ClassVar[bool] = False
     _reader_class: ClassVar[type[CopyReader] | type[SlotReader]]
     #: Added to the error of a worker killed by SIGSEGV.
     _fault_hint: ClassVar[str | None] = None
@@ -224,10 +227,11 @@ class _PipeScheme(WeightSyncScheme):
         return lambda receiver: PipeEndpoint(pipe, model_id, reader)
 
     def _new_staging(self) -> Staging:
-        """The sender's staging: the scheme's host staging, and a device
-        slab for workers on GPUs when the trainer's tensors are on a GPU
-        (``_device_staging``)."""
-        return PlacedStaging(self._staging_class())
+        """The sender's staging: the scheme's host staging, and GPU memory
+        for workers on GPUs when the trainer's tensors are on a GPU
+        (``_device_staging``): a slab they copy out of, or the shared
+        scheme's slots, which workers on their GPU run on."""
+        return PlacedStaging(self._staging_class(), device_slots=self._device_slots)
 
     def shutdown(self) -> None:
         """As :meth:`WeightSyncScheme.shutdown`; also closes the pipes the
@@ -297,11 +301,26 @@ class SharedMemWeightSyncScheme(_PipeScheme):
     that trains its own copy needs :class:`MultiProcessWeightSyncScheme`.
     Slots stay mapped while the worker's model runs on them, even after
     ``shutdown()``.
+
+    With the trainer's weights on a GPU, a worker whose parameters are on
+    that same GPU runs on slots there (CUDA IPC; its own copy of the
+    parameters is freed), and waits for its current stream before it acks,
+    so that the slot it leaves is no longer read when the sender reuses it.
+    Slots on a GPU cannot be made read-only: a worker that writes into its
+    parameters there changes what every worker on that GPU runs on, without
+    a fault. A slot on a GPU lives only as long as the trainer's process:
+    once told that the sender shut down (``SenderClosedError``) a worker
+    runs on a copy of its own; if that process dies instead, what such a
+    worker runs on is undefined until its next ``receive()`` raises
+    ``SenderLostError``. Workers on another GPU, or in host memory,
+    copy (the first keep their ``data_ptr()``); ``SendReport.placements``
+    says which placement each worker's send took.
     """
 
     default_strategy = "tensordict"
     _staging_class = SlotStaging
     _reader_class = SlotReader
+    _device_slots = True
     _fault_hint = (
         "Under SharedMemWeightSyncScheme a worker's parameters are read-only shared memory: "
         "a worker that writes into them faults; use MultiProcessWeightSyncScheme for workers that "
