@@ -42,6 +42,8 @@ import importlib
 from collections.abc import Iterator, Mapping
 from types import ModuleType
 
+import torch
+
 __all__ = [
     "AckTimeoutError",
     "DeltaFrameError",
@@ -291,11 +293,17 @@ _EXHAUSTED = {
 
 @contextlib.contextmanager
 def out_of_resources(what: str) -> Iterator[None]:
-    """Turn an OSError that means "out of files or memory", raised while
-    doing ``what``, into a :class:`ResourceExhaustedError` that says which.
-    Any other error passes through."""
+    """Turn an OSError that means "out of files or memory", or torch's out
+    of GPU memory, raised while doing ``what``, into a
+    :class:`ResourceExhaustedError` that says which. Any other error passes
+    through."""
     try:
         yield
+    except torch.OutOfMemoryError as exc:
+        raise ResourceExhaustedError(
+            f"cannot {what}: out of GPU memory ({str(exc).splitlines()[0] if str(exc) else exc!r})",
+            resource="GPU memory",
+        ) from exc
     except OSError as exc:
         resource = _EXHAUSTED.get(exc.errno or 0)
         if resource is None:

@@ -14,6 +14,7 @@ from ._exceptions import (
     SenderLostError,
     WaitTimeoutError,
     WeightMismatchError,
+    WeightSyncError,
     WeightSyncStateError,
 )
 from ._loops import NEEDS_LOOP, NeedsLoop, require_asyncio
@@ -287,6 +288,17 @@ class AsyncWeightReceiver:
             # tell the sender why, then the caller.
             exc.model_id = self.model_id
             return _Step(_Then.DONE, (incoming.version, str(exc)), exc)
+        except WeightSyncError:
+            raise  # (the sender is gone: no one to tell)
+        except Exception as exc:
+            # The copy itself failed (a CUDA error on this worker's GPU): the
+            # model may hold part of this version. The sender hears why and
+            # names this worker; the caller gets the error itself.
+            why = (
+                f"writing version {incoming.version} into the model failed "
+                f"({type(exc).__name__}: {exc}); the model may hold part of it"
+            )
+            return _Step(_Then.DONE, (incoming.version, why), exc)
         if not incoming.is_current():
             # The sender began the next version during the copy: the model
             # holds a mix now and must be overwritten before returning.

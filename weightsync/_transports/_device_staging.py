@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .._exceptions import out_of_resources
 from .._offload import run_blocking
 from .._packet import Manifest, Packet
 from .._placement import Placement, choose
@@ -165,12 +166,21 @@ class DeviceReader:
             torch.cuda.current_stream(slab_device).synchronize()
 
     def own(self, targets: list[torch.Tensor]) -> None:
-        """Give each of ``targets`` that runs on a slot memory of its own
-        (uninitialised: the caller copies into it), so that a copy into it
-        never writes a slot other workers run on."""
-        for target in targets:
-            if self._on.pop(id(target), None) is not None:
-                target.data = torch.empty_like(target)
+        """Give each of ``targets`` that runs on a slot memory of its own,
+        holding what it holds now, so that a copy into it never writes a
+        slot other workers run on. Every copy is made before any tensor
+        changes, so a worker out of GPU memory keeps its model as it was.
+
+        :raises ResourceExhaustedError: no GPU memory for the copies.
+        """
+        moving = [t for t in targets if id(t) in self._on]
+        if not moving:
+            return
+        with out_of_resources("give the worker's tensors on its GPU memory of their own"):
+            fresh = [t.detach().clone() for t in moving]  # (on the current stream)
+        for target, mine in zip(moving, fresh, strict=True):
+            target.data = mine
+            del self._on[id(target)]
 
     def keep_own(self) -> None:
         """Copy every tensor that runs on a slot into the worker's own
