@@ -22,8 +22,8 @@ LAYERS: list[set[str]] = [
     {"_transports._chain", "_transports._liveness", "_transports._host_copy"},
     {"_transports._delta_base"},
     {"_transports._base", "_transports._channel", "_transports._ray_relay", "_transports._dist_protocol"},
-    {"_transports._host_share"},
-    {"_transports._dist_relay", "_transports._dist_chain"},
+    {"_transports._host_share", "_transports._slot_ledger"},
+    {"_transports._dist_relay", "_transports._dist_chain", "_transports._device_slots"},
     {
         "_transports",
         "_transports._pipe",

@@ -5,7 +5,7 @@ on the slab's GPU run on (the shared scheme).
 Both stage a send with one device-to-device copy on the trainer's stream
 (``_slab.DeviceSlab.write``) and hand each worker a ``SlabRef``. A slot is
 rewritten only once no worker may be reading it, the same rule and the same
-bookkeeping as the shared scheme's host slots (``_slot_staging.SlotLedger``):
+bookkeeping as the shared scheme's host slots (``_slot_ledger.SlotLedger``):
 not while a worker was told about it and has not answered, nor while a
 worker's ack names it as what its tensors run on. Each ref of a slot lists
 the slots the sender keeps (``SlabRef.live``), so a worker lets go of the
@@ -20,7 +20,7 @@ from .._packet import Manifest, Packet
 from .._placement import gpu_stream
 from .._slab import DeviceSlab, SlabRef
 from ._base import EVERY_VERSION
-from ._slot_staging import SlotLedger
+from ._slot_ledger import SlotLedger
 
 __all__ = ["DeviceSlots", "OneSlab"]
 
