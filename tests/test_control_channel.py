@@ -254,3 +254,25 @@ def test_ctrl_c_while_send_async_stages_leaves_the_sender_free(worker: FakeWorke
     assert not worker.sender.pending
     assert not worker.theirs.poll(0.2)  # nothing was posted
     _a_good_send_works(worker)
+
+
+@pytest.mark.parametrize(
+    "hello",
+    [
+        pytest.param(lambda sig: ("hello", "policy", os.getpid(), sig, ("cpu",), ()), id="with-reach"),
+        pytest.param(lambda sig: ("hello", "policy", os.getpid(), sig, ("cpu",)), id="older-without-reach"),
+        pytest.param(lambda sig: ("hello", "policy", os.getpid(), sig, ("cpu",), (), "x"), id="too-long"),
+    ],
+)
+def test_a_hello_names_the_gpus_a_worker_reaches_or_is_read_as_an_older_one(
+    worker: FakeWorker, hello: object
+) -> None:
+    """A worker's hello may end with the GPUs it can copy from device to
+    device (an older worker's does not); anything longer breaks the protocol."""
+    signature = Manifest.of(worker.model.state_dict()).signature
+    message = hello(signature)  # type: ignore[operator]
+    if len(message) > 6:
+        assert "not a message" in _send_expecting_protocol_error(worker, message)
+        return
+    worker.theirs.send(message)
+    _a_good_send_works(worker)

@@ -31,6 +31,7 @@ __all__ = [
     "gpu_stream",
     "on_caller_stream",
     "on_gpu",
+    "reachable",
 ]
 
 _UUIDS: dict[int, str] = {}
@@ -57,6 +58,23 @@ def devices_of(tensors: Iterable[torch.Tensor]) -> tuple[str, ...]:
     for tensor in tensors:
         seen.setdefault(tensor.device, None)
     return tuple(dict.fromkeys(device_name(d) for d in seen))
+
+
+def reachable(devices: tuple[str, ...]) -> tuple[str, ...]:
+    """The GPUs (named as :func:`device_name` names them) that this process
+    can copy from, device to device, into a model on ``devices``: each GPU
+    it sees that is one of them or that every one of them can access peer
+    to peer. Empty for a model in host memory (no CUDA is touched then)."""
+    if not on_gpu(devices) or not torch.cuda.is_available():
+        return ()
+    count = torch.cuda.device_count()
+    names = {index: device_name(torch.device("cuda", index)) for index in range(count)}
+    mine = [index for index, name in names.items() if name in devices]
+    return tuple(
+        name
+        for index, name in names.items()
+        if all(index == own or torch.cuda.can_device_access_peer(own, index) for own in mine)
+    )
 
 
 def on_gpu(devices: Iterable[str]) -> bool:

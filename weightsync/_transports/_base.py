@@ -131,9 +131,10 @@ class DeviceAwareStaging(Staging, Protocol):
     pipe schemes' device slab for workers on GPUs): told the devices of
     each worker as it announces itself."""
 
-    def placed(self, worker_id: int, devices: tuple[str, ...] | None) -> None:
+    def placed(self, worker_id: int, devices: tuple[str, ...] | None, reach: tuple[str, ...] = ()) -> None:
         """Worker ``worker_id`` announced its model on ``devices``
-        (``_placement.devices_of``)."""
+        (``_placement.devices_of``), into which it can copy device to
+        device from the GPUs of ``reach`` (``_placement.reachable``)."""
 
 
 @runtime_checkable

@@ -44,8 +44,10 @@ class PlacedStaging:
     def __init__(self, host: LoopFreeStaging, *, device_slots: bool = False) -> None:
         self.host = host
         self.device: OneSlab | DeviceSlots = DeviceSlots() if device_slots else OneSlab()
-        # The devices each worker announced (None: it did not say).
+        # The devices each worker announced (None: it did not say), and the
+        # GPUs it can copy from device to device.
         self._devices: dict[int, tuple[str, ...] | None] = {}
+        self._reach: dict[int, tuple[str, ...]] = {}
         # The workers told the GPU memory for the send staged last.
         self._via_slab: frozenset[int] = frozenset()
 
@@ -54,9 +56,11 @@ class PlacedStaging:
         """The slab or slot the last send to workers on GPUs was staged in."""
         return self.device.current
 
-    def placed(self, worker_id: int, devices: tuple[str, ...] | None) -> None:
-        """Worker ``worker_id`` (a new process) announced its model on ``devices``."""
+    def placed(self, worker_id: int, devices: tuple[str, ...] | None, reach: tuple[str, ...] = ()) -> None:
+        """Worker ``worker_id`` (a new process) announced its model on
+        ``devices``, into which it can copy from the GPUs of ``reach``."""
         self._devices[worker_id] = devices
+        self._reach[worker_id] = reach
         self.device.forget(worker_id)
 
     def _split(self, packet: Packet, digest: bool) -> tuple[frozenset[int], bool]:
@@ -64,7 +68,15 @@ class PlacedStaging:
         any other worker needs the host staging."""
         if digest or len(packet.devices) != 1 or not packet.devices[0].startswith("cuda:"):
             return frozenset(), True
-        via = frozenset(w for w, d in self._devices.items() if choose(packet.devices, d) in _ON_DEVICE)
+        # A worker on another GPU reads the trainer's only where it sees it
+        # and has peer access to it (it said so in its hello); else through
+        # page-locked host memory, as from a trainer in host memory.
+        gpu = packet.devices[0]
+        via = frozenset(
+            w
+            for w, d in self._devices.items()
+            if choose(packet.devices, d) in _ON_DEVICE and gpu in self._reach.get(w, ())
+        )
         return via, len(via) < len(self._devices) or not self._devices
 
     async def stage(self, packet: Packet, digest: bool = False) -> tuple[int, ...] | None:
@@ -96,6 +108,7 @@ class PlacedStaging:
         self.device.released(worker_id, version, holding)
         if version == EVERY_VERSION:
             self._devices.pop(worker_id, None)  # gone: it needs no staging any more
+            self._reach.pop(worker_id, None)
 
     async def aclose(self) -> None:
         self._via_slab = frozenset()

@@ -5,7 +5,9 @@ versioned slots that they run on).
 Messages are small pickled tuples (see ``_channel``); bulk bytes never
 travel here::
 
-    worker -> sender   ("hello", model_id, pid, signature, devices)
+    worker -> sender   ("hello", model_id, pid, signature, devices, reach)
+                       reach: the GPUs it can copy from device to device (an older
+                       worker's hello, without it, is read as reaching its own only)
                        ("ack", version, holding)      holding: what the worker runs on now
                        ("error", version, message)
     sender -> worker   ("update", version, layout_id, descriptor, copy_threads, sender_pid, subset, digests)
@@ -32,6 +34,7 @@ import torch
 from .._copy import usable_cores
 from .._exceptions import SenderClosedError, SenderLostError, WorkerLostError, WorkerProtocolError
 from .._packet import Manifest, Packet, Signature
+from .._placement import reachable
 from ._base import EVERY_VERSION, DeviceAwareStaging, Staging, StagingReader, worker_failed, worker_lost
 from ._channel import PipeChannel, describe_exit, encode, exit_status, started_here
 
@@ -41,7 +44,7 @@ __all__ = ["EncodedUpdates", "PipeEndpoint", "PipeSenderTransport", "PipeUpdate"
 # -- the sender's channel to one worker ----------------------------------------
 
 # What a worker may send: kind -> length of the tuple.
-_WORKER_MESSAGES = {"hello": 5, "ack": 3, "error": 3}
+_WORKER_MESSAGES: dict[str, tuple[int, ...]] = {"hello": (5, 6), "ack": (3,), "error": (3,)}
 
 
 class EncodedUpdates:
@@ -131,7 +134,7 @@ class PipeSenderTransport:
         :raises WorkerProtocolError: it is not.
         """
         kind = message[0]
-        if _WORKER_MESSAGES.get(kind) != len(message):
+        if len(message) not in _WORKER_MESSAGES.get(kind, ()):
             raise self._garbled(f"it sent {message!r:.80}, which is not a message")
         if kind == "hello":
             model_id = message[1]
@@ -144,11 +147,12 @@ class PipeSenderTransport:
         return message
 
     def _handle_hello(self, message: tuple) -> None:
-        _, _model_id, pid, signature, devices = message
+        _, _model_id, pid, signature, devices, *rest = message
         try:
             layout = Manifest.from_signature(signature)
             pid = int(pid)
             devices = tuple(str(d) for d in devices)
+            reach = tuple(str(d) for d in rest[0]) if rest else devices
         except Exception as exc:
             raise self._garbled(f"it announced a model that cannot be read ({exc})") from exc
         self.worker_pid = pid
@@ -159,7 +163,7 @@ class PipeSenderTransport:
         # A fresh worker runs on its own memory.
         self._staging.released(self.worker_id, 0, None)
         if self._placed is not None:
-            self._placed(self.worker_id, devices)
+            self._placed(self.worker_id, devices, reach)
 
     async def connect(self) -> Manifest | None:
         while self.layout is None:
@@ -324,7 +328,8 @@ class PipeEndpoint:
         )
 
     async def announce(self, manifest: Manifest, devices: tuple[str, ...]) -> None:
-        await self._channel.send(("hello", self.model_id, os.getpid(), manifest.signature, devices))
+        hello = ("hello", self.model_id, os.getpid(), manifest.signature, devices, reachable(devices))
+        await self._channel.send(hello)
 
     def _handle(self, message: tuple, latest: PipeUpdate | None) -> PipeUpdate | None:
         kind = message[0]
