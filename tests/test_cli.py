@@ -382,6 +382,56 @@ def test_an_alternative_whose_package_is_missing_is_skipped_with_a_note() -> Non
     assert AlternativeInfo("y", "needs nothing").unavailable() is None
 
 
+def test_torchrls_process_schemes_take_every_placement_where_cuda_ipc_is_offered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import platform
+    import types
+
+    from weightsync.bench import ALTERNATIVES, placement_unavailable, resolve
+
+    # Placement alone: as if torchrl were importable here (it is not in the repository's own venv).
+    monkeypatch.setitem(sys.modules, "torchrl", types.ModuleType("torchrl"))
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(platform, "release", lambda: "6.8.0-1015-gcp")
+    on_cuda = [("cuda:0", "cuda:0"), ("cuda:0", "cpu"), ("cpu", "cuda:0"), ("cuda:0", "cuda:1")]
+    for devices in [("cpu", "cpu"), *on_cuda]:
+        for name in ("torchrl-mp", "torchrl-shared"):
+            assert placement_unavailable(ALTERNATIVES[name].devices, *devices) is None, (name, devices)
+        # torchrl's Ray scheme stays on the CPU: the bench's Ray actors have no GPU.
+        why = placement_unavailable(ALTERNATIVES["torchrl-ray"].devices, *devices)
+        assert (why is None) == (devices == ("cpu", "cpu")), (devices, why)
+    runnable, skipped = resolve(["torchrl-mp", "torchrl-shared", "torchrl-ray"], ("cuda:0", "cpu"))
+    assert runnable == ["torchrl-mp", "torchrl-shared"]
+    assert skipped == {"torchrl-ray": "the bench runs it with --trainer-device cpu --worker-device cpu only"}
+
+    # Under WSL (or off Linux) CUDA tensors cannot go to another process: torchrl
+    # would stage them on the CPU, and the workers' models would leave the GPU.
+    monkeypatch.setattr(platform, "release", lambda: "5.15.153.1-microsoft-standard-WSL2")
+    assert placement_unavailable(ALTERNATIVES["torchrl-mp"].devices, "cpu", "cpu") is None
+    shares = "it shares CUDA tensors between processes, and CUDA IPC is not offered"
+    wsl = f"{shares} under WSL (kernel 5.15.153.1-microsoft-standard-WSL2), only on native Linux"
+    for devices in on_cuda:
+        runnable, skipped = resolve(["torchrl-mp", "torchrl-shared", "bare-shm"], devices)
+        assert runnable == ["bare-shm"]
+        assert skipped == {"torchrl-mp": wsl, "torchrl-shared": wsl}
+    monkeypatch.setattr(sys, "platform", "darwin")
+    why = placement_unavailable(ALTERNATIVES["torchrl-shared"].devices, "cuda:0", "cuda:0")
+    assert why == f"{shares} on darwin, only on native Linux"
+
+
+def test_a_torchrl_worker_whose_model_left_its_device_fails_the_case() -> None:
+    from weightsync.bench import BenchError, GeneratedMLP, check_on_device
+
+    tensors = GeneratedMLP({"layers.0.weight": (4, 4), "layers.0.bias": (4,)}).state_dict()
+    what = "torchrl-mp worker 0, after connect()"
+    check_on_device(tensors, "cpu", what)
+    # What a worker that asked for a GPU would hold, had torchrl staged the weights on the CPU.
+    with pytest.raises(BenchError) as exc:
+        check_on_device(tensors, "cuda:0", what)
+    assert str(exc.value) == f"{what}: the worker's model is on cpu, not on the worker device cuda:0"
+
+
 def _bench_subprocess(*args: str) -> subprocess.CompletedProcess[str]:
     """``python -m weightsync bench ARGS``: a process of its own, so a Ray case
     starts (and stops) its own local Ray, apart from this session's."""
@@ -578,6 +628,34 @@ def test_bench_on_cpu_devices_runs_as_by_default(tmp_path: Path, capsys: pytest.
         assert (case["trainer_device"], case["worker_device"]) == ("cpu", "cpu")
         assert case["floor_kind"] == "(workers + 1) memcpys" and case["floor_ms"] == case["host_floor_ms"]
         assert case["d2d_ms"] is None and case["samples"]["device_copy_s"] == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device is visible")
+@pytest.mark.parametrize(("trainer", "worker"), [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")])
+def test_bench_compares_torchrls_process_schemes_on_cuda_placements(
+    trainer: str, worker: str, tmp_path: Path
+) -> None:
+    # Where torchrl is importable too (not in the repository's own venv).
+    pytest.importorskip("torchrl")
+    out = tmp_path / "bench.json"
+    proc = _bench_subprocess(
+        *("--scheme", "multiprocess", "--compare", "torchrl-mp", "torchrl-shared"),
+        *("--trainer-device", trainer, "--worker-device", worker, "--size", "1", "--workers", "2"),
+        *("--repeats", "2", "--warmup", "1", "--json", str(out)),
+    )
+    # Exit 0: every send verified bit-exactly on every worker, each worker's
+    # model still on the worker device after torchrl's connect().
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cases = json.loads(out.read_text())["cases"]
+    assert [case["scheme"] for case in cases] == ["multiprocess", "torchrl-mp", "torchrl-shared"]
+    for case in cases:
+        assert (case["trainer_device"], case["worker_device"]) == (
+            "cpu" if trainer == "cpu" else "cuda:0",
+            "cpu" if worker == "cpu" else "cuda:0",
+        )
+        assert len(case["samples"]["send_s"]) == 2 and case["d2d_ms"] > 0
+    assert [case["copy"] for case in cases] == ["private", "shared", "shared"]
 
 
 @pytest.mark.cuda

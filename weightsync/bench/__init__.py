@@ -38,7 +38,7 @@ from ._compare import resolve
 from ._hosts import HostActor, receiving_nodes
 from ._machine import describe_machine, machine_facts
 from ._memcpy import floor_seconds, memcpy_floor_seconds, memcpy_seconds
-from ._model import GeneratedMLP, mlp_shapes, model_nbytes, tensor_checksums
+from ._model import GeneratedMLP, check_on_device, mlp_shapes, model_nbytes, tensor_checksums
 from ._netns import EmulatedCluster, emulated_namespaces, namespace_name, parse_rate
 from ._netns import unavailable_reason as emulation_unavailable_reason
 from ._plot import PlotUnavailableError, write_plot
@@ -66,6 +66,7 @@ from ._types import (
     WorkerStartup,
     itemsize,
     labels,
+    placement_unavailable,
     pool_of,
 )
 
@@ -94,6 +95,7 @@ __all__ = [
     "Trajectory",
     "VerificationError",
     "WorkerStartup",
+    "check_on_device",
     "describe_machine",
     "emulated_namespaces",
     "emulation_unavailable_reason",
@@ -110,6 +112,7 @@ __all__ = [
     "model_nbytes",
     "namespace_name",
     "parse_rate",
+    "placement_unavailable",
     "pool_of",
     "receiving_nodes",
     "resolve",

@@ -56,12 +56,17 @@ shared-buffer figure is never read as a private-copy one:
 
   ``torchrl-mp`` and ``torchrl-shared``: shared, torn. At ``connect()`` the
   worker's model is re-pointed (``to_module``) at the tensors it received
-  through its queue, which torch's reductions share: the trainer's own
-  parameters, moved to shared memory. Each send then copies those tensors
-  onto themselves (mp: in each worker, from the tensors sent again through
-  the queue; shared: in the trainer, into the buffer), so every worker reads
-  the trainer's live parameters: no private copy, and a worker running while
-  the trainer steps its optimiser reads a mix of two versions.
+  through its queue, which torch's reductions share (CPU tensors by shared
+  memory, CUDA tensors by CUDA IPC): the trainer's own parameters where
+  the workers' device is the trainer's, else the one copy of them that
+  ``init_on_sender`` made on the workers' device. Each send then copies the
+  trainer's tensors into those (mp: in each worker, from the tensors sent
+  again through the queue; shared: in the trainer), onto themselves where
+  they are the trainer's own, so every worker reads one buffer, the
+  trainer's live parameters or their copy: no private copy, and a worker
+  running while the trainer steps its optimiser (or while the next send
+  copies) reads a mix of two versions. Any placement of trainer and
+  workers, a CUDA one where CUDA IPC is offered (native Linux).
 
   ``torchrl-ray``: private, torn. Each actor receives over gloo, tensor by
   tensor, straight into its live parameters, while the trainer streams

@@ -20,12 +20,13 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from ._types import DTYPES, VerificationError
+from ._types import DTYPES, BenchError, VerificationError
 
 __all__ = [
     "GeneratedMLP",
     "change_model",
     "check_applied",
+    "check_on_device",
     "corrupt_model",
     "mlp_shapes",
     "model_nbytes",
@@ -187,4 +188,21 @@ def check_applied(
             f"worker {slot} does not hold the trainer's weights after version {version}: "
             f"{len(wrong)} of {len(names)} tensors differ (first: {wrong[0]!r}, "
             f"crc32 {got[names.index(wrong[0])]:#010x} != {expected[names.index(wrong[0])]:#010x})"
+        )
+
+
+def check_on_device(tensors: Mapping[str, torch.Tensor], device: str, what: str) -> None:
+    """Check that every tensor of a worker's model lives on ``device``
+    (``cpu`` or ``cuda:N``, as :func:`weightsync.bench._types.parse_device`
+    names it), ``what`` naming the worker in the error: a scheme that
+    re-points a model at the tensors it received (torchrl's) could leave it
+    elsewhere, and the case would not be the placement asked for.
+
+    :raises BenchError: a tensor lives on another device.
+    """
+    wanted = torch.device(device)
+    elsewhere = sorted({str(t.device) for t in tensors.values() if t.device != wanted})
+    if elsewhere:
+        raise BenchError(
+            f"{what}: the worker's model is on {', '.join(elsewhere)}, not on the worker device {device}"
         )

@@ -7,8 +7,9 @@ torchrl's defaults, set up as torchrl's collectors set it up:
 
 - processes: ``init_on_sender(model=, devices=, ctx=spawn)`` on the trainer
   (a collector passes itself as context, which resolves to the same model
-  and devices), ``connect()`` (the initial weights into each worker's
-  queue), the scheme pickled to each worker, which calls
+  and to its ``policy_device``: the device of each worker's policy),
+  ``connect()`` (the initial weights into each worker's queue), the scheme
+  pickled to each worker, which calls
   ``init_on_receiver(model=, model_id=, worker_idx=)`` and
   ``connect(worker_idx=)`` (``torchrl/collectors/utils.py``,
   ``_make_policy_factory``); from then on torchrl's background thread in
@@ -18,6 +19,17 @@ torchrl's defaults, set up as torchrl's collectors set it up:
   ``_connect_weights_scheme`` and the trainer's ``connect()`` together, as
   ``benchmarks/ray_vs_torchrl.py`` does; each send calls every actor's
   ``_receive_weights_scheme`` and streams the tensors over gloo.
+
+The trainer's model lives on the bench's trainer device and each worker's
+on the workers' device (``--trainer-device``, ``--worker-device``; Ray:
+the CPU only). torchrl is told the workers' device as a collector tells
+it (``devices=``, one per worker): for workers on the trainer's device the
+initial weights are the trainer's own tensors; for workers on another
+device, ``init_on_sender`` makes one copy of them there, which every
+worker on that device shares. Either way ``connect()`` re-points each
+worker's model at what it received (by CUDA IPC for a CUDA tensor, by
+shared memory for a CPU one), and each worker checks that its model is
+still on its device.
 
 The timed region is ``scheme.send()``, which returns once every worker
 acked (processes) or every actor's receive returned (Ray). After it, the
@@ -48,7 +60,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ._model import GeneratedMLP, corrupt_model, tensor_checksums
+from ._model import GeneratedMLP, check_on_device, corrupt_model, tensor_checksums
 from ._pools import WorkerPool, timed_rounds
 from ._ray_pool import RayActorPool
 from ._types import BenchConfig, CaseResult
@@ -115,12 +127,14 @@ def run_over_pipes(
     conns = pool.pipes(index)
     scheme = getattr(torchrl.weight_update, PROCESS_SCHEMES[case.scheme])()
     try:
-        # As a collector with one policy on the CPU for every worker
-        # (torchrl/collectors/_multi_base.py: init_on_sender(context=self, ctx=ctx)).
+        # As a collector whose workers' policies are on the workers' device
+        # (torchrl/collectors/_multi_base.py: init_on_sender(context=self,
+        # ctx=ctx), which reads the collector's policy_device: one
+        # torch.device per worker).
         scheme.init_on_sender(
             model_id=MODEL_ID,
             model=model,
-            devices=[torch.device("cpu")] * case.workers,
+            devices=[torch.device(case.worker_device)] * case.workers,
             ctx=mp.get_context("spawn"),
         )
         # The initial weights wait in each worker's queue for its connect().
@@ -207,10 +221,13 @@ def serve(
     scheme: Any,
     corrupt: bool,
 ) -> None:
-    """A bench worker's side of ``torchrl-mp`` / ``torchrl-shared`` (``name``):
-    set ``scheme`` up as a collector's worker does, then report its checksums
-    each time the trainer names a version over ``pipe``. The bench runs it
-    on the CPU only (``device`` is ``cpu``)."""
+    """A bench worker's side of ``torchrl-mp`` / ``torchrl-shared`` (``name``),
+    its model on ``device``: set ``scheme`` up as a collector's worker does,
+    then report its checksums each time the trainer names a version over
+    ``pipe``.
+
+    :raises BenchError: after ``connect()``, the model is not on ``device``.
+    """
     model = GeneratedMLP(dict(shapes), dtype=dtype, device=device)
     try:
         (worker_idx,) = _VERSION.unpack(pipe.recv_bytes())
@@ -218,6 +235,8 @@ def serve(
         # initial weights, then a background thread that applies each send.
         scheme.init_on_receiver(model=model, model_id=MODEL_ID, worker_idx=worker_idx)
         scheme.connect(worker_idx=worker_idx)
+        # connect() re-pointed the model at what it received: still on its device?
+        check_on_device(model.state_dict(), device, f"{name} worker {worker_idx}, after connect()")
         ctrl.send(("ready",))
         while True:
             try:

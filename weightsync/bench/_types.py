@@ -14,7 +14,9 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import platform
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -46,6 +48,7 @@ __all__ = [
     "WorkerStartup",
     "itemsize",
     "labels",
+    "cuda_ipc_unavailable",
     "cuda_unavailable",
     "parse_device",
     "placement_unavailable",
@@ -97,10 +100,25 @@ def cuda_unavailable(devices: Sequence[str]) -> str | None:
     return None
 
 
+def cuda_ipc_unavailable() -> str | None:
+    """Why CUDA tensors cannot be shared between processes here, or None if
+    they can: torch shares them by CUDA IPC, which the CUDA driver offers on
+    native Linux only (not under WSL2, nor on other systems)."""
+    if sys.platform != "linux":
+        return f"CUDA IPC is not offered on {sys.platform}, only on native Linux"
+    release = platform.release()
+    if "microsoft" in release.lower():
+        return f"CUDA IPC is not offered under WSL (kernel {release}), only on native Linux"
+    return None
+
+
 def placement_unavailable(needs: str, trainer_device: str, worker_device: str) -> str | None:
-    """Why something that runs on ``needs`` devices (``"any"``, ``"cpu"``:
-    trainer and workers on the CPU only, ``"cuda"``: a CUDA device on either
-    side, and visible) cannot run with this placement, or None if it can."""
+    """Why something that runs on ``needs`` devices cannot run with this
+    placement, or None if it can. ``needs``: ``"any"``; ``"cpu"``: trainer
+    and workers on the CPU only; ``"cuda"``: a CUDA device on either side,
+    and visible; ``"ipc"``: any placement, one with a CUDA device only where
+    CUDA tensors can be shared between processes
+    (:func:`cuda_ipc_unavailable`)."""
     on_cuda = (trainer_device, worker_device) != ("cpu", "cpu")
     if needs == "cpu" and on_cuda:
         return "the bench runs it with --trainer-device cpu --worker-device cpu only"
@@ -109,6 +127,10 @@ def placement_unavailable(needs: str, trainer_device: str, worker_device: str) -
             return "no CUDA device is visible here"
         if not on_cuda:
             return "it needs a CUDA device: --trainer-device or --worker-device cuda"
+    if needs == "ipc" and on_cuda:
+        why = cuda_ipc_unavailable()
+        if why is not None:
+            return f"it shares CUDA tensors between processes, and {why}"
     return None
 
 
@@ -373,20 +395,23 @@ ALTERNATIVES: dict[str, AlternativeInfo] = {
         AlternativeInfo(
             "torchrl-mp",
             "torchrl MultiProcessWeightSyncScheme: weights through an mp.Queue per worker; "
-            "workers alias the trainer's tensors",
+            "workers alias the trainer's tensors (or its one copy on their device)",
             copy="shared",
             torn="yes",
             requires="torchrl",
-            devices="cpu",
+            # On a GPU, torchrl shares CUDA tensors by CUDA IPC; without it,
+            # it would stage them on the CPU and the workers' models would
+            # leave their device.
+            devices="ipc",
         ),
         AlternativeInfo(
             "torchrl-shared",
-            "torchrl SharedMemWeightSyncScheme: in-place update of the trainer's shared tensors, "
-            "notify over mp.Queues",
+            "torchrl SharedMemWeightSyncScheme: in-place update of the trainer's shared tensors "
+            "(or its one copy on the workers' device), notify over mp.Queues",
             copy="shared",
             torn="yes",
             requires="torchrl",
-            devices="cpu",
+            devices="ipc",
         ),
         AlternativeInfo(
             "torchrl-ray",
