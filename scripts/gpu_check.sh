@@ -10,6 +10,10 @@
 #   bench-cuda-cpu.json   GPU trainer, CPU workers (1024 MiB, 4 workers)
 #   bench-cpu-cuda.json   CPU trainer, GPU workers (1024 MiB, 4 workers,
 #                         --compare pinned-shm)
+#   bench-torchrl-cuda.json  trainer and workers on the GPU, beside torchrl's
+#                         own schemes (multiprocess, shared, --compare
+#                         torchrl-mp torchrl-shared; 64 MiB; 4 workers), where
+#                         torchrl imports; else a line in the summary says why not
 # (every bench case: the bytes as 4 tensors, each send checked on every worker)
 # Each step has its own time limit, cut to what is left of the 6 minutes;
 # a step that fails or runs out is reported and the next one runs, so one
@@ -29,11 +33,18 @@
 # folder of their own on PYTHONPATH, not into the machine's environment);
 # weightsync itself runs from the working tree (PYTHONPATH, python -m
 # weightsync), so no build step or setuptools is needed offline.
+# torchrl 0.14 needs tensordict < 0.15, so torchrl's wheels and what they
+# need beyond the above go into .whl/torchrl/, and from there into a second
+# folder, first on PYTHONPATH for the torchrl step only:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl/torchrl torchrl==0.14.1 'tensordict<0.15' hoptorch orjson importlib_metadata zipp
 #
 # Environment: PYTHON (default python3); GPU_CHECK_NO_INSTALL=1 skips the
-# install step and uses the environment as it is; GPU_CHECK_SITE is where
-# the wheels go (default /tmp/weightsync-gpu-site); GPU_CHECK_BUDGET, the
-# seconds the whole run may take (default 350).
+# install steps and uses the environment as it is; GPU_CHECK_SITE is where
+# the wheels go (default /tmp/weightsync-gpu-site), GPU_CHECK_TORCHRL_SITE
+# torchrl's (default /tmp/weightsync-gpu-site-torchrl); GPU_CHECK_BUDGET,
+# the seconds the whole run may take (default 350).
 set -u
 
 if [ $# -ne 1 ]; then
@@ -47,6 +58,7 @@ LOG=$OUT/gpu_check.log
 SUMMARY=$OUT/summary.txt
 PYTHON=${PYTHON:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/weightsync-gpu-site}
+TORCHRL_SITE=${GPU_CHECK_TORCHRL_SITE:-/tmp/weightsync-gpu-site-torchrl}
 BUDGET=${GPU_CHECK_BUDGET:-350}
 START=$(date +%s)
 : >"$LOG"
@@ -128,9 +140,22 @@ bench() {
     "$PYTHON" -m weightsync bench --repeats 3 --warmup 1 --progress "$@"
 }
 
+# Every wheel of .whl/torchrl/ (torchrl, the tensordict it needs, and theirs),
+# into a folder of its own: it shadows the main site's tensordict only where
+# it comes first on PYTHONPATH (torchrl_bench).
+install_torchrl() {
+    # shellcheck disable=SC2046
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$TORCHRL_SITE" $(ls .whl/torchrl/*.whl)
+}
+
+torchrl_bench() {
+    PYTHONPATH="$TORCHRL_SITE:$PYTHONPATH" bench "$@"
+}
+
 # The steps run in a shell of their own, under timeout.
-export -f facts install_missing bench
-export PYTHON SITE
+export -f facts install_missing bench install_torchrl torchrl_bench
+export PYTHON SITE TORCHRL_SITE
 
 say "weightsync device check: $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
 step facts 20 facts
@@ -154,6 +179,27 @@ step bench-cpu-cuda 75 bench --trainer-device cpu --worker-device cuda \
 step bench-cuda-cuda-1 40 bench --trainer-device cuda --worker-device cuda \
     --scheme multiprocess --compare cuda-ipc --size 64 --workers 1 --tensors 4 \
     --json "$OUT/bench-cuda-1.json"
+# torchrl's own schemes on the first placement, beside weightsync's (64 MiB only: the
+# step has 40 s, and a case of 1 GiB with its references and checks takes much of that).
+if [ "${GPU_CHECK_NO_INSTALL:-0}" != 1 ] && ls .whl/torchrl/torchrl-*.whl >/dev/null 2>&1; then
+    step install-torchrl 30 install_torchrl
+fi
+torchrl_args=(--trainer-device cuda --worker-device cuda --scheme multiprocess shared
+    --compare torchrl-mp torchrl-shared --size 64 --workers 4 --tensors 4
+    --json "$OUT/bench-torchrl-cuda.json")
+left=$((START + BUDGET - $(date +%s) - 10))
+if [ "$left" -lt 5 ]; then
+    step bench-torchrl-cuda 40 torchrl_bench "${torchrl_args[@]}" # says the time is up
+elif found=$(PYTHONPATH="$TORCHRL_SITE:$PYTHONPATH" timeout "$((left < 30 ? left : 30))" "$PYTHON" -c \
+    "import tensordict, torchrl.weight_update; print('torchrl', torchrl.__version__, 'tensordict', tensordict.__version__)" \
+    2>&1); then
+    say "$(echo "$found" | tail -n 1)"
+    step bench-torchrl-cuda 40 torchrl_bench "${torchrl_args[@]}"
+else
+    found=$(echo "$found" | tail -n 1)
+    say "== bench-torchrl-cuda: skipped, torchrl does not import: ${found:-timed out}"
+    echo "bench-torchrl-cuda: skipped (torchrl does not import: ${found:-timed out})" >>"$SUMMARY"
+fi
 
 {
     echo "pytest: $(grep -E '^=*.*(passed|failed|skipped|error|deselected).* in [0-9.]+s' "$LOG" | tail -n 1)"
