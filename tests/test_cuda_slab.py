@@ -619,19 +619,27 @@ def test_workers_on_slots_keep_their_weights_once_the_trainer_shuts_down() -> No
         staging = scheme.staging
         assert staging is not None
         slots = len(staging.device.slots)
-        torch.cuda.synchronize()
-        with_slots = torch.cuda.memory_allocated()
-        scheme.shutdown()
 
         def state(i: int) -> dict[str, Any]:
             ctrls[i].send("state")
             assert ctrls[i].poll(60), f"worker {i} did not answer"
             return ctrls[i].recv()
 
+        # (Each state runs a forward pass first: what it allocates for
+        # itself is in both figures.)
+        on_slots = [state(i)["allocated"] for i in range(2)]
+        torch.cuda.synchronize()
+        with_slots = torch.cuda.memory_allocated()
+        scheme.shutdown()
+
         for i in range(2):
             assert wait_for(lambda i=i: state(i)["closed"], timeout=20), f"worker {i} was not told"
             got = state(i)
-            assert got["allocated"] >= size, f"worker {i} does not hold its weights itself"
+            assert got["allocated"] - on_slots[i] >= size * 3 // 4, (
+                f"worker {i} does not hold its weights itself",
+                on_slots[i],
+                got["allocated"],
+            )
             for name, value in expected.items():
                 assert torch.equal(got["weights"][name], value), f"worker {i}: {name} changed"
 
