@@ -16,7 +16,7 @@ LAYERS: list[set[str]] = [
     {"_exceptions", "_frames"},
     {"_packet"},
     {"_copy", "_offload", "_loops", "_readiness", "_strategy", "_stepguard", "_torchrl", "_placement"},
-    {"_digest"},
+    {"_digest", "_pinned"},
     {"_segment", "_delta"},
     {"_transports._gloo_chain", "_slab"},
     {"_transports._chain", "_transports._liveness", "_transports._host_copy"},

@@ -22,9 +22,7 @@ workers.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import logging
 import mmap
 import os
 import secrets
@@ -39,9 +37,8 @@ from ._copy import PlanCache, usable_cores
 from ._digest import copy_and_check, copy_out
 from ._exceptions import out_of_resources
 from ._packet import Manifest, Packet
+from ._pinned import register, unregister
 from ._placement import on_caller_stream
-
-_log = logging.getLogger("weightsync")
 
 __all__ = ["BROKEN", "HEADER_BYTES", "AttachedSegments", "Segment", "SegmentRef"]
 
@@ -247,28 +244,17 @@ class Segment:
         if self._pinned is not None:
             return self._pinned
         self._pinned = False
-        if self.data is None or not torch.cuda.is_available():
+        if self.data is None:
             return False
         ptr, size = self._span
-        # cudaHostRegisterPortable (1): for every CUDA context of the process;
-        # cudaHostRegisterReadOnly (8): a mapping the process cannot write.
-        flags = 1 if self.owner else 1 | 8
-        try:
-            error = int(torch.cuda.cudart().cudaHostRegister(ptr, size, flags))
-        except Exception as exc:  # no runtime bindings: copies stay pageable
-            _log.debug("weightsync: no page-locked registration of a staging segment: %s", exc)
-            return False
-        if error != 0:
-            _log.debug("weightsync: CUDA refused to page-lock a staging segment (cudaError %d)", error)
-            return False
-        self._pinned = True
-        return True
+        # A reader's mapping is read-only: registered read-only.
+        self._pinned = register(ptr, size, read_only=not self.owner, what="a staging segment")
+        return self._pinned
 
     def _unpin(self) -> None:
         if self._pinned:
             self._pinned = False
-            with contextlib.suppress(Exception):
-                torch.cuda.cudart().cudaHostUnregister(self._span[0])
+            unregister(self._span[0])
 
     def ref(self) -> SegmentRef:
         """How a worker on this host finds this (sender-owned) segment.
