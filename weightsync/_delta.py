@@ -700,6 +700,12 @@ class DeltaEncoder:
         """Whether a base is held (else every frame carries the full bytes)."""
         return self._base is not None
 
+    @property
+    def base(self) -> np.ndarray | None:
+        """The base's bytes (None: none), to be read only: the memory its
+        owner handed over (:meth:`adopt`), which it may keep page-locked."""
+        return self._base
+
     def encode(self, current: Any, index: int, *, full: bool = False) -> tuple[bytes, float]:
         """The frame of chunk ``index`` of ``current`` (see :meth:`frames`),
         on the calling thread; with the CPU seconds it took."""

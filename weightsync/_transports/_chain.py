@@ -274,25 +274,33 @@ class ChainDriver(Generic[M]):
         members: Sequence[M],
         deadline: float,
         encoded: EncodedSend | None = None,
+        ready: Callable[[int], object] | None = None,
     ) -> None:
         """Send the concatenation of ``sources`` (flat uint8 tensors) to
         ``members``, along chains, until each has it, each left has failed
         (:attr:`outcome` says why), or ``deadline`` (``time.monotonic()``).
         With ``encoded``, the first chain carries its frames to the members
         that hold its base; every later chain (the others, and repairs)
-        carries the bytes themselves. Blocks; never raises (a failure is an
-        outcome)."""
+        carries the bytes themselves. ``ready(n)``: returns once the first
+        ``n`` bytes of the sources are there, before a frame of the bytes
+        leaves (see ``_gloo_chain.send_chain``). Blocks; never raises (a
+        failure is an outcome)."""
         self.routes, self.outcome, self._broke_for, self._silent = [], {}, {}, (set(), 0.0)
         self.sent_bytes, self.rebuilds = 0, {}
         try:
-            self._chains(sources, list(members), deadline, encoded)
+            self._chains(sources, list(members), deadline, encoded, ready)
         except Exception as exc:  # the store or gloo failed outright
             for member in members:
                 self.outcome.setdefault(member, f"the chain failed: {short_message(exc)}")
             self.drop()
 
     def _chains(
-        self, sources: Sequence[torch.Tensor], pending: list[M], deadline: float, encoded: EncodedSend | None
+        self,
+        sources: Sequence[torch.Tensor],
+        pending: list[M],
+        deadline: float,
+        encoded: EncodedSend | None,
+        ready: Callable[[int], object] | None,
     ) -> None:
         control = self.control
         nbytes = sum(s.numel() for s in sources)
@@ -332,7 +340,7 @@ class ChainDriver(Generic[M]):
                         send_frames(self._group, self._counted(use.frames()), HEADER_SIZE, 1, stall, count)
                     else:
                         self.sent_bytes += nbytes
-                        send_chain(self._group, sources, self.chunk, 1, stall)
+                        send_chain(self._group, sources, self.chunk, 1, stall, ready)
                 except RuntimeError as exc:
                     sent_error = str(exc)
             sending = time.monotonic() - began

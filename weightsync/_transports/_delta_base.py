@@ -225,6 +225,12 @@ class DeltaBase:
         """The base's version (None: no base)."""
         return None if self.encoder is None else self.encoder.base_version
 
+    @property
+    def memory(self) -> Any | None:
+        """The base's memory (a numpy array; None: no base): the buffer of
+        the send that was adopted, as long as the encoder keeps it."""
+        return None if self.encoder is None else self.encoder.base
+
     def fits(self, nbytes: int) -> bool:
         """Whether a send of ``nbytes`` fits the encoder (may be adopted)."""
         return self.encoder is not None and self.encoder.nbytes == nbytes

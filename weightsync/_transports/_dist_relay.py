@@ -122,6 +122,11 @@ class WorkerRelay:
         """Readable when an update (or the trainer's end) is there to :meth:`take`."""
         return self._wake_r.fileno()
 
+    def pin_for_gpu(self, on: bool) -> None:
+        """Whether the worker's model is on a GPU: its receive buffers are
+        then page-locked (each once, from the next update on)."""
+        self._buffers.pin = on
+
     def lost(self, reason: str) -> SenderLostError:
         return SenderLostError(
             f"the sender of model {self.model_id!r} is gone: {reason}", model_id=self.model_id

@@ -33,11 +33,13 @@ import anyio
 import torch
 
 from .._copy import usable_cores
-from .._digest import copy_out
+from .._digest import copy_out, digests
 from .._exceptions import SenderLostError, WorkerError, WorkerLostError
 from .._frames import CHUNK_BYTES
 from .._offload import run_blocking
 from .._packet import Manifest, Packet
+from .._pinned import DeviceCopies, PageLocks, copy_to_host, from_device, host_buffer
+from .._placement import on_gpu
 from .._readiness import wait_readable_any
 from ._base import Outgoing, SenderTransport, worker_failed, worker_lost
 from ._chain import ChainDriver
@@ -131,6 +133,11 @@ class ChainStaging:
         self.driver: ChainDriver[int] = ChainDriver(self.workers, chunk=chunk)
         self._buffer: torch.Tensor | None = None
         self._views: tuple[str, list[torch.Tensor]] | None = None
+        # With the trainer's tensors on a GPU: the buffers kept page-locked
+        # (the staging buffer and the delta base, which take turns), and the
+        # current send's copies into the buffer, still running.
+        self._pins = PageLocks()
+        self._copies: DeviceCopies | None = None
         self._manifest: Manifest | None = None
         self._send: _Send | None = None
         self._thread: threading.Thread | None = None
@@ -176,16 +183,28 @@ class ChainStaging:
         while self._thread is not None and self._thread.is_alive():
             await anyio.sleep(0.005)
         self._thread = None
+        # Its copies from the GPU are all in (a chain that broke did not
+        # wait for every one) before the buffer is written again or adopted.
+        self._settle_copies()
         manifest = packet.manifest
         self._keep_base(manifest.nbytes)
+        gpu = from_device(packet.tensors)
         if self._buffer is None or self._buffer.numel() < manifest.nbytes:
             self._views = None
             self._buffer = None
-            self._buffer = torch.empty(manifest.nbytes, dtype=torch.uint8)
+            # (Memory of its own to page-lock, where a GPU copies into it.)
+            self._buffer = (
+                host_buffer(manifest.nbytes) if gpu else torch.empty(manifest.nbytes, dtype=torch.uint8)
+            )
         if self._views is None or self._views[0] != manifest.layout_id:
             self._views = (manifest.layout_id, manifest.views(self._buffer))
         views = self._views[1]
-        sums = await run_blocking(packet.nbytes, copy_out, views, packet.tensors, digest, usable_cores())
+        # (A buffer let go, or a base the encoder dropped, is unregistered.)
+        self._pins.keep_only(self._buffer, None if self._delta is None else self._delta.memory)
+        if gpu:
+            sums = await run_blocking(packet.nbytes, self._from_device, views, packet, digest)
+        else:
+            sums = await run_blocking(packet.nbytes, copy_out, views, packet.tensors, digest, usable_cores())
         threads = max(1, usable_cores() // packet.fanout)
         info = SendInfo(packet.version, manifest.layout_id, packet.subset, None, threads, manifest.nbytes, "")
         self._manifest = manifest
@@ -193,6 +212,28 @@ class ChainStaging:
         self._forget_replies(packet.version)
         self.driver.forget()
         return sums
+
+    def _from_device(self, views: list[torch.Tensor], packet: Packet, digest: bool) -> tuple[int, ...] | None:
+        """Copy ``packet``'s tensors (some on a GPU) into ``views`` of the
+        buffer, page-locked once for all sends (and the buffers that take
+        turns with it as a delta's base), the copies enqueued on the
+        caller's stream in chunks: a send's frames leave as their chunks
+        are in (:attr:`_copies`). With ``digest``, the bytes are all in,
+        then digested. Blocks for the registration of a new buffer, and
+        for the copies only with ``digest``."""
+        assert self._buffer is not None
+        self._pins.lock(self._buffer)
+        copies = copy_to_host(views, packet)
+        if not digest:
+            self._copies = copies
+            return None
+        copies.wait()
+        return digests(views, usable_cores())
+
+    def _settle_copies(self) -> None:
+        copies, self._copies = self._copies, None
+        if copies is not None:
+            copies.settle()
 
     def _keep_base(self, nbytes: int) -> None:
         """Before the next send (of ``nbytes``) is staged: if the last one
@@ -282,27 +323,40 @@ class ChainStaging:
                 elif self._holders.intersection(ranks):
                     eligible = set(self._holders)
         self._thread = threading.Thread(
-            target=self._chain, args=(source, ranks, deadline, eligible), daemon=True,
+            target=self._chain, args=(source, ranks, deadline, eligible, self._copies), daemon=True,
             name=f"weightsync-chain-{self.model_id}",
         )  # fmt: skip
         self._thread.start()
 
     def _chain(
-        self, source: torch.Tensor, ranks: list[int], deadline: float, eligible: set[int] | None
+        self,
+        source: torch.Tensor,
+        ranks: list[int],
+        deadline: float,
+        eligible: set[int] | None,
+        copies: DeviceCopies | None,
     ) -> None:
         """The chain thread of one send: with ``delta=True``, whether it goes
         as a delta to the ``eligible`` workers (a sample of it is encoded
         here), then the chains, then what they measured for the next
-        send's choice."""
+        send's choice. ``copies``: the copies from the GPU still running
+        into ``source``; each frame of the bytes leaves once its chunk is in."""
         delta = self._delta
         encoded = None
+        # The members are told once the first frame is in (all of it, to
+        # encode a delta): the caller's work enqueued before the send runs
+        # first, and may take longer than a member waits for its first frame.
+        first = source.numel() if delta is not None and eligible is not None else self.driver.chunk
+        staged = copies is None or _in_time(copies, first, deadline)
         if delta is not None:
             if eligible is None:
                 delta.choice.went, delta.choice.why = False, "full bytes: no worker of the send holds a base"
+            elif not staged:
+                delta.choice.went, delta.choice.why = False, "full bytes: its copy from the GPU was late"
             else:
                 with contextlib.suppress(Exception):  # any doubt: the full bytes
                     encoded = delta.chain(source, eligible)
-        self.driver.run([source], ranks, deadline, encoded)
+        self.driver.run([source], ranks, deadline, encoded, None if copies is None else copies.wait_for)
         if delta is not None:
             delta.observe(self.driver.routes, list(self.driver.rebuilds.values()))
 
@@ -396,9 +450,20 @@ class ChainStaging:
         self._thread = None
         self.driver.drop()
         self.liveness.close()
+        self._settle_copies()
+        self._pins.release()
         self._buffer, self._views = None, None
         self.workers.close()
         self.store = None
+
+
+def _in_time(copies: DeviceCopies, nbytes: int, deadline: float) -> bool:
+    """Whether the first ``nbytes`` bytes of ``copies`` are in by ``deadline``
+    (False too where a copy failed: the chain then says so)."""
+    try:
+        return copies.wait_for(nbytes, until=deadline)
+    except RuntimeError:
+        return False
 
 
 class DistributedSenderTransport:
@@ -555,6 +620,8 @@ class ChainEndpoint:
         )
 
     async def announce(self, manifest: Manifest, devices: tuple[str, ...]) -> None:
+        # A model on a GPU copies from page-locked buffers.
+        self._relay.pin_for_gpu(on_gpu(devices))
         hello = Hello(
             os.getpid(), socket.gethostname(), self.address, manifest.signature, self._nonce, devices
         )

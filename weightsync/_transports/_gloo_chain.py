@@ -27,6 +27,7 @@ a frame is cut; this module knows nothing of either transport.
 from __future__ import annotations
 
 import datetime
+import itertools
 import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -101,13 +102,24 @@ def gloo_group(store: Any, prefix: str, rank: int, size: int, address: str, stal
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
 
 
-def send_chain(group: Any, sources: Sequence[torch.Tensor], chunk: int, dst: int, stall: float) -> None:
+def send_chain(
+    group: Any,
+    sources: Sequence[torch.Tensor],
+    chunk: int,
+    dst: int,
+    stall: float,
+    ready: Callable[[int], object] | None = None,
+) -> None:
     """Send the concatenation of ``sources`` (flat uint8 tensors) to rank
     ``dst`` in frames of ``chunk`` bytes; a frame spanning several sources
-    is gathered first. Two frames are in flight at most.
+    is gathered first. Two frames are in flight at most. ``ready(n)``, if
+    given, is called before each frame with the bytes of the concatenation
+    up to its end, and returns once they are all there (the copies into
+    the sources may still be running when the chain starts).
 
     :raises ChainBroken: a frame did not leave within ``stall`` seconds, or
         the peer is gone (gloo's error).
+    :raises RuntimeError: what ``ready`` raised.
     """
     in_flight: list[tuple[Any, torch.Tensor, int]] = []
     spans = piece_spans([s.numel() for s in sources], chunk)
@@ -120,7 +132,12 @@ def send_chain(group: Any, sources: Sequence[torch.Tensor], chunk: int, dst: int
         except RuntimeError as exc:
             raise ChainBroken(_failure(exc, started, stall, f"sending frame {index + 1} of {last}")) from exc
 
+    # Where each source begins in the concatenation.
+    starts = list(itertools.accumulate((s.numel() for s in sources), initial=0)) if ready else []
     for index, pieces in enumerate(spans):
+        if ready is not None:
+            i, _, stop = pieces[-1]
+            ready(starts[i] + stop)
         if len(pieces) == 1:
             i, start, stop = pieces[0]
             data = sources[i][start:stop]

@@ -163,6 +163,9 @@ class HostReader:
     def __init__(self) -> None:
         self._mapped = AttachedSegments(keep=2)
         self._lock = threading.Lock()  # (a threaded actor may apply two sends at once)
+        #: The actor's model is on a GPU: each mapping is page-locked once
+        #: (read-only), so that the copy into the model runs at the bus's speed.
+        self.pin = False
 
     @contextlib.contextmanager
     def lease(self, copy: HostCopy) -> Iterator[list[np.ndarray]]:
@@ -176,7 +179,10 @@ class HostReader:
         ref = copy.segment
         try:
             with self._lock:
-                arrays = _arrays(self._mapped.segment(ref), copy.sizes)
+                segment = self._mapped.segment(ref)
+                if self.pin:
+                    segment.pin()
+                arrays = _arrays(segment, copy.sizes)
             # A descriptor of this lease's own: a lock belongs to the open
             # file, and two applies of one process must not share one.
             lock = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDONLY | os.O_CLOEXEC)

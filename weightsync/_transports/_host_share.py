@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .._copy import copy_tensors
+from .._pinned import PageLocks, host_buffer
 from .._readiness import ProcessWatch
 from .._segment import BROKEN, AttachedSegments, Segment
 from ._chain import Report
@@ -73,6 +74,10 @@ class ReceiveBuffers:
         #: The whole version each buffer holds, complete (None: none, or
         #: being written): a delta's base is looked up here.
         self.versions: list[int | None] = [None, None]
+        #: The worker's model is on a GPU: each buffer is page-locked once,
+        #: so that the copy into the model runs at the bus's speed.
+        self.pin = False
+        self._pins = PageLocks()  # (the buffers not in shared memory; a segment pins itself)
 
     def holding(self, version: int) -> int | None:
         """The buffer that holds whole version ``version``, if one does."""
@@ -92,11 +97,22 @@ class ReceiveBuffers:
                 segment = self.segments[slot] = Segment.create(nbytes)
                 assert segment.data is not None
                 buffer = self.buffers[slot] = segment.data
+            elif self.pin:
+                buffer = self.buffers[slot] = host_buffer(nbytes)  # (memory of its own to page-lock)
             else:
                 buffer = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
+            # (The buffer replaced is unregistered: nothing copies from it.)
+            private = [b for b, seg in zip(self.buffers, self.segments, strict=True) if seg is None]
+            self._pins.keep_only(*private)
+        if self.pin:
+            if segment is not None:
+                segment.pin()
+            else:
+                self._pins.lock(buffer)
         return buffer, segment
 
     def close(self) -> None:
+        self._pins.release()
         self.versions = [None, None]
         self.buffers = [None, None]
         for segment in self.segments:

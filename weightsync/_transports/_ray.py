@@ -58,6 +58,8 @@ from .._exceptions import (
 )
 from .._offload import inline_allowed, run_blocking
 from .._packet import Manifest, Packet, Signature
+from .._pinned import PageLocks, copy_to_host, from_device, host_buffer
+from .._placement import on_gpu
 from ._base import Applier, Outgoing, SenderTransport, worker_failed, worker_lost
 from ._delta_base import DeltaSetting
 from ._host_copy import HostCopy, HostCopyError, HostReader, UnmappedError
@@ -156,6 +158,11 @@ class RayStaging:
         # ``Outgoing.done``), and what a delta needs to know of it.
         self._done: set[int] = set()
         self._kind: SendKind | None = None
+        # Of a trainer on a GPU: the host buffer each send is copied into
+        # before it is put (page-locked), and its views for the last layout.
+        self._host: torch.Tensor | None = None
+        self._host_views: tuple[str, list[torch.Tensor]] | None = None
+        self._pins = PageLocks()
 
     @property
     def last_delta(self) -> list[bool]:
@@ -177,11 +184,31 @@ class RayStaging:
             acked = bool(targets) and targets <= self._done
             self.relay.settle(self.version, acked)
 
+    def _on_host(self, packet: Packet) -> Sequence[torch.Tensor]:
+        """``packet``'s tensors in host memory: as they are, or, where some
+        are on a GPU, copied (on the caller's stream) into a buffer of the
+        staging's, page-locked once for all sends of its size. Blocks for
+        the copies."""
+        if not from_device(packet.tensors):
+            return packet.tensors
+        manifest = packet.manifest
+        if self._host is None or self._host.numel() < manifest.nbytes:
+            self._host_views, self._host = None, None
+            self._host = host_buffer(manifest.nbytes)
+            self._pins.keep_only(self._host)  # (the smaller one it replaces is unregistered)
+        if self._host_views is None or self._host_views[0] != manifest.layout_id:
+            self._host_views = (manifest.layout_id, manifest.views(self._host))
+        self._pins.lock(self._host)
+        views = self._host_views[1]
+        copy_to_host(views, packet).wait()
+        return views
+
     def _put(self, packet: Packet, model_id: str | None, digest: bool) -> tuple[int, ...] | None:
         self.ref = None  # (if the previous send was abandoned)
+        tensors = self._on_host(packet)
         # The digests travel in the stored object's header: taken first, in
         # a pass of their own (ray.put's copy cannot digest as it goes).
-        sums = digests(packet.tensors, usable_cores()) if digest else None
+        sums = digests(tensors, usable_cores()) if digest else None
         self._settle()
         self.calls, self.replies, self.failed, self._finished = {}, {}, {}, set()
         self._done = set()
@@ -198,7 +225,7 @@ class RayStaging:
             packet.subset,
             sums,
         )
-        self.ref = ray.put((header, tuple(byte_view(t) for t in packet.tensors)))
+        self.ref = ray.put((header, tuple(byte_view(t) for t in tensors)))
         self.header = header
         self.version = packet.version
         self.deferred, self._routes = set(), None
@@ -380,6 +407,9 @@ class RayStaging:
             relay, self.relay = self.relay, None
             await anyio.to_thread.run_sync(relay.close)
         self.calls, self.replies, self.failed, self._finished = {}, {}, {}, set()
+        # (Each send's copies were waited for before its put.)
+        self._pins.release()
+        self._host, self._host_views = None, None
 
 
 class RaySenderTransport:
@@ -620,10 +650,12 @@ class RayEndpoint:
                     model_id=model_id,
                 ) from None
         self._loop_thread = threading.get_ident()
-        #: This actor's mappings of its host's relayed copies.
+        #: This actor's mappings of its host's relayed copies (page-locked
+        #: for a model on a GPU).
         self.host = HostReader()
         self.signature: Signature = receiver.manifest().signature
         self.devices: tuple[str, ...] = receiver.devices()
+        self.host.pin = on_gpu(self.devices)
         with _ENDPOINTS_LOCK:
             _ENDPOINTS[model_id] = self
 
@@ -673,6 +705,7 @@ class RayEndpoint:
     async def announce(self, manifest: Manifest, devices: tuple[str, ...]) -> None:
         """Nothing to send: the sender asks the actor (see ``connect``)."""
         self.signature, self.devices = manifest.signature, devices
+        self.host.pin = on_gpu(devices)
 
     async def next_update(self, timeout: float) -> None:
         """Never an update to pull (they are applied as they arrive); never waits.
