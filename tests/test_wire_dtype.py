@@ -54,48 +54,67 @@ def test_a_wire_dtype_must_be_a_narrower_float() -> None:
             ws.MultiProcessWeightSyncScheme(wire_dtype=bad)
 
 
-def _worker(scheme: ws.WeightSyncScheme, pipe: Connection, out: Connection) -> None:
-    model = _worker_model()
+def _worker(scheme: ws.WeightSyncScheme, pipe: Connection, out: Connection, device: str = "cpu") -> None:
+    model = _worker_model().to(device)
     scheme.init_on_worker("policy", pipe=pipe, model=model)
     try:
         while True:
             version = scheme.receive(timeout=30.0)
             if version is None:
                 return
-            out.send((version, {k: v.numpy().copy() for k, v in _bits(model.state_dict()).items()}))
+            state = {k: v.cpu() for k, v in model.state_dict().items()}
+            devices = sorted({str(v.device) for v in model.state_dict().values()})
+            out.send((version, {k: v.numpy().copy() for k, v in _bits(state).items()}, devices))
     except ws.SenderClosedError:
         pass
     finally:
         scheme.shutdown()
 
 
+_ON_GPU = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is visible"),
+]
+
+
 @pytest.mark.parametrize("scheme_class", [ws.MultiProcessWeightSyncScheme, ws.SharedMemWeightSyncScheme])
-def test_workers_hold_the_trainers_weights_cast(scheme_class: type[ws.WeightSyncScheme]) -> None:
+@pytest.mark.parametrize(
+    "trainer_device, worker_devices",
+    [
+        pytest.param("cpu", ("cpu", "cpu"), id="host"),
+        # A trainer on a GPU casts there; its workers on the GPU and on the host.
+        pytest.param("cuda", ("cuda", "cpu"), id="gpu", marks=_ON_GPU),
+    ],
+)
+def test_workers_hold_the_trainers_weights_cast(
+    scheme_class: type[ws.WeightSyncScheme], trainer_device: str, worker_devices: tuple[str, ...]
+) -> None:
     scheme = scheme_class(wire_dtype=torch.bfloat16, timeout=60)
     pipes, outs, procs = [], [], []
-    for _ in range(2):
-        proc, ours, out_r = start_pipe_worker(_worker, lambda pipe, out: (scheme, pipe, out))
+    for device in worker_devices:
+        proc, ours, out_r = start_pipe_worker(_worker, lambda pipe, out, d=device: (scheme, pipe, out, d))
         pipes.append(ours)
         outs.append(out_r)
         procs.append(proc)
-    trainer = _trainer_model()
+    trainer = _trainer_model().to(trainer_device)
     optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1)
     scheme.init_on_sender("policy", pipes=pipes, model=trainer)
     try:
         for step in range(3):
             report = scheme.get_sender().send()
             expected = {
-                name: (t.to(torch.bfloat16) if t.dtype == torch.float32 else t)
+                name: (t.to(torch.bfloat16) if t.dtype == torch.float32 else t).cpu()
                 for name, t in trainer.state_dict().items()
             }
-            for out in outs:
-                version, got = out.recv()
+            for out, device in zip(outs, worker_devices, strict=True):
+                version, got, devices = out.recv()
                 assert version == report.version
+                assert devices == [device if device == "cpu" else f"{device}:0"], devices
                 for name, bits in _bits(expected).items():
                     assert torch.equal(torch.from_numpy(got[name]), bits), (step, name)
             # Each send moves the cast bytes only.
             assert report.nbytes < sum(t.numel() * t.element_size() for t in trainer.state_dict().values())
-            trainer(torch.randn(16, 300)).pow(2).mean().backward()
+            trainer(torch.randn(16, 300, device=trainer_device)).pow(2).mean().backward()
             optimizer.step()
             optimizer.zero_grad()
     finally:

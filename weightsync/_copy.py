@@ -271,7 +271,10 @@ class WireCast:
 
     The cast runs in pieces small enough that torch does each on the calling
     thread, spread over threads of weightsync's: never on torch's intra-op
-    pool, whose threads belong to the caller's own work.
+    pool, whose threads belong to the caller's own work. A tensor on a GPU
+    is cast there, into a buffer on its GPU, on the caller's stream (so it
+    follows the work the caller enqueued before, and what reads the cast
+    on that stream follows it): the stagings then move half the bytes.
     """
 
     def __init__(self, dtype: torch.dtype) -> None:
@@ -284,10 +287,15 @@ class WireCast:
         """The dtype a tensor of ``dtype`` travels as (only float32 is cast)."""
         return self.dtype if dtype == torch.float32 else dtype
 
-    def cast(self, tensors: Sequence[torch.Tensor], threads: int = 1) -> list[torch.Tensor]:
+    def cast(
+        self, tensors: Sequence[torch.Tensor], threads: int = 1, stream: Any = None
+    ) -> list[torch.Tensor]:
         """``tensors`` with every float32 one replaced by its cast (a buffer
-        of this object's, valid until the next call). Blocks; an
-        interruption is raised only once every helper thread ended."""
+        of this object's, valid until the next call). ``stream``: the
+        caller's CUDA stream, which casts on a GPU are enqueued on (None:
+        that GPU's current stream); they are not waited for. Blocks for the
+        casts in host memory; an interruption is raised only once every
+        helper thread ended."""
         out: list[torch.Tensor] = []
         pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         for index, tensor in enumerate(tensors):
@@ -295,9 +303,17 @@ class WireCast:
                 out.append(tensor)
                 continue
             buffer = self._buffers.get(index)
-            if buffer is None or buffer.shape != tensor.shape:
-                buffer = self._buffers[index] = torch.empty(tensor.shape, dtype=self.dtype)
+            if buffer is None or buffer.shape != tensor.shape or buffer.device != tensor.device:
+                buffer = torch.empty(tensor.shape, dtype=self.dtype, device=tensor.device)
+                self._buffers[index] = buffer
             out.append(buffer)
+            if tensor.is_cuda:
+                mine = stream
+                if mine is None or mine.device != tensor.device:
+                    mine = torch.cuda.current_stream(tensor.device)
+                with torch.cuda.stream(mine), torch.inference_mode():
+                    buffer.copy_(tensor.detach())
+                continue
             flat_dst, flat_src = buffer.reshape(-1), tensor.detach().reshape(-1)
             for a in range(0, flat_src.numel(), _TORCH_GRAIN):
                 pieces.append((flat_dst[a : a + _TORCH_GRAIN], flat_src[a : a + _TORCH_GRAIN]))
