@@ -167,7 +167,7 @@ else
 fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 step import 30 "$PYTHON" -c "import tensordict, weightsync; print('weightsync', weightsync.__version__)"
-step pytest-cuda 110 "$PYTHON" -m pytest -m cuda -p no:cacheprovider -q -rfEs --durations=10
+step pytest-cuda 150 "$PYTHON" -m pytest -m cuda -p no:cacheprovider -q -rfEs --durations=10
 step bench-cuda-cuda 100 bench --trainer-device cuda --worker-device cuda \
     --scheme multiprocess shared --compare cuda-ipc --size 64 1024 --workers 4 --tensors 4 \
     --json "$OUT/bench-cuda.json"
