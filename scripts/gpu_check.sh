@@ -8,6 +8,8 @@
 #                         --compare cuda-ipc; 64 and 1024 MiB; 4 workers)
 #   bench-cuda-1.json     the same, one worker, 64 MiB (multiprocess, cuda-ipc)
 #   bench-cuda-cpu.json   GPU trainer, CPU workers (1024 MiB, 4 workers)
+#   bench-cpu-cpu.json    the same bytes, CPU trainer and workers (what the row
+#                         above is held against, with one page-locked D2H)
 #   bench-cpu-cuda.json   CPU trainer, GPU workers (1024 MiB, 4 workers,
 #                         --compare pinned-shm)
 #   bench-torchrl-cuda.json  trainer and workers on the GPU, beside torchrl's
@@ -173,6 +175,10 @@ step bench-cuda-cuda 100 bench --trainer-device cuda --worker-device cuda \
     --json "$OUT/bench-cuda.json"
 step bench-cuda-cpu 40 bench --trainer-device cuda --worker-device cpu \
     --scheme multiprocess --size 1024 --workers 4 --tensors 4 --json "$OUT/bench-cuda-cpu.json"
+# The same bytes sent from a CPU trainer to CPU workers: the GPU trainer's row
+# is held against page-locked D2H + this send.
+step bench-cpu-cpu 40 bench --scheme multiprocess --size 1024 --workers 4 --tensors 4 \
+    --json "$OUT/bench-cpu-cpu.json"
 step bench-cpu-cuda 75 bench --trainer-device cpu --worker-device cuda \
     --scheme multiprocess --compare pinned-shm --size 1024 --workers 4 --tensors 4 \
     --json "$OUT/bench-cpu-cuda.json"
