@@ -106,3 +106,20 @@ def test_a_worker_out_of_descriptors_tells_the_sender_and_keeps_its_model(scheme
         assert all(torch.equal(c.state(1)["weights"][k], v) for k, v in before.items()), "touched"
     finally:
         c.close()
+
+
+def test_torch_out_of_gpu_memory_is_a_resource_exhausted_error_that_says_so() -> None:
+    """What torch raises when a GPU allocation fails (a slab, a worker's own
+    copy of a slot) becomes weightsync's error naming the resource; any
+    other error passes through as it was."""
+    from weightsync._exceptions import out_of_resources
+
+    slab = "allocate a staging slab of 1024 bytes on cuda:0"
+    with pytest.raises(ws.ResourceExhaustedError) as info, out_of_resources(slab):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 KiB\nmore lines")
+    assert info.value.resource == "GPU memory"
+    message = str(info.value)
+    assert "allocate a staging slab" in message and "out of GPU memory" in message
+    assert "more lines" not in message
+    with pytest.raises(RuntimeError, match="not a resource"), out_of_resources("anything"):
+        raise RuntimeError("not a resource")
