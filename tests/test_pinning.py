@@ -218,7 +218,7 @@ def test_a_gpu_trainers_staging_buffers_are_registered_once_across_delta_sends(
     pytest.importorskip("blosc2")
     from test_delta_distributed import delta_workers, exact, nudge
 
-    monkeypatch.setattr(distributed, "from_device", lambda tensors: True)
+    monkeypatch.setattr(distributed, "on_gpu", lambda devices: True)
     with delta_workers(2) as w:
         w.scheme.connect()
         for step in range(4):

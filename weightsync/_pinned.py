@@ -53,7 +53,6 @@ __all__ = [
     "DeviceCopies",
     "PageLocks",
     "copy_to_host",
-    "from_device",
     "host_buffer",
     "register",
     "unregister",
@@ -203,12 +202,6 @@ def _address(memory: Any) -> int:
     if isinstance(memory, torch.Tensor):
         return int(memory.data_ptr())
     return int(memory.__array_interface__["data"][0])  # a numpy array
-
-
-def from_device(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether any of ``tensors`` is on a GPU (a copy of them to the host
-    is then worth page-locked memory and :func:`copy_to_host`)."""
-    return any(t.is_cuda for t in tensors)
 
 
 class DeviceCopies:

@@ -27,7 +27,7 @@ from .._exceptions import out_of_resources
 from .._offload import run_blocking
 from .._packet import Manifest, Packet
 from .._placement import Placement, choose
-from .._slab import AttachedSlabs, DeviceSlab, SlabRef, copy_on_stream, local_index
+from .._slab import AttachedSlabs, DeviceSlab, SlabRef, copy_on_stream
 from ._base import EVERY_VERSION, LoopFreeStaging, StagingReader
 from ._device_slots import DeviceSlots, OneSlab
 
@@ -163,11 +163,9 @@ class DeviceReader:
             # The worker's stream on its model's GPU: the copy waits for the
             # work the worker enqueued before (a forward pass reading these
             # weights), and the update is whole once it returns.
-            device = copies[0][0].device
-            index = device.index if device.type == "cuda" else None
-            if index is None:
-                index = local_index(descriptor.device)
-            copy_on_stream([t for t, _ in copies], [s for _, s in copies], torch.cuda.current_stream(index))
+            # (A worker told the GPU memory has its model on a GPU.)
+            stream = torch.cuda.current_stream(copies[0][0].device)
+            copy_on_stream([t for t, _ in copies], [s for _, s in copies], stream)
         if any(share):
             assert slab_device is not None
             for target, source, shared in zip(targets, sources, share, strict=True):
@@ -186,6 +184,8 @@ class DeviceReader:
 
         :raises ResourceExhaustedError: no GPU memory for the copies.
         """
+        if not self._on:
+            return  # (the common case: nothing runs on a slot)
         moving = [t for t in targets if id(t) in self._on]
         if not moving:
             return

@@ -38,7 +38,7 @@ from .._exceptions import SenderLostError, WorkerError, WorkerLostError
 from .._frames import CHUNK_BYTES
 from .._offload import run_blocking
 from .._packet import Manifest, Packet
-from .._pinned import DeviceCopies, PageLocks, copy_to_host, from_device, host_buffer
+from .._pinned import DeviceCopies, PageLocks, copy_to_host, host_buffer
 from .._placement import on_gpu
 from .._readiness import wait_readable_any
 from ._base import Outgoing, SenderTransport, worker_failed, worker_lost
@@ -188,7 +188,7 @@ class ChainStaging:
         self._settle_copies()
         manifest = packet.manifest
         self._keep_base(manifest.nbytes)
-        gpu = from_device(packet.tensors)
+        gpu = on_gpu(packet.devices)
         if self._buffer is None or self._buffer.numel() < manifest.nbytes:
             self._views = None
             self._buffer = None

@@ -58,7 +58,7 @@ from .._exceptions import (
 )
 from .._offload import inline_allowed, run_blocking
 from .._packet import Manifest, Packet, Signature
-from .._pinned import PageLocks, copy_to_host, from_device, host_buffer
+from .._pinned import PageLocks, copy_to_host, host_buffer
 from .._placement import on_gpu
 from ._base import Applier, Outgoing, SenderTransport, worker_failed, worker_lost
 from ._delta_base import DeltaSetting
@@ -189,7 +189,7 @@ class RayStaging:
         are on a GPU, copied (on the caller's stream) into a buffer of the
         staging's, page-locked once for all sends of its size. Blocks for
         the copies."""
-        if not from_device(packet.tensors):
+        if not on_gpu(packet.devices):
             return packet.tensors
         manifest = packet.manifest
         if self._host is None or self._host.numel() < manifest.nbytes:
