@@ -151,7 +151,7 @@ scheme.init_on_sender("policy", pipes=[ours], model=model)
 staging = scheme.staging.host
 # Staged (checked and published) with no worker: the packet goes no further.
 packet = Packer("policy", None, None).packet(1, model)
-asyncio.run(staging.stage(packet, True))
+staging.write(packet, True, {})
 slot = staging.current
 print("published", slot.published(), flush=True)
 slot.data[7] = 1  # nothing in the trainer may write a published slot

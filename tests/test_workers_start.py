@@ -14,7 +14,7 @@ from harness import make_scheme, schemes, start_pipe_worker, stop_pipe_workers
 from harness.workers import build_model, late_worker
 
 import weightsync as ws
-from weightsync import _acks
+from weightsync import _announce
 
 pytestmark = pytest.mark.parametrize("scheme_name", schemes(pipes=True))
 
@@ -94,7 +94,7 @@ def test_a_long_wait_logs_who_is_awaited_and_names_every_absent_worker(
 ) -> None:
     # Workers that never announce themselves (each sleeps past the wait).
     c = late(2, delay=60.0)
-    monkeypatch.setattr(_acks, "_PROGRESS_EVERY", 0.2)
+    monkeypatch.setattr(_announce, "_PROGRESS_EVERY", 0.2)
     caplog.set_level(logging.INFO, logger="weightsync")
     with pytest.raises(ws.AckTimeoutError) as info:
         c.scheme.wait_for_workers(timeout=1.0)

@@ -13,9 +13,10 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
+from ._drive import drive_blocking, resume
 from ._exceptions import (
     SenderClosedError,
     SenderLostError,
@@ -27,7 +28,8 @@ from ._loops import NEEDS_LOOP
 from ._packet import DEFAULT_TIMEOUT
 from ._receiver import AsyncWeightReceiver
 from ._runtime import RUNTIME
-from ._sender import AsyncWeightSender, Keys, PendingSend, SendOptions, SendPlan, SendReport
+from ._send import STAGED, Action, SendMachine
+from ._sender import AsyncWeightSender, Keys, SendOptions, SendReport
 from ._stepguard import StepGuard
 
 __all__ = ["WeightReceiver", "WeightSender"]
@@ -50,7 +52,7 @@ class WeightSender:
         self._pending: concurrent.futures.Future[SendReport] | None = None
         # The pending send_async()'s send, whose acks the loop thread may
         # not have started gathering yet (see wait_async).
-        self._unstarted: PendingSend | None = None
+        self._unstarted: SendMachine | None = None
         self._closed = False
         RUNTIME.acquire()
 
@@ -120,30 +122,30 @@ class WeightSender:
         :raises RuntimeError: a ``send_async()`` is pending.
         """
         self._check("send()")
-        plan = self._sender.plan(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
+        machine = self._sender.machine(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
+        return self._drive(machine, None)
+
+    def _drive(self, machine: SendMachine, action: Action | None, *, until_staged: bool = False) -> Any:
+        """Drive ``machine`` (from ``action``, or its start) blocking: on
+        this thread with no event loop where it runs none (the one choice
+        of driver), else through weightsync's loop thread. Returns its
+        report, or None once staged (``until_staged``)."""
+        io = self._sender.io
         try:
-            if not (plan.loop_free and RUNTIME.blocks_here()):
-                return RUNTIME.call(self._send_in_loop, plan)
-            # Staged and gathered under one Ctrl-C guard: no moment between
-            # the two where an interruption would leave a staged send to nobody.
-            staged: list[PendingSend] = []
-            report = RUNTIME.run_waiting(self._send_now, plan, staged)
+            if RUNTIME.blocks_here():
+                # One Ctrl-C guard for the whole send: no moment between two
+                # steps where an interruption would leave it half done.
+                return RUNTIME.run_waiting(
+                    drive_blocking, machine, io, until_staged=until_staged, action=action
+                )
+
+            async def in_loop() -> SendReport | None:
+                return await resume(machine, io, action or machine.start(), until_staged=until_staged)
+
+            return RUNTIME.call(in_loop)
         except BaseException:
-            plan.release()  # (a no-op once the send itself gave the sender back)
+            machine.close()  # (a no-op once the machine is over)
             raise
-        # None: told, but an ack needs the loop after all.
-        return report if report is not None else RUNTIME.call(staged[0].wait)
-
-    async def _send_in_loop(self, plan: SendPlan) -> SendReport:
-        return await (await self._sender.stage(plan)).wait()
-
-    def _send_now(
-        self, plan: SendPlan, staged: list[PendingSend], *, interrupted: Callable[[], bool]
-    ) -> SendReport | None:
-        """``send()`` over pipes on this thread with no event loop (see
-        ``AsyncWeightSender.stage_now`` and ``PendingSend.wait_now``)."""
-        staged.append(self._sender.stage_now(plan, interrupted=interrupted))
-        return staged[0].wait_now(interrupted)
 
     def send_async(
         self,
@@ -174,21 +176,29 @@ class WeightSender:
         """
         self._check("send_async()")
         try:
-            pending = self._stage(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
+            machine = self._sender.machine(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
+            self._drive(machine, None, until_staged=True)
         except Exception as exc:
             # As torchrl's send_async: the send's errors come from wait_async().
             failed: concurrent.futures.Future[SendReport] = concurrent.futures.Future()
             failed.set_exception(exc)
             self._pending = failed
             return
+        io = self._sender.io
         try:
-            self._pending = RUNTIME.start(pending.wait)
-            self._unstarted = pending
+
+            async def gather() -> SendReport:
+                report = await resume(machine, io, STAGED)
+                assert report is not None
+                return report
+
+            self._pending = RUNTIME.start(gather)
+            self._unstarted = machine
         except BaseException:
-            # Staged and announced: finish it here rather than leave the
-            # sender busy with a send nobody waits for.
+            # Staged: finish it here rather than leave the sender busy with
+            # a send nobody waits for.
             with contextlib.suppress(Exception):
-                RUNTIME.call(pending.wait)
+                self._drive(machine, STAGED)
             raise
 
     def wait_async(self, timeout: float | None = None) -> SendReport:
@@ -212,7 +222,8 @@ class WeightSender:
             # machine with few cores, waking the loop thread for it costs
             # about as much as the whole send of a small model.
             self._pending = None
-            return self._finish(unstarted)
+            report: SendReport = self._drive(unstarted, STAGED)
+            return report
         try:
             return future.result(timeout)
         finally:
@@ -220,45 +231,6 @@ class WeightSender:
             # failed (even with a TimeoutError of its own) is over.
             if future.done():
                 self._pending = None
-
-    def _stage(
-        self, weights: Any, worker_ids: int | Iterable[int] | None, options: SendOptions
-    ) -> PendingSend:
-        """Stage a send (``AsyncWeightSender.start_send``), blocking: over
-        pipes on this thread with no event loop, else on this thread's
-        private loop. A Ctrl-C that lands once the weights are staged
-        abandons the send (no worker was told of it), so the sender is free
-        for the next one."""
-        plan = self._sender.plan(weights, worker_ids, options)
-        made: list[PendingSend] = []
-        try:
-            if plan.loop_free and RUNTIME.blocks_here():
-                made.append(RUNTIME.run_waiting(self._sender.stage_now, plan))
-            else:
-
-                async def stage() -> PendingSend:
-                    made.append(await self._sender.stage(plan))
-                    return made[0]
-
-                RUNTIME.call(stage)
-            return made[0]
-        except BaseException:
-            if made:
-                # Staged, then interrupted (the coroutine ended before the
-                # cancel reached it): the send came back to nobody.
-                made[0].abandon()
-            plan.release()  # (a no-op once the send itself gave the sender back)
-            raise
-
-    def _finish(self, pending: PendingSend) -> SendReport:
-        """Tell the workers of a staged send and gather their acks, blocking:
-        over pipes on this thread with no event loop, else (or where an
-        ack needs it after all) on this thread's private loop."""
-        if RUNTIME.blocks_here():
-            report = RUNTIME.run_waiting(pending.wait_now)
-            if report is not None:
-                return report
-        return RUNTIME.call(pending.wait)
 
     def add_worker(self, worker_id: int, transport: Any) -> None:
         """See :meth:`AsyncWeightSender.add_worker` (schemes call it)."""

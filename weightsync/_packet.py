@@ -274,6 +274,13 @@ class Packet:
     #: (``_placement.caller_stream``), for tensors on a GPU; else None.
     stream: Any = field(default=None, repr=False, compare=False)
 
+    def staged(self, digests: tuple[int, ...] | None) -> Packet:
+        """This packet once staged: with ``digests``, without the caller's
+        tensors (each worker reads the staging now)."""
+        return Packet(
+            self.version, self.manifest, (), self.fanout, self.partial, digests, self.devices, self.stream
+        )
+
     @property
     def subset(self) -> Signature | None:
         """What a worker needs to find a partial update's tensors (their

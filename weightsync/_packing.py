@@ -18,9 +18,8 @@ import torch
 from ._copy import WireCast, usable_cores
 from ._digest import digests
 from ._exceptions import WeightMismatchError
-from ._offload import run_blocking
 from ._packet import Manifest, Packet, describe_mismatch, signature_of
-from ._placement import devices_of, on_gpu
+from ._placement import Placement, devices_of, on_gpu
 from ._strategy import ModuleReads
 from ._transports._base import Staging
 
@@ -102,26 +101,28 @@ class Packer:
             raise ValueError(f"keys= selects no weight of model {self.model_id!r}: nothing to send")
         return chosen
 
-    async def stage(self, packet: Packet, staging: Staging | None, verify: bool) -> Packet:
+    def stage(
+        self,
+        packet: Packet,
+        staging: Staging | None,
+        verify: bool,
+        placements: Mapping[int, Placement],
+    ) -> Packet:
         """Cast (to the wire dtype), stage and (``verify``) digest
-        ``packet``: the packet as staged, with its digests. Once it returns
-        the staging holds the bytes and the caller's tensors are no longer
-        read.
+        ``packet``, blocking for the copies: the packet as staged, with its
+        digests and without the caller's tensors, which are no longer read.
 
         :raises ResourceExhaustedError: out of memory or descriptors for the staging.
+        :raises InvalidWeightsError: a verified send's staged bytes differ from the weights.
         """
         sums: tuple[int, ...] | None = None
         if self._wire is not None:
             # Cast once, here: every staging then moves the cast bytes.
-            cast = await run_blocking(
-                packet.nbytes, self._wire.cast, packet.tensors, usable_cores(), packet.stream
-            )
+            cast = self._wire.cast(packet.tensors, usable_cores(), packet.stream)
             packet = dataclasses.replace(packet, tensors=cast)
         if staging is not None:
             # A staging digests what it stages, each block as it is copied.
-            sums = await staging.stage(packet, verify)
-        if verify:
-            if sums is None:
-                sums = await run_blocking(packet.nbytes, digests, packet.tensors, usable_cores())
-            packet = dataclasses.replace(packet, digests=sums)
-        return packet
+            sums = staging.write(packet, verify, placements)
+        if verify and sums is None:
+            sums = digests(packet.tensors, usable_cores())
+        return packet.staged(sums if verify else None)

@@ -32,6 +32,7 @@ __all__ = [
     "on_caller_stream",
     "on_gpu",
     "reachable",
+    "route",
 ]
 
 _UUIDS: dict[int, str] = {}
@@ -100,9 +101,19 @@ class Placement(enum.Enum):
     #: On two GPUs: device to device across them (peer to peer where the
     #: GPUs allow it, else through host memory).
     PEER = "peer"
+    #: Both on GPUs, through host memory: a verified send (digests are
+    #: taken of host bytes), a worker that cannot reach the trainer's GPU
+    #: device to device, or a scheme that stages in host memory (Ray,
+    #: torch.distributed).
+    THROUGH_HOST = "through-host"
     #: A side spans several devices, or one weightsync does not stage for:
     #: through host memory, each tensor copied to its own device.
     MIXED = "mixed"
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the worker reads GPU memory of the trainer's (device to device)."""
+        return self in (Placement.SAME_DEVICE, Placement.PEER)
 
 
 def choose(trainer: tuple[str, ...], worker: tuple[str, ...] | None) -> Placement:
@@ -123,6 +134,26 @@ def choose(trainer: tuple[str, ...], worker: tuple[str, ...] | None) -> Placemen
     if on_gpu == (True, True):
         return Placement.SAME_DEVICE if source == target else Placement.PEER
     return Placement.MIXED
+
+
+def route(
+    trainer: tuple[str, ...],
+    worker: tuple[str, ...] | None,
+    reach: tuple[str, ...],
+    *,
+    device_staging: bool,
+) -> Placement:
+    """How one send reaches one worker: the one decision, made once per
+    (send, worker) by the send; the staging follows it and the report
+    says it. ``reach``: the GPUs the worker can copy from device to device
+    (:func:`reachable`); ``device_staging``: whether this send may stage on
+    the trainer's GPU (the scheme's staging can, and the send is not
+    verified). A worker on a GPU that this send cannot serve device to
+    device goes through host memory."""
+    placement = choose(trainer, worker)
+    if placement.on_device and not (device_staging and trainer[0] in reach):
+        return Placement.THROUGH_HOST
+    return placement
 
 
 def caller_stream() -> Any:

@@ -68,33 +68,37 @@ class ReadyWatch:
             self._woken.set_result(None)
 
     @contextlib.contextmanager
-    def armed(self, *, in_loop: bool = True) -> Iterator[ReadyWatch]:
-        """Ready for one gather: registered with the running loop for
-        :meth:`wait` (asyncio only: see ``_loops.require_asyncio``), or,
-        ``in_loop=False``, not, for :meth:`poll`. Leaving forgets every
-        descriptor."""
-        loop = asyncio.get_running_loop() if in_loop else None
-        if loop is not None:
-            loop.add_reader(self._epoll.fileno(), self._wake)
+    def armed(self) -> Iterator[ReadyWatch]:
+        """Registered with the running loop for :meth:`wait` (asyncio only:
+        see ``_loops.require_asyncio``) while inside. (:meth:`poll` needs
+        no loop.)"""
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._epoll.fileno(), self._wake)
         try:
             yield self
         finally:
-            if loop is not None:
-                loop.remove_reader(self._epoll.fileno())
-            self.forget(tuple(self._fds))
+            loop.remove_reader(self._epoll.fileno())
 
-    def watch(self, fds: tuple[int, ...]) -> None:
+    def keep(self, fds: tuple[int, ...]) -> None:
+        """Watch ``fds`` (and those still watched): they stay registered
+        from gather to gather, so that a send to the same workers registers
+        nothing. A number that now names another descriptor (the one
+        registered closed, and the kernel dropped it) is registered again:
+        ``modify`` tells the two apart (ENOENT)."""
+        epoll = self._epoll
         for fd in fds:
-            if fd not in self._fds:
-                self._epoll.register(fd, select.EPOLLIN)
+            try:
+                epoll.modify(fd, select.EPOLLIN)
+            except FileNotFoundError:
+                epoll.register(fd, select.EPOLLIN)
                 self._fds.add(fd)
 
-    def forget(self, fds: tuple[int, ...]) -> None:
+    def drop(self, fds: set[int]) -> None:
+        """Stop watching ``fds`` (ready, but no longer waited for)."""
         for fd in fds:
-            if fd in self._fds:
-                self._fds.discard(fd)
-                with contextlib.suppress(OSError):  # closed meanwhile: the kernel dropped it
-                    self._epoll.unregister(fd)
+            self._fds.discard(fd)
+            with contextlib.suppress(OSError):  # closed meanwhile: the kernel dropped it
+                self._epoll.unregister(fd)
 
     def poll(self, timeout: float) -> set[int]:
         """Block this thread up to ``timeout`` seconds until a watched

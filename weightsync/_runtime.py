@@ -278,9 +278,16 @@ class Runtime:
         self._check_not_loop_thread()
         if _thread_runs_a_loop():
             return self.portal().call(func, *args)
-        loop = self._private_loop()
-        guard = _Interruptible(loop)
-        with caller_blocked(), guard:
+        guard = _Interruptible(None)
+        with guard:
+            return self._on_private_loop(guard, func, *args)
+
+    def _on_private_loop(self, guard: _Interruptible, func: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``func(*args)`` to its end on this thread's private loop, where
+        ``guard`` (installed) cancels it on Ctrl-C."""
+        loop = guard.loop = self._private_loop()
+        guard.scope, guard._finished = None, False
+        with caller_blocked():
             task = loop.create_task(guard.run(func, *args))
             try:
                 result = loop.run_until_complete(task)
@@ -295,6 +302,8 @@ class Runtime:
                 if guard.interrupted and not isinstance(exc, KeyboardInterrupt):
                     raise KeyboardInterrupt from exc
                 raise
+            finally:
+                guard.loop, guard.scope = None, None
         if guard.interrupted:
             # Raised even when the work finished before the cancel reached
             # it: the user asked to stop.
@@ -324,16 +333,25 @@ class Runtime:
         return not _thread_runs_a_loop()
 
     def run_waiting(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run ``func(*args, **kwargs, interrupted=...)`` on the calling
-        thread, for a step that blocks without an event loop (a send's acks
-        awaited in a poll), where :meth:`blocks_here`: ``interrupted()``
-        says whether Ctrl-C came, and ``func`` must look at it while it
-        waits, then stop.
+        """Run ``func(*args, **kwargs, interrupted=..., enter_loop=...)`` on
+        the calling thread under one Ctrl-C guard, for work that blocks
+        without an event loop (a send driven on the caller's thread), where
+        :meth:`blocks_here`. ``interrupted()`` says whether Ctrl-C came:
+        ``func`` must look at it while it waits, then stop.
+        ``enter_loop(coroutine_function)`` runs a step that needs a loop to
+        its end on this thread's private loop, under the same guard (Ctrl-C
+        cancels it, then raises KeyboardInterrupt).
 
         :raises KeyboardInterrupt: Ctrl-C, once ``func`` returned or stopped.
         """
         guard = _Interruptible(None)
-        return _run_guarded(guard, func, *args, interrupted=guard.was_interrupted, **kwargs)
+
+        def enter_loop(step: Callable[[], Awaitable[T]]) -> T:
+            return self._on_private_loop(guard, step)
+
+        return _run_guarded(
+            guard, func, *args, interrupted=guard.was_interrupted, enter_loop=enter_loop, **kwargs
+        )
 
     def close_thread_loop(self) -> None:
         """Close the calling thread's private loop, if it has one (a thread

@@ -1,38 +1,32 @@
-"""The async sender: one send planned once, and two drivers over its steps.
+"""The async sender: the coroutine API over a send's machine and its drivers.
 
-A send is planned (:meth:`AsyncWeightSender.plan`: its targets, whose
-weights, which steps it needs; the sender is taken for it), then staged:
-read the model into a packet, cast, stage, digest. Its acks are then
-gathered by the :class:`PendingSend` (``_send``). The coroutine
-:meth:`AsyncWeightSender.stage` and the loop-free :meth:`AsyncWeightSender.stage_now`
-(a blocking ``send()`` over pipes, on the caller's thread) drive the same
-steps. The targets live in ``_targets``, the reading in ``_packing``, the
-gathering of answers in ``_acks``.
-
-One send runs at a time per sender: a lock, taken without blocking when a
-send is planned (a second one is refused) and given back once, when its
-:class:`PendingSend` is over or it failed before that.
+A send is one :class:`~._send.SendMachine` (``_send``): made on the
+caller's thread, it takes the sender (one send at a time) and decides
+everything; :func:`~._drive.drive` performs its actions in the running
+loop. The blocking facade (``_facade``) drives the same machine on the
+calling thread instead (:func:`~._drive.drive_blocking`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import anyio
 import torch
 
-from ._acks import AckGather
+from ._announce import Announcements
 from ._copy import WireCast
+from ._drive import SendIO, drive, resume
 from ._exceptions import WeightSyncStateError
 from ._loops import require_asyncio
 from ._packet import DEFAULT_TIMEOUT
 from ._packing import Keys, Packer
-from ._send import PendingSend, SendOptions, SendPlan, SendReport, Stager
+from ._send import STAGED, Action, SendMachine, SendOptions, SendReport, Sends
 from ._strategy import WeightStrategy
 from ._targets import Workers
-from ._transports._base import EVERY_VERSION, SenderTransport, Staging
+from ._transports._base import EVERY_VERSION, DeviceAwareStaging, SenderTransport, SendHandler, Staging
 
 # DEFAULT_TIMEOUT: from _packet
 __all__ = [
@@ -41,9 +35,64 @@ __all__ = [
     "Keys",
     "PendingSend",
     "SendOptions",
-    "SendPlan",
     "SendReport",
 ]
+
+
+class PendingSend:
+    """A send whose weights are staged, its acks still to come; made by
+    ``AsyncWeightSender.start_send``.
+
+    The caller's weights are no longer read: change them at will. Await
+    :meth:`wait` once (the sender runs no other send until it returned).
+    """
+
+    def __init__(self, machine: SendMachine, io: SendIO, action: Action) -> None:
+        self.machine, self._io = machine, io
+        # Where the send goes on from (the action after its staging).
+        self._action: Action | None = action
+
+    @property
+    def version(self) -> int:
+        """The version this send carries."""
+        return self.machine.version
+
+    @property
+    def worker_ids(self) -> tuple[int, ...]:
+        """The workers targeted."""
+        return self.machine.worker_ids
+
+    def take(self) -> Action:
+        """The action the send goes on from, once: a second wait is refused.
+
+        :raises WeightSyncStateError: it was waited for already.
+        """
+        action, self._action = self._action, None
+        if action is None:
+            raise WeightSyncStateError(
+                f"version {self.version} of model {self.machine.model_id!r} was already waited for",
+                model_id=self.machine.model_id,
+            )
+        return action
+
+    def abandon(self) -> None:
+        """Give up the send before any worker was told of it: the sender may
+        run the next one."""
+        self._action = None
+        self.machine.close()
+
+    async def wait(self) -> SendReport:
+        """Block until every targeted worker acked this version, or the
+        send's deadline passed; its report.
+
+        :raises WorkerLostError: a worker died; the others still got the update.
+        :raises AckTimeoutError: a worker did not ack in time (also a TimeoutError).
+        :raises WorkerApplyError: a worker failed to apply; carries its message.
+        :raises WeightSyncStateError: awaited a second time.
+        """
+        report = await resume(self.machine, self._io, self.take())
+        assert report is not None
+        return report
 
 
 class AsyncWeightSender:
@@ -74,35 +123,42 @@ class AsyncWeightSender:
         self.workers = Workers(transports, model_id, per_worker_weights)
         self.staging = staging
         self._packer = Packer(model_id, context, None if wire_dtype is None else WireCast(wire_dtype))
-        self._acks = AckGather(self.workers.transports, model_id)
-        self._stager = Stager(
+        self._announcements = Announcements(self.workers.transports, model_id)
+        self.io = SendIO(self.workers.transports, staging, self._packer, self._announcements)
+        self.sends = Sends(
             self.workers,
-            self._acks,
             self._packer,
-            staging,
             timeout=timeout,
             verify=verify,
-            cast=wire_dtype is not None,
+            handler=isinstance(staging, SendHandler),
+            on_device=isinstance(staging, DeviceAwareStaging),
         )
+        if not self.sends.handler:
+            odd = [w for w, t in self.workers.transports.items() if not hasattr(t, "post")]
+            if odd:
+                raise TypeError(
+                    f"the transports of worker(s) {odd} carry no send (no post/deliver), and the "
+                    "staging carries none either (no handle_send)"
+                )
         self._closed = False
 
     @property
     def verify(self) -> bool:
         """Whether sends carry digests that each worker checks (the default
         of ``send(verify=None)``)."""
-        return self._stager.verify
+        return self.sends.verify
 
     @property
     def timeout(self) -> float:
         """The default deadline of a send, and of a wait for workers to
         announce themselves, in seconds."""
-        return self._stager.timeout
+        return self.sends.timeout
 
     @property
     def version(self) -> int:
         """The last version staged (0: none yet); a send refused before
         anything moved uses none."""
-        return self._stager.version
+        return self.sends.version
 
     @property
     def context(self) -> Any:
@@ -166,7 +222,7 @@ class AsyncWeightSender:
         require_asyncio(self.model_id)
         self._check_open()
         targets = self.workers.targets(worker_ids)
-        return await self._acks.announced(targets, self.timeout if timeout is None else timeout)
+        return await self._announcements.announced(targets, self.timeout if timeout is None else timeout)
 
     async def connect(
         self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None
@@ -225,10 +281,11 @@ class AsyncWeightSender:
             or a partial update targets a worker that has not
             applied a whole one (or missed a send since; nothing was sent).
         """
-        pending = await self.start_send(
-            weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
-        )
-        return await pending.wait()
+        require_asyncio(self.model_id)
+        machine = self.machine(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
+        report = await drive(machine, self.io)
+        assert report is not None
+        return report
 
     async def start_send(
         self,
@@ -255,40 +312,22 @@ class AsyncWeightSender:
         come from :meth:`PendingSend.wait`.
         """
         require_asyncio(self.model_id)
-        plan = self.plan(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
-        return await self.stage(plan)
+        machine = self.machine(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
+        await drive(machine, self.io, until_staged=True)
+        return PendingSend(machine, self.io, STAGED)
 
-    # -- a send's plan and its two drivers (see ``_send.Stager``) -------------
-    def plan(self, weights: Any, worker_ids: int | Iterable[int] | None, options: SendOptions) -> SendPlan:
-        """Decide what a send of ``weights`` to ``worker_ids`` does, and take
-        the sender for it; the plan then goes to :meth:`stage` or
-        :meth:`stage_now`, which give the sender back once the send is over
-        or failed (or its ``release()`` does, where it goes to neither).
+    def machine(
+        self, weights: Any, worker_ids: int | Iterable[int] | None, options: SendOptions
+    ) -> SendMachine:
+        """The machine of a send of ``weights`` to ``worker_ids``, holding
+        the sender (see ``_send.SendMachine``): drive it, or close it.
         Never blocks; touches no worker.
 
         :raises WeightSyncStateError: another send is running, or the sender is closed.
         :raises ValueError, UnknownWorkerError: as :meth:`send`.
         """
         self._check_open()
-        return self._stager.plan(weights, worker_ids, options)
-
-    async def stage(self, plan: SendPlan) -> PendingSend:
-        """Stage the send ``plan`` decided, in the running loop (what
-        :meth:`start_send` does once it planned).
-
-        :raises: what :meth:`start_send` raises.
-        """
-        return await self._stager.stage(plan)
-
-    def stage_now(self, plan: SendPlan, *, interrupted: Callable[[], bool] = lambda: False) -> PendingSend:
-        """:meth:`stage` on the calling thread with no event loop, for a
-        ``loop_free`` plan (pipes): blocks for the copy. Where
-        ``interrupted()`` is true once the copy is done, the send is
-        abandoned before any worker is told, and KeyboardInterrupt raised.
-
-        :raises: what :meth:`start_send` raises.
-        """
-        return self._stager.stage_now(plan, interrupted=interrupted)
+        return SendMachine(self.sends, weights, worker_ids, options)
 
     # -- membership and lifetime --------------------------------------------
     async def add_worker(self, worker_id: int, transport: SenderTransport) -> None:
@@ -329,14 +368,14 @@ class AsyncWeightSender:
         """
         require_asyncio(self.model_id)
         self._check_open()
-        if not self._stager.busy.acquire(blocking=False):
+        if not self.sends.busy.acquire(blocking=False):
             raise WeightSyncStateError(
                 f"{what} while a send of model {self.model_id!r} is running", model_id=self.model_id
             )
         try:
             yield
         finally:
-            self._stager.busy.release()
+            self.sends.busy.release()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -367,4 +406,4 @@ class AsyncWeightSender:
                 await transport.aclose()
             if self.staging is not None:
                 await self.staging.aclose()
-            self._acks.close()
+            self.io.close()

@@ -24,13 +24,13 @@ cancellable.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from .._exceptions import WorkerApplyError, WorkerError, WorkerLostError
 from .._packet import Manifest, Packet, Signature
+from .._placement import Placement
 
 __all__ = [
     "EVERY_VERSION",
@@ -38,7 +38,6 @@ __all__ = [
     "ChannelTransport",
     "DeviceAwareStaging",
     "Incoming",
-    "LoopFreeStaging",
     "Outgoing",
     "SendHandler",
     "SenderTransport",
@@ -92,12 +91,17 @@ def worker_failed(worker_id: int, model_id: str | None, version: int, message: s
 class Staging(Protocol):
     """Where a send's bytes wait for the workers."""
 
-    async def stage(self, packet: Packet, digest: bool = False) -> tuple[int, ...] | None:
-        """Make ``packet``'s bytes available to the workers; with ``digest``,
-        return the digests of its tensors (see ``_digest``), taken as they
-        were staged, else None.
+    def write(
+        self, packet: Packet, digest: bool, placements: Mapping[int, Placement]
+    ) -> tuple[int, ...] | None:
+        """Make ``packet``'s bytes available to the workers of the send,
+        reached as ``placements`` says (by worker id: the send decided it,
+        ``_placement.route``); with ``digest``, return the digests of its
+        tensors (see ``_digest``), taken as they were staged, else None.
 
-        After it returns the caller may change its weights again.
+        Blocks the calling thread for the copy (the send's driver runs it
+        inline, or on a worker thread); never enters an event loop. After
+        it returns the caller may change its weights again.
         """
 
     def descriptor(self, worker_id: int) -> Any:
@@ -111,18 +115,6 @@ class Staging(Protocol):
 
     async def aclose(self) -> None:
         """Release what was staged. Idempotent."""
-
-
-@runtime_checkable
-class LoopFreeStaging(Staging, Protocol):
-    """A :class:`Staging` that can also stage on the calling thread, with no
-    event loop (the pipe schemes' segment and slots, whose transports post
-    and take acks without a loop too): a blocking ``send()`` then runs
-    whole on the caller's thread."""
-
-    def stage_now(self, packet: Packet) -> None:
-        """What :meth:`Staging.stage` does without digests, blocking the
-        calling thread for the copy; never enters an event loop."""
 
 
 @runtime_checkable
@@ -152,6 +144,9 @@ class SenderTransport(Protocol):
     #: The devices its model is on, as it announced them (``_placement``:
     #: ``"cpu"``, ``"cuda:<uuid>"``); None before, or when it cannot tell.
     devices: tuple[str, ...] | None
+    #: The GPUs it can copy from device to device (``_placement.reachable``;
+    #: empty: none, or the transport cannot tell).
+    reach: tuple[str, ...]
 
     async def connect(self) -> Manifest | None:
         """Wait until the worker is known, and return its model's layout
@@ -211,12 +206,11 @@ class ChannelTransport(SenderTransport, Protocol):
         """
 
 
-@dataclass
-class Outgoing:
+class Outgoing(Protocol):
     """One send, as a :class:`SendHandler` takes it: the staged packet, the
-    workers to tell, and where each one's outcome goes. The sender keeps
-    the policy (the deadline's scope, the errors of the late, versions,
-    who acked what); the handler only records what each worker answered."""
+    workers to tell, and where each one's answer goes. The send keeps the
+    policy (the deadline's scope, the errors of the late, versions, who
+    acked what); the handler only reports what each worker answered."""
 
     packet: Packet
     #: The workers to tell (each announced, none failed yet).
@@ -224,10 +218,16 @@ class Outgoing:
     #: When the sender stops waiting (``time.monotonic()``); the handler
     #: runs inside a cancel scope that ends then.
     deadline: float
-    #: Filled by the handler: the workers that acked ``packet``'s version.
-    done: set[int]
-    #: Filled by the handler: the workers that failed, with their errors.
-    failures: dict[int, WorkerError]
+
+    def ack(self, worker_id: int) -> None:
+        """Worker ``worker_id`` acked ``packet``'s version."""
+
+    def fail(self, worker_id: int, error: WorkerError) -> None:
+        """Worker ``worker_id`` failed: died, or could not apply it."""
+
+    @property
+    def acked(self) -> frozenset[int]:
+        """The workers that acked so far (all of them, once the send is over)."""
 
 
 @runtime_checkable
@@ -238,8 +238,8 @@ class SendHandler(Staging, Protocol):
 
     async def handle_send(self, send: Outgoing, channels: Mapping[int, SenderTransport]) -> None:
         """Tell every worker of ``send`` (``channels``: the sender's, by
-        worker id) and record each one's answer in ``send.done`` or
-        ``send.failures``, until every one answered or the caller's cancel
+        worker id) and report each one's answer (``send.ack`` or
+        ``send.fail``), until every one answered or the caller's cancel
         scope ends (the send's deadline: a worker with no answer by then is
         the sender's to report). Raises nothing for a worker's failure."""
 

@@ -11,14 +11,14 @@ deadline) is detected and redone from the newer version, never kept.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from .._copy import PlanCache
-from .._offload import run_blocking
 from .._packet import Manifest, Packet
-from .._placement import devices_of, on_gpu
+from .._placement import Placement, devices_of, on_gpu
 from .._segment import AttachedSegments, Segment, SegmentRef
 
 __all__ = ["CopyReader", "SegmentStaging"]
@@ -45,17 +45,14 @@ class SegmentStaging:
             self.segment.pin()  # the device-to-host copy at the bus's speed (once per segment)
         return self.segment, self._views[1]
 
-    async def stage(self, packet: Packet, digest: bool = False) -> tuple[int, ...] | None:
+    def write(
+        self, packet: Packet, digest: bool, placements: Mapping[int, Placement]
+    ) -> tuple[int, ...] | None:
         segment, views = self._ensure(packet)
-        return await run_blocking(packet.nbytes, segment.write, views, packet, digest)
-
-    def stage_now(self, packet: Packet) -> None:
-        """:meth:`stage` with no digests, on the calling thread (it blocks for the copy)."""
-        segment, views = self._ensure(packet)
-        segment.write(views, packet, False)
+        return segment.write(views, packet, digest)
 
     def descriptor(self, worker_id: int) -> SegmentRef:
-        assert self.segment is not None, "stage() comes first"
+        assert self.segment is not None, "write() comes first"
         return self.segment.ref()
 
     def released(self, worker_id: int, version: int, holding: Any) -> None:

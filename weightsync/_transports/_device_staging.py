@@ -19,21 +19,19 @@ staging alone: digests are taken of host bytes.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from .._exceptions import out_of_resources
-from .._offload import run_blocking
 from .._packet import Manifest, Packet
-from .._placement import Placement, choose
+from .._placement import Placement
 from .._slab import AttachedSlabs, DeviceSlab, SlabRef, copy_on_stream
-from ._base import EVERY_VERSION, LoopFreeStaging, StagingReader
+from ._base import Staging, StagingReader
 from ._device_slots import DeviceSlots, OneSlab
 
 __all__ = ["DeviceReader", "PlacedReader", "PlacedStaging"]
-
-_ON_DEVICE = (Placement.SAME_DEVICE, Placement.PEER)
 
 
 class PlacedStaging:
@@ -41,13 +39,9 @@ class PlacedStaging:
     workers on GPUs of a trainer on a GPU: one slab, or with
     ``device_slots`` versioned slots that workers on their GPU run on."""
 
-    def __init__(self, host: LoopFreeStaging, *, device_slots: bool = False) -> None:
+    def __init__(self, host: Staging, *, device_slots: bool = False) -> None:
         self.host = host
         self.device: OneSlab | DeviceSlots = DeviceSlots() if device_slots else OneSlab()
-        # The devices each worker announced (None: it did not say), and the
-        # GPUs it can copy from device to device.
-        self._devices: dict[int, tuple[str, ...] | None] = {}
-        self._reach: dict[int, tuple[str, ...]] = {}
         # The workers told the GPU memory for the send staged last.
         self._via_slab: frozenset[int] = frozenset()
 
@@ -58,43 +52,21 @@ class PlacedStaging:
 
     def placed(self, worker_id: int, devices: tuple[str, ...] | None, reach: tuple[str, ...] = ()) -> None:
         """Worker ``worker_id`` (a new process) announced its model on
-        ``devices``, into which it can copy from the GPUs of ``reach``."""
-        self._devices[worker_id] = devices
-        self._reach[worker_id] = reach
+        ``devices``: what the GPU memory held for its predecessor is let go."""
         self.device.forget(worker_id)
 
-    def _split(self, packet: Packet, digest: bool) -> tuple[frozenset[int], bool]:
-        """The workers this packet reaches through GPU memory, and whether
-        any other worker needs the host staging."""
-        if digest or len(packet.devices) != 1 or not packet.devices[0].startswith("cuda:"):
-            return frozenset(), True
-        # A worker on another GPU reads the trainer's only where it sees it
-        # and has peer access to it (it said so in its hello); else through
-        # page-locked host memory, as from a trainer in host memory.
-        gpu = packet.devices[0]
-        via = frozenset(
-            w
-            for w, d in self._devices.items()
-            if choose(packet.devices, d) in _ON_DEVICE and gpu in self._reach.get(w, ())
-        )
-        return via, len(via) < len(self._devices) or not self._devices
-
-    async def stage(self, packet: Packet, digest: bool = False) -> tuple[int, ...] | None:
-        via, host = self._split(packet, digest)
-        sums = await self.host.stage(packet, digest) if host else None
-        if via:
-            await run_blocking(packet.nbytes, self.device.write, packet)
-        self._via_slab = via
-        return sums
-
-    def stage_now(self, packet: Packet) -> None:
-        """:meth:`stage` with no digests, on the calling thread (it blocks for the copies)."""
-        via, host = self._split(packet, False)
-        if host:
-            self.host.stage_now(packet)
+    def write(
+        self, packet: Packet, digest: bool, placements: Mapping[int, Placement]
+    ) -> tuple[int, ...] | None:
+        """Stage on the trainer's GPU for the workers that read it there
+        (their placement is on the device), and in the host staging only
+        where a worker of the send reads host memory."""
+        via = frozenset(w for w, p in placements.items() if p.on_device)
+        sums = self.host.write(packet, digest, placements) if len(via) < len(placements) else None
         if via:
             self.device.write(packet)
         self._via_slab = via
+        return sums
 
     def descriptor(self, worker_id: int) -> Any:
         if worker_id in self._via_slab:
@@ -106,9 +78,6 @@ class PlacedStaging:
         # each side looks for its own.)
         self.host.released(worker_id, version, holding)
         self.device.released(worker_id, version, holding)
-        if version == EVERY_VERSION:
-            self._devices.pop(worker_id, None)  # gone: it needs no staging any more
-            self._reach.pop(worker_id, None)
 
     async def aclose(self) -> None:
         self._via_slab = frozenset()

@@ -36,10 +36,9 @@ from .._copy import usable_cores
 from .._digest import copy_out, digests
 from .._exceptions import SenderLostError, WorkerError, WorkerLostError
 from .._frames import CHUNK_BYTES
-from .._offload import run_blocking
 from .._packet import Manifest, Packet
 from .._pinned import DeviceCopies, PageLocks, copy_to_host, host_buffer
-from .._placement import on_gpu
+from .._placement import Placement, on_gpu
 from .._readiness import wait_readable_any
 from ._base import Outgoing, SenderTransport, worker_failed, worker_lost
 from ._chain import ChainDriver
@@ -85,12 +84,10 @@ _CHAIN_END_WAIT = 0.05
 @dataclasses.dataclass
 class _Send:
     """The current send: what its workers are told, and once its chain
-    started, its workers by rank (rank -> worker id) and who acked it (the
-    sender's record of that send: ``Outgoing.done``, by worker id)."""
+    started, its workers by rank (rank -> worker id)."""
 
     info: SendInfo
     ranks: dict[int, int] = dataclasses.field(default_factory=dict)
-    done: set[int] = dataclasses.field(default_factory=set)
 
 
 class ChainStaging:
@@ -122,7 +119,7 @@ class ChainStaging:
         # (its version, its workers by rank, whether it was whole, who acked it).
         self._delta = DeltaBase.of(delta, chunk, delta_threads)
         self._holders: frozenset[int] = frozenset()
-        self._last: tuple[int, dict[int, int], bool, set[int]] | None = None
+        self._last: tuple[int, dict[int, int], bool, Outgoing] | None = None
         self.store = store
         self.prefix = prefix
         self.keys = SessionKeys(prefix)
@@ -177,11 +174,13 @@ class ChainStaging:
         return self.driver.why(rank)
 
     # -- staging ---------------------------------------------------------------
-    async def stage(self, packet: Packet, digest: bool = False) -> tuple[int, ...] | None:
+    def write(
+        self, packet: Packet, digest: bool, placements: Mapping[int, Placement]
+    ) -> tuple[int, ...] | None:
         # The previous send's chain may still be ending (within a stall
         # limit, when it was abandoned): it reads the buffer.
-        while self._thread is not None and self._thread.is_alive():
-            await anyio.sleep(0.005)
+        if self._thread is not None:
+            self._thread.join()
         self._thread = None
         # Its copies from the GPU are all in (a chain that broke did not
         # wait for every one) before the buffer is written again or adopted.
@@ -202,9 +201,9 @@ class ChainStaging:
         # (A buffer let go, or a base the encoder dropped, is unregistered.)
         self._pins.keep_only(self._buffer, None if self._delta is None else self._delta.memory)
         if gpu:
-            sums = await run_blocking(packet.nbytes, self._from_device, views, packet, digest)
+            sums = self._from_device(views, packet, digest)
         else:
-            sums = await run_blocking(packet.nbytes, copy_out, views, packet.tensors, digest, usable_cores())
+            sums = copy_out(views, packet.tensors, digest, usable_cores())
         threads = max(1, usable_cores() // packet.fanout)
         info = SendInfo(packet.version, manifest.layout_id, packet.subset, None, threads, manifest.nbytes, "")
         self._manifest = manifest
@@ -245,7 +244,8 @@ class ChainStaging:
         delta, buffer = self._delta, self._buffer
         if delta is None or last is None or buffer is None or not delta.fits(nbytes):
             return
-        version, ranks, whole, done = last
+        version, ranks, whole, outgoing = last
+        done = outgoing.acked
         holders = frozenset(rank for rank, wid in ranks.items() if wid in done)
         if not whole or not holders:
             return
@@ -274,7 +274,7 @@ class ChainStaging:
         """Start the chain of ``send`` over its workers that are alive, and
         gather their replies (see :class:`~._base.SendHandler`)."""
         current = self._send
-        assert current is not None and not current.ranks, "stage() comes first, once per send"
+        assert current is not None and not current.ranks, "write() comes first, once per send"
         links: dict[int, DistributedSenderTransport] = {}
         for wid in send.worker_ids:
             link = channels[wid]
@@ -282,29 +282,29 @@ class ChainStaging:
             try:
                 link.check_alive()
             except WorkerError as exc:
-                send.failures[wid] = exc
+                send.fail(wid, exc)
                 continue
             links[wid] = link
         if send.packet.digests is not None:
             current.info = dataclasses.replace(current.info, digests=send.packet.digests)
         current.ranks = {link.rank: wid for wid, link in links.items()}
-        current.done = send.done
-        self._start(send.deadline)
+        self._start(send)
 
         async def answer(wid: int, link: DistributedSenderTransport) -> None:
             try:
                 await link.reply(send.packet.version)
-                send.done.add(wid)
+                send.ack(wid)
             except WorkerError as exc:
-                send.failures[wid] = exc
+                send.fail(wid, exc)
 
         async with anyio.create_task_group() as group:
             for wid, link in links.items():
                 group.start_soon(answer, wid, link)
 
-    def _start(self, deadline: float) -> None:
+    def _start(self, outgoing: Outgoing) -> None:
         """Start the chain of the current send over its workers (never
-        waits). ``deadline``: ``time.monotonic()``."""
+        waits), until ``outgoing.deadline`` (``time.monotonic()``)."""
+        deadline = outgoing.deadline
         send = self._send
         if send is None or not send.ranks:
             return
@@ -315,7 +315,7 @@ class ChainStaging:
         eligible: set[int] | None = None
         if self._delta is not None:
             whole = send.info.subset is None
-            self._last = (send.info.version, dict(send.ranks), whole, send.done)
+            self._last = (send.info.version, dict(send.ranks), whole, outgoing)
             manifest = self._manifest
             if whole and manifest is not None:
                 if not self._delta.fit(manifest.nbytes, element_size(manifest)):
@@ -477,6 +477,8 @@ class DistributedSenderTransport:
         self.model_id = model_id
         self.layout: Manifest | None = None
         self.devices: tuple[str, ...] | None = None
+        #: (Its bytes come through host memory: the chain.)
+        self.reach: tuple[str, ...] = ()
         self._staging = staging
         self._member: Hello | None = None
         self._process: multiprocessing.process.BaseProcess | None = None

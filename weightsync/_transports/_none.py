@@ -14,6 +14,7 @@ class NoTransport:
     worker_id = 0
     layout: Manifest | None = None
     devices: tuple[str, ...] | None = None
+    reach: tuple[str, ...] = ()
 
     async def connect(self) -> Manifest | None:
         return None

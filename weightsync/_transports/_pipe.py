@@ -88,6 +88,7 @@ class PipeSenderTransport:
         self._channel = PipeChannel(pipe, self._lost, self._garbled)
         self.layout: Manifest | None = None
         self.devices: tuple[str, ...] | None = None
+        self.reach: tuple[str, ...] = ()
         self.worker_pid: int | None = None
         # The worker's Process object, when multiprocessing started it here:
         # it tells how the worker ended even after the user joined it.
@@ -159,6 +160,7 @@ class PipeSenderTransport:
         self._process = started_here(pid)
         self._channel.watch(pid)
         self.devices = devices
+        self.reach = reach
         self.layout = layout
         # A fresh worker runs on its own memory.
         self._staging.released(self.worker_id, 0, None)

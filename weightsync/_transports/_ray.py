@@ -56,10 +56,10 @@ from .._exceptions import (
     WorkerLostError,
     import_extra,
 )
-from .._offload import inline_allowed, run_blocking
+from .._offload import inline_allowed
 from .._packet import Manifest, Packet, Signature
 from .._pinned import PageLocks, copy_to_host, host_buffer
-from .._placement import on_gpu
+from .._placement import Placement, on_gpu
 from ._base import Applier, Outgoing, SenderTransport, worker_failed, worker_lost
 from ._delta_base import DeltaSetting
 from ._host_copy import HostCopy, HostCopyError, HostReader, UnmappedError
@@ -154,9 +154,9 @@ class RayStaging:
         self.replies: dict[int, Any] = {}
         self.failed: dict[int, ray.exceptions.RayError] = {}
         self._finished: set[int] = set()
-        # Who acked the current send (the sender's record of it:
-        # ``Outgoing.done``), and what a delta needs to know of it.
-        self._done: set[int] = set()
+        # The current send, as handed over (its ``acked`` is the send's
+        # record of who acked it), and what a delta needs to know of it.
+        self._outgoing: Outgoing | None = None
         self._kind: SendKind | None = None
         # Of a trainer on a GPU: the host buffer each send is copied into
         # before it is put (page-locked), and its views for the last layout.
@@ -181,7 +181,7 @@ class RayStaging:
         current one acked it (a whole relayed send then becomes its base)."""
         if self.relay is not None and self.version:
             targets = self.calls.keys() | self.deferred
-            acked = bool(targets) and targets <= self._done
+            acked = bool(targets) and self._outgoing is not None and targets <= self._outgoing.acked
             self.relay.settle(self.version, acked)
 
     def _on_host(self, packet: Packet) -> Sequence[torch.Tensor]:
@@ -211,7 +211,7 @@ class RayStaging:
         sums = digests(tensors, usable_cores()) if digest else None
         self._settle()
         self.calls, self.replies, self.failed, self._finished = {}, {}, {}, set()
-        self._done = set()
+        self._outgoing = None
         threads = max(1, usable_cores() // packet.fanout)
         # Everything an actor needs is in the one stored object, the same for
         # all actors: each call then has just two arguments (the function
@@ -233,14 +233,16 @@ class RayStaging:
             self._kind = SendKind(packet.version, packet.subset is None, _element_size(packet.tensors))
         return sums
 
-    async def stage(self, packet: Packet, digest: bool = False) -> tuple[int, ...] | None:
-        # A put is one memcpy into shared memory: not cancellable halfway.
-        return await run_blocking(packet.nbytes, self._put, packet, self.model_id, digest)
+    def write(
+        self, packet: Packet, digest: bool, placements: Mapping[int, Placement]
+    ) -> tuple[int, ...] | None:
+        # (A put is one memcpy into shared memory, which blocks.)
+        return self._put(packet, self.model_id, digest)
 
     def descriptor(self, worker_id: int) -> ray.ObjectRef | None:
         """The object worker ``worker_id`` reads, or None when it waits for
         its node's copy from the relay (see :meth:`route`)."""
-        assert self.ref is not None, "stage() comes first"
+        assert self.ref is not None, "write() comes first"
         if self._relayed(worker_id):
             self.deferred.add(worker_id)
             return None
@@ -268,7 +270,7 @@ class RayStaging:
         once the relay brought it (the first caller starts the relay, for
         every deferred worker of the send), or the trainer's own object
         where the relay is not used or could not reach the node."""
-        assert self.ref is not None, "stage() comes first"
+        assert self.ref is not None, "write() comes first"
         routes = self._start_routes()
         future = routes.get(self.node_of[worker_id])
         if future is None:
@@ -284,7 +286,7 @@ class RayStaging:
         """Start the relay for the deferred workers' nodes (once per send;
         never waits), under the caller's deadline."""
         if self._routes is None:
-            assert self.ref is not None, "stage() comes first"
+            assert self.ref is not None, "write() comes first"
             nodes = list(dict.fromkeys(self.node_of[w] for w in sorted(self.deferred)))
             if len(nodes) < 2:
                 self._routes = {}
@@ -302,10 +304,11 @@ class RayStaging:
         """Call every actor of ``send``: at once where the trainer's object
         reaches it, once its node's copy is there where the relay feeds it;
         and gather their replies (see :class:`~._base.SendHandler`)."""
-        assert self.ref is not None and self.version == send.packet.version, "stage() comes first"
+        assert self.ref is not None and self.version == send.packet.version, "write() comes first"
         version = send.packet.version
-        self._done = send.done
+        self._outgoing = send
         links: dict[int, RaySenderTransport] = {}
+        failed: set[int] = set()
         for wid in send.worker_ids:
             link = channels[wid]
             assert isinstance(link, RaySenderTransport)
@@ -318,7 +321,8 @@ class RayStaging:
                 # the actor's node before the call runs: the actor sees numpy views.
                 self.calls[wid] = link.apply_call(self.ref)
             except WorkerError as exc:
-                send.failures[wid] = exc
+                send.fail(wid, exc)
+                failed.add(wid)
                 self.released(wid, version)
         if self.deferred:
             self._start_routes()  # the chain runs while the other actors' calls are waited for
@@ -336,15 +340,15 @@ class RayStaging:
                 if reply is None:
                     reply = await link.result(self.calls[wid], version)
                 link.check_reply(reply, version)
-                send.done.add(wid)
+                send.ack(wid)
             except WorkerError as exc:
-                send.failures[wid] = exc
+                send.fail(wid, exc)
             finally:
                 self.released(wid, version)
 
         async with anyio.create_task_group() as group:
             for wid, link in links.items():
-                if wid not in send.failures:
+                if wid not in failed:
                     group.start_soon(answer, wid, link)
 
     def why(self, worker_id: int) -> str | None:
@@ -422,6 +426,8 @@ class RaySenderTransport:
         self._staging = staging
         self.layout: Manifest | None = None
         self.devices: tuple[str, ...] | None = None
+        #: (Its actor reads host memory: Ray's object store.)
+        self.reach: tuple[str, ...] = ()
         # Whether the actor's class has RayWeightSyncMixin's method.
         self._has_method: bool | None = None
         self._closed = False

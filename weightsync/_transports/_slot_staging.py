@@ -19,16 +19,15 @@ worker's own memory.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from .._copy import CopyPlan
 from .._exceptions import InvalidWeightsError
-from .._offload import run_blocking
 from .._packet import Manifest, Packet
-from .._placement import devices_of, on_gpu
+from .._placement import Placement, devices_of, on_gpu
 from .._segment import AttachedSegments, Segment, SegmentRef
 from ._slot_ledger import SlotLedger
 
@@ -64,7 +63,9 @@ class SlotStaging:
         self.slots.append(slot)
         return slot
 
-    async def stage(self, packet: Packet, digest: bool = False) -> tuple[int, ...] | None:
+    def write(
+        self, packet: Packet, digest: bool, placements: Mapping[int, Placement]
+    ) -> tuple[int, ...] | None:
         """Write ``packet`` into a free slot and publish it.
 
         With ``digest`` the bytes are checked once for the whole host, here:
@@ -80,7 +81,7 @@ class SlotStaging:
         slot, views = self._writable_slot(packet.manifest, packet.devices)
         sums: tuple[int, ...] | None = None
         if digest:
-            sums, bad = await run_blocking(packet.nbytes, slot.write_checked, views, packet, self.after_copy)
+            sums, bad = slot.write_checked(views, packet, self.after_copy)
             if bad:
                 names = ", ".join(packet.manifest.names[i] for i in bad)
                 raise InvalidWeightsError(
@@ -90,15 +91,9 @@ class SlotStaging:
             # Checked and published: nothing in this process may write it now.
             slot.protect(writable=False)
         else:
-            await run_blocking(packet.nbytes, slot.write, views, packet, False)
+            slot.write(views, packet, False)
         self.current, self._version = slot, packet.version
         return sums
-
-    def stage_now(self, packet: Packet) -> None:
-        """:meth:`stage` with no digests, on the calling thread (it blocks for the copy)."""
-        slot, views = self._writable_slot(packet.manifest, packet.devices)
-        slot.write(views, packet, False)
-        self.current, self._version = slot, packet.version
 
     def _writable_slot(
         self, manifest: Manifest, devices: tuple[str, ...]
@@ -116,7 +111,7 @@ class SlotStaging:
         return slot, views
 
     def descriptor(self, worker_id: int) -> SegmentRef:
-        assert self.current is not None, "stage() comes first"
+        assert self.current is not None, "write() comes first"
         self._ledger.told(worker_id, self.current.token, self._version)
         return self.current.ref()
 

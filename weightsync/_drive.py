@@ -1,0 +1,297 @@
+"""The two drivers of a send, side by side: they perform a
+:class:`~._send.SendMachine`'s actions and feed it the results.
+
+- :func:`drive`: a coroutine, in the running asyncio loop (the async
+  sender, ``send_async()``'s background half, a blocking call from a
+  thread that runs a loop of its own).
+- :func:`drive_blocking`: on the calling thread, with no event loop, for a
+  caller that blocks anyway (``send()``): the staging is written, the
+  workers told and their acks awaited in a poll of that thread. An action
+  whose step is a transport's coroutine (announcements, a channel's own
+  delivery, a chain's hand-over) runs on a loop entered for it alone.
+
+Each step is written once, on :class:`SendIO`; the drivers differ only in
+how they wait. Either may stop at :data:`~._send.STAGED` and the other go
+on from there (``send_async()`` stages on the caller's thread, the loop
+thread gathers the acks).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import anyio
+
+from ._announce import Announcements
+from ._exceptions import WorkerError
+from ._offload import run_blocking
+from ._packet import Packet
+from ._packing import Packer
+from ._readiness import ReadyWatch
+from ._send import (
+    Action,
+    Announce,
+    Deliver,
+    Done,
+    HandOver,
+    Listen,
+    Post,
+    SendMachine,
+    SendReport,
+    Staged,
+    Write,
+)
+from ._transports._base import ChannelTransport, SenderTransport, SendHandler, Staging
+
+__all__ = ["SendIO", "drive", "drive_blocking"]
+
+# How long the blocking driver waits in one poll before it looks whether
+# Ctrl-C came: the most a Ctrl-C is held back while no ack comes.
+_POLL_SLICE = 0.05
+
+
+class SendIO:
+    """What a sender's sends act on, and each step of a send written once:
+    its channels (the sender's own mapping, which membership changes update
+    in place), its staging, its packer, its gatherer of announcements, and
+    one epoll set kept from send to send."""
+
+    def __init__(
+        self,
+        transports: Mapping[int, SenderTransport],
+        staging: Staging | None,
+        packer: Packer,
+        acks: Announcements,
+    ) -> None:
+        self.transports = transports
+        self.staging, self.packer, self.acks = staging, packer, acks
+        self._watch: ReadyWatch | None = None
+
+    @property
+    def channels(self) -> Mapping[int, ChannelTransport]:
+        # (A send yields Post and Listen only where the staging is no handler.)
+        return self.transports  # type: ignore[return-value]
+
+    def watch(self) -> ReadyWatch:
+        if self._watch is None:
+            self._watch = ReadyWatch()
+        return self._watch
+
+    # -- the steps that never wait ------------------------------------------------
+    def write(self, action: Write) -> Packet:
+        return self.packer.stage(action.packet, self.staging, action.verify, action.placements)
+
+    def post(self, action: Post) -> dict[int, Any]:
+        told: dict[int, Any] = {}
+        channels, packet = self.channels, action.packet
+        keep = self.watch().keep
+        for wid in action.worker_ids:
+            channel = channels[wid]
+            try:
+                channel.post(packet)
+                fds = told[wid] = channel.ack_fds(packet)
+            except WorkerError as exc:
+                told[wid] = exc
+                continue
+            if fds is not None:
+                keep(fds)
+        return told
+
+    def take(self, packet: Packet, watched: Mapping[int, tuple[int, ...]], ready: set[int]) -> dict[int, Any]:
+        """What each watched worker whose descriptors are ``ready`` sent."""
+        heard: dict[int, Any] = {}
+        channels = self.channels
+        for wid, fds in watched.items():
+            if not ready.isdisjoint(fds):
+                try:
+                    heard[wid] = channels[wid].try_ack(packet)
+                except WorkerError as exc:
+                    heard[wid] = exc
+        return heard
+
+    def _armed(self, watched: Mapping[int, tuple[int, ...]]) -> tuple[ReadyWatch, set[int]]:
+        """The watch (its descriptors kept since :meth:`post`), and those of ``watched``."""
+        return self.watch(), {fd for fds in watched.values() for fd in fds}
+
+    # -- the steps that are a transport's coroutines --------------------------------
+    async def announce(self, action: Announce) -> dict[int, WorkerError]:
+        try:
+            await self.acks.announced(action.targets, action.timeout, action.version)
+        except WorkerError as exc:
+            return dict(exc.failures)
+        return {}
+
+    async def deliver(self, action: Deliver) -> dict[int, WorkerError | None]:
+        answers: dict[int, WorkerError | None] = {}
+        channels, packet = self.channels, action.packet
+
+        async def one(wid: int) -> None:
+            try:
+                await channels[wid].deliver(packet)
+                answers[wid] = None
+            except WorkerError as exc:
+                answers[wid] = exc
+
+        # One cancel scope for all: the deadline is the same for every worker.
+        with anyio.move_on_after(max(action.deadline - anyio.current_time(), 0)):
+            if len(action.worker_ids) == 1:
+                await one(action.worker_ids[0])
+            else:
+                async with anyio.create_task_group() as group:
+                    for wid in action.worker_ids:
+                        group.start_soon(one, wid)
+        return answers
+
+    async def hand_over(self, action: HandOver) -> None:
+        handler = self.staging
+        assert isinstance(handler, SendHandler)
+        with anyio.move_on_after(max(action.deadline - anyio.current_time(), 0)):
+            await handler.handle_send(action.send, self.transports)
+
+    async def listen(self, action: Listen) -> dict[int, Any]:
+        """:class:`Listen` in the running loop: one waiter for every watched
+        descriptor, woken once per readiness."""
+        watch, wanted = self._armed(action.watched)
+        with watch.armed():
+            while True:
+                ready = watch.poll(0)
+                if ready:
+                    heard = self.take(action.packet, action.watched, ready)
+                    if heard:
+                        return heard
+                    watch.drop(ready - wanted)  # (a worker of another send, or done already)
+                left = action.deadline - anyio.current_time()
+                if left <= 0:
+                    return {}
+                with anyio.move_on_after(left):
+                    await watch.wait()
+
+    def listen_blocking(self, action: Listen, interrupted: Callable[[], bool]) -> dict[int, Any]:
+        """:class:`Listen` on the calling thread: a poll, in slices, so
+        that Ctrl-C is seen (and a flooding worker cannot hold it off).
+
+        :raises KeyboardInterrupt: ``interrupted()`` turned true.
+        """
+        watch, wanted = self._armed(action.watched)
+        timeout = 0.0
+        while True:
+            ready = watch.poll(timeout)
+            if ready:
+                heard = self.take(action.packet, action.watched, ready)
+                if heard:
+                    return heard
+                watch.drop(ready - wanted)
+            if interrupted():
+                raise KeyboardInterrupt
+            left = action.deadline - time.monotonic()
+            if left <= 0:
+                return {}
+            timeout = min(left, _POLL_SLICE)
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+
+async def drive(machine: SendMachine, io: SendIO, *, until_staged: bool = False) -> SendReport | None:
+    """Perform ``machine``'s actions in the running loop, from its
+    :meth:`~SendMachine.start` until it is done: its report. ``until_staged``: stop
+    once the weights are staged (None); either driver goes on from there
+    (``action=STAGED``). An interruption or a cancellation
+    abandons the send (``machine.close()``) before it goes on.
+
+    :raises: the send's errors (see ``AsyncWeightSender.send``).
+    """
+    return await resume(machine, io, machine.start(), until_staged=until_staged)
+
+
+async def resume(
+    machine: SendMachine, io: SendIO, action: Action, *, until_staged: bool = False
+) -> SendReport | None:
+    """:func:`drive`, from ``action`` (where another driver stopped)."""
+    try:
+        while True:
+            if isinstance(action, Listen):
+                result: Any = await io.listen(action)
+            elif isinstance(action, Write):
+                result = await run_blocking(action.packet.nbytes, io.write, action)
+            elif isinstance(action, Post):
+                result = io.post(action)
+            elif isinstance(action, Staged):
+                if until_staged:
+                    return None
+                result = None
+            elif isinstance(action, Done):
+                return action.report
+            elif isinstance(action, Announce):
+                result = await io.announce(action)
+            elif isinstance(action, Deliver):
+                result = await io.deliver(action)
+            else:
+                await io.hand_over(action)
+                result = None
+            action = machine.feed(result)
+    except BaseException:
+        machine.close()
+        raise
+
+
+def drive_blocking(
+    machine: SendMachine,
+    io: SendIO,
+    *,
+    enter_loop: Callable[[Callable[[], Awaitable[Any]]], Any],
+    interrupted: Callable[[], bool],
+    until_staged: bool = False,
+    action: Action | None = None,
+) -> SendReport | None:
+    """Perform ``machine``'s actions on the calling thread, with no event
+    loop (``action``: from where another driver stopped), until it is
+    done: its report. An action that needs a loop runs through
+    ``enter_loop`` (a coroutine function: run it to its end on a loop,
+    blocking). ``until_staged``: stop once the weights are staged (None);
+    either driver goes on from there (``action=STAGED``). Looks at
+    ``interrupted()`` after every action and while it waits; once true,
+    the send is abandoned (``machine.close()``) and KeyboardInterrupt
+    raised: after the staging's copy, never during it.
+
+    :raises: the send's errors (see ``AsyncWeightSender.send``).
+    """
+    try:
+        if action is None:
+            action = machine.start()
+        while True:
+            if isinstance(action, Listen):
+                result: Any = io.listen_blocking(action, interrupted)
+            elif isinstance(action, Write):
+                result = io.write(action)
+            elif isinstance(action, Post):
+                result = io.post(action)
+            elif isinstance(action, Staged):
+                if until_staged:
+                    return None
+                result = None
+            elif isinstance(action, Done):
+                return action.report
+            elif isinstance(action, Announce):
+                result = enter_loop(_step(io.announce, action))
+            elif isinstance(action, Deliver):
+                result = enter_loop(_step(io.deliver, action))
+            else:
+                result = enter_loop(_step(io.hand_over, action))
+            if interrupted():
+                raise KeyboardInterrupt  # (nobody waits for the rest of the send)
+            action = machine.feed(result)
+    except BaseException:
+        machine.close()
+        raise
+
+
+def _step(step: Callable[[Any], Awaitable[Any]], action: Any) -> Callable[[], Awaitable[Any]]:
+    async def run() -> Any:
+        return await step(action)
+
+    return run
