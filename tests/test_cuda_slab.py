@@ -573,11 +573,14 @@ def test_a_verified_send_reaches_workers_on_slots_without_writing_a_slot(rig: Ca
     staging = r.scheme.staging
     assert staging is not None
     first = sender.send()
+    assert first.placements == {0: "same-device", 1: "same-device"}, first.placements
     slot = staging.slab
     assert slot is not None and slot.data is not None
     held = slot.data.clone()
     r.bump()
-    sender.send(verify=True)
+    verified = sender.send(verify=True)
+    # The report says what happened: through host memory, not device to device.
+    assert verified.placements == {0: "through-host", 1: "through-host"}, verified.placements
     expected = on_host(r.model)
     for i in range(2):
         r.assert_holds(i, expected)

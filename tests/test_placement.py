@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from weightsync import ResourceExhaustedError
-from weightsync._placement import Placement, choose, devices_of
+from weightsync._placement import Placement, choose, devices_of, route
 from weightsync._segment import Segment
 from weightsync._slab import AttachedSlabs, SlabRef
 
@@ -37,6 +37,38 @@ def test_the_placement_of_every_pair_of_devices(
     trainer: tuple[str, ...], worker: tuple[str, ...] | None, expected: Placement
 ) -> None:
     assert choose(trainer, worker) is expected
+
+
+@pytest.mark.parametrize(
+    "trainer, worker, reach, device_staging, expected",
+    [
+        # Device to device where the staging can and the worker reaches the trainer's GPU.
+        ((GPU_A,), (GPU_A,), (GPU_A,), True, Placement.SAME_DEVICE),
+        ((GPU_A,), (GPU_B,), (GPU_A, GPU_B), True, Placement.PEER),
+        # A worker without peer access to the trainer's GPU (or that cannot see it).
+        ((GPU_A,), (GPU_B,), (GPU_B,), True, Placement.THROUGH_HOST),
+        ((GPU_A,), (GPU_A,), (), True, Placement.THROUGH_HOST),
+        # A verified send, or a scheme that stages in host memory.
+        ((GPU_A,), (GPU_A,), (GPU_A,), False, Placement.THROUGH_HOST),
+        ((GPU_A,), (GPU_B,), (GPU_A, GPU_B), False, Placement.THROUGH_HOST),
+        # Host memory on either side is as the plain choice says.
+        ((GPU_A,), ("cpu",), (), True, Placement.DEVICE_TO_HOST),
+        (("cpu",), (GPU_A,), (GPU_A,), True, Placement.HOST_TO_DEVICE),
+        (("cpu",), ("cpu",), (), False, Placement.HOST),
+        ((GPU_A, "cpu"), ("cpu",), (), True, Placement.MIXED),
+    ],
+)
+def test_a_send_routes_each_worker_once_by_what_its_staging_and_the_worker_can_do(
+    trainer: tuple[str, ...],
+    worker: tuple[str, ...],
+    reach: tuple[str, ...],
+    device_staging: bool,
+    expected: Placement,
+) -> None:
+    """``route`` is the one decision of how a send reaches a worker: the
+    staging follows it and the report says it (``SendReport.placements``)."""
+    assert route(trainer, worker, reach, device_staging=device_staging) is expected
+    assert expected.on_device is (expected in (Placement.SAME_DEVICE, Placement.PEER))
 
 
 def test_devices_are_named_once_each_in_the_order_met() -> None:

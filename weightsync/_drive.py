@@ -175,9 +175,8 @@ class SendIO:
         :raises KeyboardInterrupt: ``interrupted()`` turned true.
         """
         watch, wanted = self._armed(action.watched)
-        timeout = 0.0
         while True:
-            ready = watch.poll(timeout)
+            ready = watch.poll(max(min(action.deadline - time.monotonic(), _POLL_SLICE), 0.0))
             if ready:
                 heard = self.take(action.packet, action.watched, ready)
                 if heard:
@@ -185,10 +184,8 @@ class SendIO:
                 watch.drop(ready - wanted)
             if interrupted():
                 raise KeyboardInterrupt
-            left = action.deadline - time.monotonic()
-            if left <= 0:
+            if action.deadline <= time.monotonic():
                 return {}
-            timeout = min(left, _POLL_SLICE)
 
     def close(self) -> None:
         if self._watch is not None:

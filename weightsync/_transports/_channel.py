@@ -9,7 +9,12 @@ promptly. Where pidfds are missing, the peer is polled every
 how it ended, when this process can tell.
 
 This is the hot path of every send: readiness is checked with one ``select``
-call, and a wait is one future on the loop, not a cancel scope.
+call, and a wait is one future on the loop, not a cancel scope. Messages
+are framed as ``multiprocessing.Connection`` frames them (a 4-byte
+big-endian length, then the bytes), so either end may be a plain
+``Connection``; but the channel writes each frame with one ``os.write``
+(a send's notice is framed once for all its workers: :func:`frame`) and
+reads through a buffer of its own, one ``os.read`` for whatever came.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import pickle
 import select
 import signal
+import struct
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -46,8 +52,22 @@ _SMALL = 4096
 
 
 def encode(message: tuple[Any, ...]) -> bytes:
-    """A message as it travels."""
+    """A message as it travels (unframed)."""
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+_LENGTH = struct.Struct("!i")
+_LONG_LENGTH = struct.Struct("!Q")
+# What a read takes at once: every message but a large model's hello.
+_READ_SIZE = 1 << 16
+
+
+def frame(message: tuple[Any, ...]) -> bytes:
+    """A message framed for the pipe, as ``Connection.send_bytes`` frames it."""
+    data = encode(message)
+    if len(data) > 0x7FFFFFFF:
+        return _LENGTH.pack(-1) + _LONG_LENGTH.pack(len(data)) + data
+    return _LENGTH.pack(len(data)) + data
 
 
 def _readable(fd: int) -> bool:
@@ -163,6 +183,9 @@ class PipeChannel:
         self._lost = lost
         self._garbled = garbled
         self.peer: ProcessWatch | None = None
+        # Bytes read but not yet taken as messages (the start of a frame
+        # whose rest has not come, or the frames after the one taken).
+        self._pending = bytearray()
 
     def watch(self, pid: int) -> None:
         """Start watching process ``pid`` (the peer) for its exit."""
@@ -198,7 +221,7 @@ class PipeChannel:
 
         :raises: ``lost(...)`` if the peer closed its end or died.
         """
-        data = encode(message)
+        data = frame(message)
         try:
             while not select.select([], [self._fd], [], 0)[1]:
                 with anyio.move_on_after(LIVENESS_PERIOD):
@@ -206,39 +229,84 @@ class PipeChannel:
                 if not self.peer_alive():
                     raise self._lost("its process exited")
             if len(data) <= _SMALL:
-                self.conn.send_bytes(data)
+                self._write(data)
             else:
-                await anyio.to_thread.run_sync(self.conn.send_bytes, data)
+                await anyio.to_thread.run_sync(self._write, data)
         except (OSError, EOFError, ValueError) as exc:
             raise self._closed(exc) from exc
+
+    def _write(self, data: bytes) -> None:
+        """Write a whole frame (blocking for the part the pipe has no room for)."""
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
 
     def try_send(self, message: tuple[Any, ...]) -> bool:
         """Send one small message now if that cannot block; False otherwise.
 
         :raises: ``lost(...)`` if the peer closed its end.
         """
-        return self.try_send_encoded(encode(message))
+        return self.try_send_framed(frame(message))
 
-    def try_send_encoded(self, data: bytes) -> bool:
-        """:meth:`try_send` for a message already encoded (:func:`encode`)."""
+    def try_send_framed(self, data: bytes) -> bool:
+        """:meth:`try_send` for a message already framed (:func:`frame`):
+        one ``os.write`` where the pipe has room for it (a small frame then
+        goes whole)."""
         if len(data) > _SMALL:
             return False
         try:
             if not select.select([], [self._fd], [], 0)[1]:
                 return False
-            self.conn.send_bytes(data)
+            self._write(data)
         except (OSError, EOFError, ValueError) as exc:
             raise self._closed(exc) from exc
         return True
 
+    def _extent(self) -> tuple[int, int] | None:
+        """Where the next frame's bytes start and end in the buffer; None
+        while its length has not all come."""
+        pending = self._pending
+        if len(pending) < 4:
+            return None
+        size = _LENGTH.unpack_from(pending)[0]
+        if size != -1:
+            return 4, 4 + size
+        if len(pending) < 12:
+            return None
+        return 12, 12 + _LONG_LENGTH.unpack_from(pending, 4)[0]
+
+    def _frame(self) -> bytes | None:
+        """The next whole frame's bytes, taken out of the buffer; None while none is whole."""
+        extent = self._extent()
+        if extent is None or len(self._pending) < extent[1]:
+            return None
+        start, end = extent
+        data = bytes(self._pending[start:end])
+        del self._pending[:end]
+        return data
+
+    def _frame_ready(self) -> bool:
+        extent = self._extent()
+        return extent is not None and len(self._pending) >= extent[1]
+
     def poll(self) -> tuple[Any, ...] | None:
         """The next message if one is ready, without waiting."""
-        try:
-            if not _readable(self._fd):
-                return None
-            data = self.conn.recv_bytes()
-        except (OSError, EOFError, ValueError) as exc:
-            raise self._closed(exc) from exc
+        data = self._frame()
+        if data is None:
+            try:
+                if not _readable(self._fd):
+                    return None
+                extent = self._extent()
+                want = _READ_SIZE if extent is None else max(_READ_SIZE, extent[1] - len(self._pending))
+                got = os.read(self._fd, want)
+            except (OSError, ValueError) as exc:
+                raise self._closed(exc) from exc
+            if not got:
+                raise self._closed(EOFError(""))
+            self._pending += got
+            data = self._frame()
+            if data is None:
+                return None  # (the rest of the frame is still to come)
         try:
             # Trusted: the pipe the user set up between their own processes
             # (unpickling runs code; see docs/usage.md on what the channel trusts).
@@ -274,7 +342,10 @@ class PipeChannel:
 
     def wait_ready(self, timeout: float) -> bool:
         """Block this thread up to ``timeout`` seconds until the pipe is
-        readable or the peer exited; True if either happened."""
+        readable or the peer exited; True if either happened (or a message
+        was read already)."""
+        if self._frame_ready():
+            return True
         fds = [self._fd]
         watch = self.peer.fd if self.peer is not None else None
         if watch is not None:

@@ -36,7 +36,7 @@ from .._exceptions import SenderClosedError, SenderLostError, WorkerLostError, W
 from .._packet import Manifest, Packet, Signature
 from .._placement import reachable
 from ._base import EVERY_VERSION, DeviceAwareStaging, Staging, StagingReader, worker_failed, worker_lost
-from ._channel import PipeChannel, describe_exit, encode, exit_status, started_here
+from ._channel import PipeChannel, describe_exit, exit_status, frame, started_here
 
 __all__ = ["EncodedUpdates", "PipeEndpoint", "PipeSenderTransport", "PipeUpdate"]
 
@@ -48,9 +48,9 @@ _WORKER_MESSAGES: dict[str, tuple[int, ...]] = {"hello": (5, 6), "ack": (3,), "e
 
 
 class EncodedUpdates:
-    """The last update message encoded, and its bytes, for the transports of
+    """The last update message framed, and its bytes, for the transports of
     one sender: the workers of one send are told the same thing (the
-    staging's descriptor is one for all of them), so it is encoded once per
+    staging's descriptor is one for all of them), so it is framed once per
     send, not once per worker."""
 
     def __init__(self) -> None:
@@ -59,7 +59,7 @@ class EncodedUpdates:
     def encoded(self, message: tuple[Any, ...]) -> bytes:
         last = self._last  # (one read: another thread may replace it)
         if last[0] != message:
-            last = self._last = (message, encode(message))
+            last = self._last = (message, frame(message))
         return last[1]
 
 
@@ -193,7 +193,7 @@ class PipeSenderTransport:
         )
 
     def post(self, packet: Packet) -> bool:
-        if self._channel.try_send_encoded(self._updates.encoded(self._update(packet))):
+        if self._channel.try_send_framed(self._updates.encoded(self._update(packet))):
             self._posted = packet.version
             self._resend = False
             return True
