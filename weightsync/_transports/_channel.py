@@ -1,5 +1,4 @@
-"""A ``multiprocessing`` pipe as a coroutine channel of small pickled tuples,
-and what can be known about the process at its other end.
+"""A ``multiprocessing`` pipe as a coroutine channel of small pickled tuples.
 
 A read waits in the event loop for the pipe *or* the peer's pidfd to become
 readable, whichever comes first: a peer that died while another process still
@@ -20,12 +19,9 @@ reads through a buffer of its own, one ``os.read`` for whatever came.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import multiprocessing.process
 import os
 import pickle
 import select
-import signal
 import struct
 import time
 from collections.abc import Callable
@@ -36,14 +32,7 @@ import anyio
 
 from .._readiness import ProcessWatch, wait_readable_any
 
-__all__ = [
-    "LIVENESS_PERIOD",
-    "PipeChannel",
-    "describe_exit",
-    "encode",
-    "exit_status",
-    "started_here",
-]
+__all__ = ["LIVENESS_PERIOD", "PipeChannel", "encode", "frame"]
 
 LIVENESS_PERIOD = 0.2
 # Writes up to this size fit in a free pipe slot, so a write that follows a
@@ -76,95 +65,6 @@ def _readable(fd: int) -> bool:
 
 def _now() -> float:
     return asyncio.get_running_loop().time()
-
-
-# How long a lost peer's exit status may take to show once its pipe closed:
-# it closes its descriptors before it becomes a zombie, and a fork server
-# reports its children's status a moment after reaping them.
-_STATUS_WAIT = 0.25
-
-
-def started_here(pid: int) -> multiprocessing.process.BaseProcess | None:
-    """The ``multiprocessing`` Process object of ``pid`` if this process
-    started it (by any start method; a fork server's children are not our
-    children, but their Process objects still learn how they ended)."""
-    # multiprocessing keeps the unjoined children of this process here.
-    for process in list(getattr(multiprocessing.process, "_children", ())):
-        if process.pid == pid:
-            return process
-    return None
-
-
-def _status_now(
-    pid: int, process: multiprocessing.process.BaseProcess | None
-) -> tuple[int | None, int | None] | None:
-    """(exit code, signal) of process ``pid`` if it ended and this process can
-    tell; None otherwise."""
-    code: int | None = None
-    if process is not None:
-        with contextlib.suppress(ValueError):  # the user closed the Process object
-            code = process.exitcode
-    if code is not None:
-        return (code, None) if code >= 0 else (None, -code)
-    try:
-        # Our child: read its status without reaping it (its Process object
-        # or the user's waitpid still gets it).
-        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except OSError:  # not our child
-        info = None
-    if info is not None:
-        if info.si_code == os.CLD_EXITED:
-            return info.si_status, None
-        return None, info.si_status
-    # A zombie of another parent: /proc still has its wait status (field 52).
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-        if fields[0] == b"Z" and len(fields) > 49:
-            status = int(fields[49])
-            return ((status >> 8) & 0xFF, None) if status & 0x7F == 0 else (None, status & 0x7F)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def exit_status(
-    pid: int, process: multiprocessing.process.BaseProcess | None = None
-) -> tuple[int | None, int | None]:
-    """(exit code, signal) of a peer that is gone, waiting briefly for it to
-    show; (None, None) when it cannot be told (or it still runs)."""
-    deadline = time.monotonic() + _STATUS_WAIT
-    while True:
-        found = _status_now(pid, process)
-        if found is not None:
-            return found
-        if time.monotonic() >= deadline or not _may_tell(pid, process):
-            return None, None
-        time.sleep(0.01)
-
-
-def _may_tell(pid: int, process: multiprocessing.process.BaseProcess | None) -> bool:
-    """Whether waiting can still bring the status: the process still exists
-    (running, or a zombie), or its Process object will learn it."""
-    if process is not None:
-        with contextlib.suppress(ValueError):  # closed: it will never tell
-            process.is_alive()
-            return True
-    return os.path.exists(f"/proc/{pid}")
-
-
-def describe_exit(exit_code: int | None, exit_signal: int | None) -> str:
-    if exit_signal is not None:
-        try:
-            name = signal.Signals(exit_signal).name
-        except ValueError:
-            name = f"signal {exit_signal}"
-        if exit_signal == signal.SIGKILL:
-            return f"it was killed by {name} (a kill -9, or the out-of-memory killer)"
-        return f"it was killed by {name}"
-    if exit_code is not None:
-        return f"it exited with status {exit_code}"
-    return ""
 
 
 class PipeChannel:

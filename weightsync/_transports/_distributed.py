@@ -42,7 +42,6 @@ from .._placement import Placement, on_gpu
 from .._readiness import wait_readable_any
 from ._base import Outgoing, SenderTransport, worker_failed, worker_lost
 from ._chain import ChainDriver
-from ._channel import describe_exit, exit_status, started_here
 from ._delta_base import DeltaBase, DeltaChoice, DeltaSetting, element_size
 from ._dist_chain import WorkerChain
 from ._dist_protocol import (
@@ -62,6 +61,7 @@ from ._dist_protocol import (
 from ._dist_relay import ChainUpdate, WorkerRelay
 from ._gloo_chain import connect_store, short_message
 from ._liveness import Liveness, TrainerLink
+from ._peer import describe_exit, exit_status, started_here
 
 __all__ = [
     "ChainEndpoint",

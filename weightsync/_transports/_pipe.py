@@ -36,7 +36,8 @@ from .._exceptions import SenderClosedError, SenderLostError, WorkerLostError, W
 from .._packet import Manifest, Packet, Signature
 from .._placement import reachable
 from ._base import EVERY_VERSION, DeviceAwareStaging, Staging, StagingReader, worker_failed, worker_lost
-from ._channel import PipeChannel, describe_exit, exit_status, frame, started_here
+from ._channel import PipeChannel, frame
+from ._peer import describe_exit, exit_status, started_here
 
 __all__ = ["EncodedUpdates", "PipeEndpoint", "PipeSenderTransport", "PipeUpdate"]
 
