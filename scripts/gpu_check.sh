@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The device check of a GPU machine, in one run of at most 6 minutes:
+# The device check of a GPU machine, in one run of at most 7 minutes:
 # installs what the machine lacks from the wheels in .whl/, runs the tests
 # marked cuda and the bench's GPU rows, and writes into OUTDIR
 #   gpu_check.log         every step's output, its exit status and seconds
 #   summary.txt           one line per step, the pytest summary line, the device
 #   bench-cuda.json       trainer and workers on the GPU (multiprocess, shared,
-#                         --compare cuda-ipc; 64 and 1024 MiB; 4 workers)
+#                         --compare cuda-ipc; 1, 64 and 1024 MiB; 4 workers)
+#   bench-cuda-small.json the fixed cost of a send on the GPU: 1 MiB to 4 workers
+#                         and 64 KiB to 1 worker, blocking send() (as the README's
+#                         trainer calls it), 30 sends each (multiprocess, shared,
+#                         --compare cuda-ipc)
 #   bench-cuda-1.json     the same, one worker, 64 MiB (multiprocess, cuda-ipc)
 #   bench-cuda-cpu.json   GPU trainer, CPU workers (1024 MiB, 4 workers)
 #   bench-cpu-cpu.json    the same bytes, CPU trainer and workers (what the row
@@ -14,7 +18,7 @@
 #                         --compare pinned-shm)
 #   bench-torchrl-cuda.json  trainer and workers on the GPU, beside torchrl's
 #                         own schemes (multiprocess, shared, --compare
-#                         torchrl-mp torchrl-shared; 64 MiB; 4 workers), where
+#                         torchrl-mp torchrl-shared; 1, 64 and 1024 MiB; 4 workers), where
 #                         torchrl imports; else a line in the summary says why not
 # (every bench case: the bytes as 4 tensors, each send checked on every worker)
 # Each step has its own time limit, cut to what is left of the 6 minutes;
@@ -46,7 +50,7 @@
 # install steps and uses the environment as it is; GPU_CHECK_SITE is where
 # the wheels go (default /tmp/weightsync-gpu-site), GPU_CHECK_TORCHRL_SITE
 # torchrl's (default /tmp/weightsync-gpu-site-torchrl); GPU_CHECK_BUDGET,
-# the seconds the whole run may take (default 350).
+# the seconds the whole run may take (default 420).
 set -u
 
 if [ $# -ne 1 ]; then
@@ -61,7 +65,7 @@ SUMMARY=$OUT/summary.txt
 PYTHON=${PYTHON:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/weightsync-gpu-site}
 TORCHRL_SITE=${GPU_CHECK_TORCHRL_SITE:-/tmp/weightsync-gpu-site-torchrl}
-BUDGET=${GPU_CHECK_BUDGET:-350}
+BUDGET=${GPU_CHECK_BUDGET:-420}
 START=$(date +%s)
 : >"$LOG"
 : >"$SUMMARY"
@@ -170,9 +174,41 @@ fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 step import 30 "$PYTHON" -c "import tensordict, weightsync; print('weightsync', weightsync.__version__)"
 step pytest-cuda 150 "$PYTHON" -m pytest -m cuda -p no:cacheprovider -q -rfEs --durations=10
-step bench-cuda-cuda 100 bench --trainer-device cuda --worker-device cuda \
-    --scheme multiprocess shared --compare cuda-ipc --size 64 1024 --workers 4 --tensors 4 \
+step bench-cuda-cuda 110 bench --trainer-device cuda --worker-device cuda \
+    --scheme multiprocess shared --compare cuda-ipc --size 1 64 1024 --workers 4 --tensors 4 \
     --json "$OUT/bench-cuda.json"
+# The fixed cost of a send: small sizes, many sends, one blocking send() each.
+step bench-cuda-small 40 bench --trainer-device cuda --worker-device cuda \
+    --scheme multiprocess shared --compare cuda-ipc --size 1 --workers 4 --tensors 4 \
+    --blocking --repeats 30 --warmup 5 --json "$OUT/bench-cuda-small.json"
+step bench-cuda-small-1 30 bench --trainer-device cuda --worker-device cuda \
+    --scheme multiprocess --compare cuda-ipc --size 0.0625 --workers 1 --tensors 4 \
+    --blocking --repeats 30 --warmup 5 --json "$OUT/bench-cuda-small-1.json"
+step bench-cuda-cuda-1 40 bench --trainer-device cuda --worker-device cuda \
+    --scheme multiprocess --compare cuda-ipc --size 64 --workers 1 --tensors 4 \
+    --json "$OUT/bench-cuda-1.json"
+# torchrl's own schemes on the first placement, beside weightsync's, like for like.
+if [ "${GPU_CHECK_NO_INSTALL:-0}" != 1 ] && ls .whl/torchrl/torchrl-*.whl >/dev/null 2>&1; then
+    step install-torchrl 30 install_torchrl
+fi
+torchrl_args=(--trainer-device cuda --worker-device cuda --scheme multiprocess shared
+    --compare torchrl-mp torchrl-shared --size 1 64 1024 --workers 4 --tensors 4
+    --json "$OUT/bench-torchrl-cuda.json")
+left=$((START + BUDGET - $(date +%s) - 10))
+if [ "$left" -lt 5 ]; then
+    step bench-torchrl-cuda 80 torchrl_bench "${torchrl_args[@]}" # says the time is up
+elif found=$(PYTHONPATH="$TORCHRL_SITE:$PYTHONPATH" timeout "$((left < 30 ? left : 30))" "$PYTHON" -c \
+    "import tensordict, torchrl.weight_update; print('torchrl', torchrl.__version__, 'tensordict', tensordict.__version__)" \
+    2>&1); then
+    say "$(echo "$found" | tail -n 1)"
+    step bench-torchrl-cuda 80 torchrl_bench "${torchrl_args[@]}"
+else
+    found=$(echo "$found" | tail -n 1)
+    say "== bench-torchrl-cuda: skipped, torchrl does not import: ${found:-timed out}"
+    echo "bench-torchrl-cuda: skipped (torchrl does not import: ${found:-timed out})" >>"$SUMMARY"
+fi
+
+# The placements across the bus last: they held their targets before (no regression).
 step bench-cuda-cpu 40 bench --trainer-device cuda --worker-device cpu \
     --scheme multiprocess --size 1024 --workers 4 --tensors 4 --json "$OUT/bench-cuda-cpu.json"
 # The same bytes sent from a CPU trainer to CPU workers: the GPU trainer's row
@@ -182,31 +218,6 @@ step bench-cpu-cpu 40 bench --scheme multiprocess --size 1024 --workers 4 --tens
 step bench-cpu-cuda 75 bench --trainer-device cpu --worker-device cuda \
     --scheme multiprocess --compare pinned-shm --size 1024 --workers 4 --tensors 4 \
     --json "$OUT/bench-cpu-cuda.json"
-step bench-cuda-cuda-1 40 bench --trainer-device cuda --worker-device cuda \
-    --scheme multiprocess --compare cuda-ipc --size 64 --workers 1 --tensors 4 \
-    --json "$OUT/bench-cuda-1.json"
-# torchrl's own schemes on the first placement, beside weightsync's (64 MiB only: the
-# step has 40 s, and a case of 1 GiB with its references and checks takes much of that).
-if [ "${GPU_CHECK_NO_INSTALL:-0}" != 1 ] && ls .whl/torchrl/torchrl-*.whl >/dev/null 2>&1; then
-    step install-torchrl 30 install_torchrl
-fi
-torchrl_args=(--trainer-device cuda --worker-device cuda --scheme multiprocess shared
-    --compare torchrl-mp torchrl-shared --size 64 --workers 4 --tensors 4
-    --json "$OUT/bench-torchrl-cuda.json")
-left=$((START + BUDGET - $(date +%s) - 10))
-if [ "$left" -lt 5 ]; then
-    step bench-torchrl-cuda 40 torchrl_bench "${torchrl_args[@]}" # says the time is up
-elif found=$(PYTHONPATH="$TORCHRL_SITE:$PYTHONPATH" timeout "$((left < 30 ? left : 30))" "$PYTHON" -c \
-    "import tensordict, torchrl.weight_update; print('torchrl', torchrl.__version__, 'tensordict', tensordict.__version__)" \
-    2>&1); then
-    say "$(echo "$found" | tail -n 1)"
-    step bench-torchrl-cuda 40 torchrl_bench "${torchrl_args[@]}"
-else
-    found=$(echo "$found" | tail -n 1)
-    say "== bench-torchrl-cuda: skipped, torchrl does not import: ${found:-timed out}"
-    echo "bench-torchrl-cuda: skipped (torchrl does not import: ${found:-timed out})" >>"$SUMMARY"
-fi
-
 {
     echo "pytest: $(grep -E '^=*.*(passed|failed|skipped|error|deselected).* in [0-9.]+s' "$LOG" | tail -n 1)"
     echo "device: $(grep -m 1 -E '^(GPU 0|cuda:0):' "$LOG" || echo 'none visible')"

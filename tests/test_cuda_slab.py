@@ -1,7 +1,7 @@
 """The device slab: a trainer on a GPU stages each send once into a slab on
 its GPU, shared with the workers through CUDA IPC, and workers whose models
-are on a GPU copy from it device to device (``weightsync._slab``,
-``weightsync._transports._device_staging``).
+are on a GPU copy from it device to device (``weightsync._memory._slab``,
+``weightsync._transports._pipes._device_staging``).
 
 What each case holds: workers on the trainer's GPU get the weights bit for
 bit through the slab, and the host staging is written only where a worker

@@ -470,7 +470,7 @@ def test_frames_use_the_frames_already_encoded() -> None:
 
 
 def _route(seconds: float, encoded: bool, broke: str | None = None) -> object:
-    from weightsync._transports._chain import Encoded, Route
+    from weightsync._transports._chain._driver import Encoded, Route
 
     route: Route[int] = Route("ns", "g1", (1,), {}, 1.0, CHUNK, encoded=Encoded(0, 2, 1) if encoded else None)
     route.seconds, route.broke = seconds, broke
@@ -481,7 +481,7 @@ def test_the_choice_sends_a_delta_only_where_it_pays() -> None:
     """delta=True weighs each send: the encode, the wire and the rebuild of
     a delta (a pipeline: the longest of them) against the full bytes' time
     per byte seen on recent sends."""
-    from weightsync._transports._delta_base import DeltaChoice
+    from weightsync._transports._chain._delta_base import DeltaChoice
 
     size = 64 << 20
     choice = DeltaChoice()
@@ -544,7 +544,7 @@ def test_the_choice_sends_a_delta_only_where_it_pays() -> None:
 
 
 def test_the_delta_base_samples_the_send_and_reuses_the_sample() -> None:
-    from weightsync._transports._delta_base import DeltaBase
+    from weightsync._transports._chain._delta_base import DeltaBase
 
     v0, v1 = _trajectory("bf16-lr1e-5", 1)
     rng = np.random.default_rng(1)
@@ -596,8 +596,9 @@ def test_the_first_frame_leaves_before_the_last_chunk_is_encoded() -> None:
     the first batch is on the wire before the last chunk is encoded (here
     every frame is a batch of its own: this update's frames are smaller
     than one batch together)."""
+    from weightsync._transports._chain._gloo import send_frames
+
     from weightsync._delta import HEADER_SIZE
-    from weightsync._transports._gloo_chain import send_frames
 
     events: list[str] = []
 
@@ -634,9 +635,9 @@ def test_frames_cross_a_real_gloo_chain_in_batches_bit_exact(batch_bytes: int) -
     import threading
 
     import torch.distributed as dist
+    from weightsync._transports._chain._gloo import gloo_group, relay_frames, send_frames
 
     from weightsync._delta import HEADER_SIZE, read_header
-    from weightsync._transports._gloo_chain import gloo_group, relay_frames, send_frames
 
     v0, v1 = _trajectory("bf16-lr1e-5", 1)
     encoder = DeltaEncoder(v0.nbytes, 2, chunk_bytes=CHUNK)
@@ -690,9 +691,9 @@ def test_a_damaged_batch_head_is_a_broken_hop_named_as_such() -> None:
     import threading
 
     import torch.distributed as dist
+    from weightsync._transports._chain._gloo import gloo_group, relay_frames
 
     from weightsync._delta import HEADER_SIZE, read_header
-    from weightsync._transports._gloo_chain import gloo_group, relay_frames
 
     store = dist.HashStore()
     results: dict[int, object] = {}

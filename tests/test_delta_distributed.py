@@ -16,7 +16,7 @@ from harness import weight_checksums
 from test_distributed import Workers
 
 import weightsync as ws
-from weightsync._transports import _chain
+from weightsync._transports._chain import _driver as _chain
 
 pytest.importorskip("blosc2")
 pytestmark = pytest.mark.timeout(180)

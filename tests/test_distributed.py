@@ -282,7 +282,7 @@ def test_the_liveness_connection_rings_an_idle_worker_and_still_tells_a_clean_sh
     after them still says the trainer shut down, not died."""
     import select
 
-    from weightsync._transports._liveness import Liveness, TrainerLink
+    from weightsync._transports._distributed._liveness import Liveness, TrainerLink
 
     liveness = Liveness("127.0.0.1")
     link = TrainerLink(liveness.address, 3, 42, timeout=5.0)

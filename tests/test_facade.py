@@ -14,8 +14,8 @@ import torch
 from harness import Cluster, schemes
 
 import weightsync as ws
+from weightsync._memory._segment import WRITING, Segment
 from weightsync._runtime import RUNTIME as LOOP
-from weightsync._segment import WRITING, Segment
 
 
 # The facade and the loops are the same for every transport: one scheme is enough.

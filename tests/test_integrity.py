@@ -23,10 +23,10 @@ from harness import Cluster, new_cluster, schemes
 
 import weightsync as ws
 from weightsync._digest import BLOCK, copy_and_check, copy_with_digests, digests, mismatched
+from weightsync._memory._segment import Segment
 from weightsync._packet import Manifest
-from weightsync._segment import Segment
 from weightsync._strategy import flat_weights
-from weightsync._transports._slot_staging import SlotStaging
+from weightsync._transports._pipes._slot_staging import SlotStaging
 
 
 def _staged(scheme: ws.WeightSyncScheme) -> torch.Tensor:

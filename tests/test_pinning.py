@@ -17,15 +17,15 @@ from typing import Any
 
 import pytest
 import torch
+from weightsync._transports._chain._gloo import send_chain
 
-import weightsync._pinned as pinned
-import weightsync._segment as segment_module
-import weightsync._transports._distributed as distributed
+import weightsync._memory._pinned as pinned
+import weightsync._memory._segment as segment_module
+import weightsync._transports._distributed._transport as distributed
+from weightsync._memory._pinned import PageLocks, copy_to_host, host_buffer
+from weightsync._memory._segment import Segment
 from weightsync._packet import Manifest, Packet
-from weightsync._pinned import PageLocks, copy_to_host, host_buffer
-from weightsync._segment import Segment
-from weightsync._transports._gloo_chain import send_chain
-from weightsync._transports._host_share import ReceiveBuffers
+from weightsync._transports._distributed._host_share import ReceiveBuffers
 
 HAS_CUDA = torch.cuda.is_available()
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from weightsync import ResourceExhaustedError
-from weightsync._placement import Placement, choose, devices_of, route
-from weightsync._segment import Segment
-from weightsync._slab import AttachedSlabs, SlabRef
+from weightsync._memory._placement import Placement, choose, devices_of, route
+from weightsync._memory._segment import Segment
+from weightsync._memory._slab import AttachedSlabs, SlabRef
 
 GPU_A = "cuda:GPU-0b42632a-bc5c-f731-724b-6936a19c4b24"
 GPU_B = "cuda:GPU-5e9b0c41-0d8e-2a71-93c4-1f2e3d4c5b6a"

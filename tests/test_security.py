@@ -11,7 +11,7 @@ import pytest
 from harness import Cluster, schemes, shm_entries
 from harness.workers import MEMFD_LABEL
 
-from weightsync._segment import HEADER_BYTES, Segment
+from weightsync._memory._segment import HEADER_BYTES, Segment
 
 
 def _segments(c: Cluster) -> list:

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import weightsync as ws
+from weightsync._memory._placement import Placement
 from weightsync._packet import Manifest, Packet
 from weightsync._packing import Packer
-from weightsync._placement import Placement
 from weightsync._send import (
     STAGED,
     Announce,

@@ -11,8 +11,8 @@ import torch
 from ._copy import check_writable_in_place
 from ._digest import mismatched
 from ._exceptions import WeightMismatchError
+from ._memory._placement import devices_of
 from ._packet import Manifest, Signature
-from ._placement import devices_of
 from ._strategy import materialize, model_tensors
 from ._transports._base import Incoming
 

@@ -18,8 +18,8 @@ import torch
 from ._copy import WireCast, usable_cores
 from ._digest import digests
 from ._exceptions import WeightMismatchError
+from ._memory._placement import Placement, devices_of, on_gpu
 from ._packet import Manifest, Packet, describe_mismatch, signature_of
-from ._placement import Placement, devices_of, on_gpu
 from ._strategy import ModuleReads
 from ._transports._base import Staging
 

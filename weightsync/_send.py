@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ._exceptions import AckTimeoutError, WeightSyncStateError, WorkerError, combine_worker_errors
+from ._memory._placement import Placement, caller_stream, route
 from ._packet import Packet
 from ._packing import Keys, Packer
-from ._placement import Placement, caller_stream, route
 from ._targets import Workers
 
 __all__ = [

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ._exceptions import UnknownWorkerError, WeightSyncStateError
+from ._memory._placement import choose
 from ._packet import Packet
-from ._placement import choose
 from ._strategy import is_tensordict
 from ._transports._base import SenderTransport
 

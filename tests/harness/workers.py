@@ -542,7 +542,7 @@ def slow_applies(actor: Any, flag: str, release: str, count: int = 1) -> None:
     import pathlib
     import time
 
-    from weightsync._transports import _ray
+    from weightsync._transports._ray import _transport as _ray
 
     original = getattr(_ray.RayUpdate, "original_apply", _ray.RayUpdate.apply)
     left = [count]
@@ -568,7 +568,7 @@ def applied_weights(actor: Any) -> dict[int, dict[str, torch.Tensor]]:
 
 def undo_slow_applies(actor: Any) -> None:
     """Runs on a Ray actor: updates are applied as ever again."""
-    from weightsync._transports import _ray
+    from weightsync._transports._ray import _transport as _ray
 
     original = getattr(_ray.RayUpdate, "original_apply", None)
     if original is not None:

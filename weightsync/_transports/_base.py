@@ -29,8 +29,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .._exceptions import WorkerApplyError, WorkerError, WorkerLostError
+from .._memory._placement import Placement
 from .._packet import Manifest, Packet, Signature
-from .._placement import Placement
 
 __all__ = [
     "EVERY_VERSION",

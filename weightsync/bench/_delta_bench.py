@@ -27,7 +27,7 @@ its digest, as a host leader does), and the size of the index/value
 format (a 4-byte index and the value of each changed element).
 
 Measured in the sends themselves (``delta=True`` weighs each send and may
-send the full bytes: :class:`~weightsync._transports._delta_base.DeltaChoice`):
+send the full bytes: :class:`~weightsync._transports._chain._delta_base.DeltaChoice`):
 how many sends went as a delta, and of those, the encoder's GB/s per core
 (the send's bytes over its CPU seconds on all its threads), the host
 leaders' rebuild GB/s per core (the slowest host's), and the threads each

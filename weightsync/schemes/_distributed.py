@@ -261,7 +261,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         weighs each send), and of the last delta the encode and rebuild
         GB/s per core and their threads: ``{"delta": bool, "why": str,
         "rates": {...}}``; empty without ``delta`` and on a worker."""
-        from .._transports._distributed import ChainStaging
+        from .._transports._distributed._transport import ChainStaging
 
         staging = self.staging
         choice = staging.delta_choice if isinstance(staging, ChainStaging) else None
@@ -273,7 +273,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         repair forms more than one), its ranks in chain order, and the
         ranks each host leader of it fed through shared memory. Empty on a
         worker and before the first send."""
-        from .._transports._distributed import ChainStaging
+        from .._transports._distributed._transport import ChainStaging
 
         staging = self.staging
         if not isinstance(staging, ChainStaging):
@@ -284,7 +284,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     def last_delta(self) -> list[bool]:
         """Per chain of the trainer's last send (as :attr:`last_routes`):
         whether it carried a delta (``delta=True``) or the full bytes."""
-        from .._transports._distributed import ChainStaging
+        from .._transports._distributed._transport import ChainStaging
 
         staging = self.staging
         return staging.last_delta if isinstance(staging, ChainStaging) else []
@@ -293,7 +293,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     def last_wire_bytes(self) -> int:
         """The bytes the trainer put on its chains in its last send (the
         encoded frames with ``delta=True``); 0 on a worker."""
-        from .._transports._distributed import ChainStaging
+        from .._transports._distributed._transport import ChainStaging
 
         staging = self.staging
         return staging.last_wire_bytes if isinstance(staging, ChainStaging) else 0
@@ -322,14 +322,14 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
 
         import torch.distributed as dist
 
-        from .._transports._distributed import (
+        from .._transports._chain._gloo import connect_store
+        from .._transports._distributed._transport import (
             ChainStaging,
             DistributedSenderTransport,
             Liveness,
             session_key,
             session_prefix,
         )
-        from .._transports._gloo_chain import connect_store
 
         if (
             "num_workers" not in kwargs
@@ -381,7 +381,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
 
     def _new_transport(self, worker_id: int, channel: Any, *, replaces: bool) -> SenderTransport:
         """No channel: the new worker is rank ``worker_id + 1`` of the store."""
-        from .._transports._distributed import ChainStaging, DistributedSenderTransport
+        from .._transports._distributed._transport import ChainStaging, DistributedSenderTransport
 
         staging = self.staging
         if channel is not None or not isinstance(staging, ChainStaging):
@@ -397,7 +397,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> EndpointFactory:
         # The transport is imported here, where it is used: most programs
         # that import weightsync never use torch.distributed.
-        from .._transports._distributed import ChainEndpoint
+        from .._transports._distributed._transport import ChainEndpoint
 
         rank = kwargs.get("rank", self._worker_idx)
         if rank is None and os.environ.get("RANK"):

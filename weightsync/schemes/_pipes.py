@@ -14,10 +14,10 @@ import torch
 
 from .._sender import DEFAULT_TIMEOUT, Keys, SendReport
 from .._transports._base import SenderTransport, Staging
-from .._transports._copy_staging import CopyReader, SegmentStaging
-from .._transports._device_staging import PlacedReader, PlacedStaging
-from .._transports._pipe import EncodedUpdates, PipeEndpoint, PipeSenderTransport
-from .._transports._slot_staging import SlotReader, SlotStaging
+from .._transports._pipes._copy_staging import CopyReader, SegmentStaging
+from .._transports._pipes._device_staging import PlacedReader, PlacedStaging
+from .._transports._pipes._slot_staging import SlotReader, SlotStaging
+from .._transports._pipes._transport import EncodedUpdates, PipeEndpoint, PipeSenderTransport
 from ._base import EndpointFactory, SchemeConfig, StrategyName, WeightSyncScheme, _from, _num_workers
 
 __all__ = [

@@ -154,7 +154,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         GB/s per core and their threads: ``{"delta": bool, "why": str,
         "rates": {...}}``; empty without ``delta``, without the relay (one
         node), and on a worker."""
-        from .._transports._ray import RayStaging
+        from .._transports._ray._transport import RayStaging
 
         staging = self.staging
         relay = staging.relay if isinstance(staging, RayStaging) else None
@@ -167,7 +167,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         carried a delta (``delta=True``) or the full bytes. Empty when the
         send did not use the relay (one node), on a worker, and before the
         first send."""
-        from .._transports._ray import RayStaging
+        from .._transports._ray._transport import RayStaging
 
         staging = self.staging
         return staging.last_delta if isinstance(staging, RayStaging) else []
@@ -177,7 +177,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         """The bytes the trainer put on the relay's chains in its last send
         (the encoded frames with ``delta=True``); 0 when the send did not
         use the relay, and on a worker."""
-        from .._transports._ray import RayStaging
+        from .._transports._ray._transport import RayStaging
 
         staging = self.staging
         return staging.last_wire_bytes if isinstance(staging, RayStaging) else 0
@@ -186,7 +186,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         self, context: Any, kwargs: dict[str, Any]
     ) -> tuple[dict[int, SenderTransport], Staging | None]:
         # The transport first: without Ray it raises the error naming the extra.
-        from .._transports._ray import RaySenderTransport, RayStaging, ray
+        from .._transports._ray._transport import RaySenderTransport, RayStaging, ray
 
         actors: Sequence[Any] | None = _from(context, kwargs, "remote_collectors")
         if actors is None or not list(actors):
@@ -239,7 +239,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
 
     def _new_transport(self, worker_id: int, channel: Any, *, replaces: bool) -> SenderTransport:
         """``channel``: the new actor's handle."""
-        from .._transports._ray import RaySenderTransport, RayStaging
+        from .._transports._ray._transport import RaySenderTransport, RayStaging
 
         staging = self.staging
         if channel is None or not isinstance(staging, RayStaging):
@@ -249,7 +249,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
     def create_transport(self, actor: Any) -> SenderTransport:
         """Legacy: a sender channel to one Ray actor, sharing this scheme's
         object-store staging once ``init_on_sender`` has run."""
-        from .._transports._ray import RaySenderTransport, RayStaging
+        from .._transports._ray._transport import RaySenderTransport, RayStaging
 
         staging = self.staging
         if not isinstance(staging, RayStaging):
@@ -257,7 +257,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         return RaySenderTransport(actor, len(self.sender_transports), staging, self._model_id)
 
     def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> EndpointFactory:
-        from .._transports._ray import RayEndpoint
+        from .._transports._ray._transport import RayEndpoint
 
         model_id, on_update = self._model_id, self._updated
         return lambda receiver: RayEndpoint(model_id, receiver, on_update)
@@ -278,6 +278,6 @@ class RayWeightSyncMixin:
     def weightsync_apply(self, update: Any) -> Any:
         """Apply one update sent by a :class:`RayWeightSyncScheme` sender
         (called by the sender through Ray; not for user code)."""
-        from .._transports._ray import apply_on_actor
+        from .._transports._ray._transport import apply_on_actor
 
         return apply_on_actor(self, update)

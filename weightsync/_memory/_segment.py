@@ -33,10 +33,10 @@ from typing import NamedTuple
 
 import torch
 
-from ._copy import PlanCache, usable_cores
-from ._digest import copy_and_check, copy_out
-from ._exceptions import out_of_resources
-from ._packet import Manifest, Packet
+from .._copy import PlanCache, usable_cores
+from .._digest import copy_and_check, copy_out
+from .._exceptions import out_of_resources
+from .._packet import Manifest, Packet
 from ._pinned import register, unregister
 from ._placement import on_caller_stream
 

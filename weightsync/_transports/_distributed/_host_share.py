@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from .._copy import copy_tensors
-from .._pinned import PageLocks, host_buffer
-from .._readiness import ProcessWatch
-from .._segment import BROKEN, AttachedSegments, Segment
-from ._chain import Report
-from ._dist_protocol import FollowNotice, Lead, SessionKeys, decode, get_now
-from ._gloo_chain import short_message
+from ..._copy import copy_tensors
+from ..._memory._pinned import PageLocks, host_buffer
+from ..._memory._segment import BROKEN, AttachedSegments, Segment
+from ..._readiness import ProcessWatch
+from .._chain._driver import Report
+from .._chain._gloo import short_message
+from ._protocol import FollowNotice, Lead, SessionKeys, decode, get_now
 
 __all__ = ["UNMAPPED", "ReceiveBuffers", "fill_segment", "follow", "plan_hosts"]
 

@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
-from ._copy import check_same_layout, copy_tensors
-from ._frames import piece_spans
-from ._packet import Packet
+from .._copy import check_same_layout, copy_tensors
+from .._frames import piece_spans
+from .._packet import Packet
 from ._placement import gpu_stream
 
 __all__ = [

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from .._copy import PlanCache
-from .._packet import Manifest, Packet
-from .._placement import Placement, devices_of, on_gpu
-from .._segment import AttachedSegments, Segment, SegmentRef
+from ..._copy import PlanCache
+from ..._memory._placement import Placement, devices_of, on_gpu
+from ..._memory._segment import AttachedSegments, Segment, SegmentRef
+from ..._packet import Manifest, Packet
 
 __all__ = ["CopyReader", "SegmentStaging"]
 

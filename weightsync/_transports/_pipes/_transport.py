@@ -31,13 +31,13 @@ from typing import Any
 import anyio
 import torch
 
-from .._copy import usable_cores
-from .._exceptions import SenderClosedError, SenderLostError, WorkerLostError, WorkerProtocolError
-from .._packet import Manifest, Packet, Signature
-from .._placement import reachable
-from ._base import EVERY_VERSION, DeviceAwareStaging, Staging, StagingReader, worker_failed, worker_lost
+from ..._copy import usable_cores
+from ..._exceptions import SenderClosedError, SenderLostError, WorkerLostError, WorkerProtocolError
+from ..._memory._placement import reachable
+from ..._packet import Manifest, Packet, Signature
+from .._base import EVERY_VERSION, DeviceAwareStaging, Staging, StagingReader, worker_failed, worker_lost
+from .._peer import describe_exit, exit_status, started_here
 from ._channel import PipeChannel, frame
-from ._peer import describe_exit, exit_status, started_here
 
 __all__ = ["EncodedUpdates", "PipeEndpoint", "PipeSenderTransport", "PipeUpdate"]
 

@@ -62,12 +62,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from .._frames import CHUNK_BYTES
-from .._segment import Segment
-from ._chain import ChainDriver, ChainMember, EncodedSend, Link, Report, Route
-from ._delta_base import DeltaBase, DeltaChoice, DeltaSetting
-from ._gloo_chain import connect_store
-from ._gloo_chain import seconds as _seconds
+from ..._frames import CHUNK_BYTES
+from ..._memory._segment import Segment
+from .._chain._delta_base import DeltaBase, DeltaChoice, DeltaSetting
+from .._chain._driver import ChainDriver, ChainMember, EncodedSend, Link, Report, Route
+from .._chain._gloo import connect_store
+from .._chain._gloo import seconds as _seconds
 from ._host_copy import HostBuffers, HostCopy
 
 if TYPE_CHECKING:

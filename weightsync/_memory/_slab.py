@@ -5,7 +5,7 @@ A slab is one ``cudaMalloc`` block on the trainer's GPU, allocated once per
 size, exported once per worker process (torch's CUDA reductions give the IPC
 handle and count who holds it), opened once per worker process and cached
 by its token. Its published version
-lives in host memory, in a header-only :class:`~weightsync._segment.Segment`,
+lives in host memory, in a header-only :class:`~weightsync._memory._segment.Segment`,
 so a device slab is read under the same version check as a host segment: a
 reader checks the published version before its copy and again once its
 copy has finished (its stream synchronized), and discards a copy that the
@@ -38,8 +38,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._exceptions import ResourceExhaustedError, out_of_resources
-from ._packet import Manifest
+from .._exceptions import ResourceExhaustedError, out_of_resources
+from .._packet import Manifest
 from ._placement import device_name
 from ._segment import Segment, SegmentRef
 

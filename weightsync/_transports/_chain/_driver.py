@@ -34,11 +34,11 @@ from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 
-from .._copy import usable_cores
-from .._delta import HEADER_SIZE, DeltaDecoder, read_header
-from .._exceptions import DeltaFrameError
-from .._frames import CHUNK_BYTES
-from ._gloo_chain import (
+from ..._copy import usable_cores
+from ..._delta import HEADER_SIZE, DeltaDecoder, read_header
+from ..._exceptions import DeltaFrameError
+from ..._frames import CHUNK_BYTES
+from ._gloo import (
     ChainBroken,
     gloo_group,
     relay_chain,

@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .._packet import Signature
-from .._segment import SegmentRef
-from ._chain import Link
+from ..._memory._segment import SegmentRef
+from ..._packet import Signature
+from .._chain._driver import Link
 
 __all__ = [
     "CloseNotice",

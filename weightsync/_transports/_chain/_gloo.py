@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from .._copy import copy_tensors
-from .._frames import frame_spans, piece_spans
+from ..._copy import copy_tensors
+from ..._frames import frame_spans, piece_spans
 
 __all__ = [
     "BATCH_BYTES",

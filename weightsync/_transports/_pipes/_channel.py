@@ -30,7 +30,7 @@ from typing import Any
 
 import anyio
 
-from .._readiness import ProcessWatch, wait_readable_any
+from ..._readiness import ProcessWatch, wait_readable_any
 
 __all__ = ["LIVENESS_PERIOD", "PipeChannel", "encode", "frame"]
 

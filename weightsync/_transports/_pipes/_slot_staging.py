@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from .._copy import CopyPlan
-from .._exceptions import InvalidWeightsError
-from .._packet import Manifest, Packet
-from .._placement import Placement, devices_of, on_gpu
-from .._segment import AttachedSegments, Segment, SegmentRef
+from ..._copy import CopyPlan
+from ..._exceptions import InvalidWeightsError
+from ..._memory._placement import Placement, devices_of, on_gpu
+from ..._memory._segment import AttachedSegments, Segment, SegmentRef
+from ..._packet import Manifest, Packet
 from ._slot_ledger import SlotLedger
 
 __all__ = ["SlotReader", "SlotStaging"]

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from .._exceptions import out_of_resources
-from .._packet import Manifest, Packet
-from .._placement import Placement
-from .._slab import AttachedSlabs, DeviceSlab, SlabRef, copy_on_stream
-from ._base import Staging, StagingReader
+from ..._exceptions import out_of_resources
+from ..._memory._placement import Placement
+from ..._memory._slab import AttachedSlabs, DeviceSlab, SlabRef, copy_on_stream
+from ..._packet import Manifest, Packet
+from .._base import Staging, StagingReader
 from ._device_slots import DeviceSlots, OneSlab
 
 __all__ = ["DeviceReader", "PlacedReader", "PlacedStaging"]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from ._packet import Packet
+    from .._packet import Packet
 
 __all__ = [
     "Placement",

@@ -16,10 +16,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from .._delta import DeltaEncoder, default_threads
-from .._frames import CHUNK_BYTES
-from .._packet import Manifest
-from ._chain import Encoded, EncodedSend, Route
+from ..._delta import DeltaEncoder, default_threads
+from ..._frames import CHUNK_BYTES
+from ..._packet import Manifest
+from ._driver import Encoded, EncodedSend, Route
 
 __all__ = ["DeltaBase", "DeltaChoice", "DeltaSetting", "element_size"]
 

@@ -13,8 +13,11 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-from ._chain import Report, Route
-from ._dist_protocol import (
+from .._chain._driver import Report, Route
+from .._chain._gloo import connect_store
+from ._host_share import UNMAPPED, plan_hosts
+from ._liveness import Liveness
+from ._protocol import (
     CloseNotice,
     FollowNotice,
     Hello,
@@ -25,9 +28,6 @@ from ._dist_protocol import (
     encode,
     get_now,
 )
-from ._gloo_chain import connect_store
-from ._host_share import UNMAPPED, plan_hosts
-from ._liveness import Liveness
 
 __all__ = ["WorkerChain"]
 

@@ -41,7 +41,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from .._segment import AttachedSegments, Segment, SegmentRef
+from ..._memory._segment import AttachedSegments, Segment, SegmentRef
 
 if TYPE_CHECKING:
     import numpy as np

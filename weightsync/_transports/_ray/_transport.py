@@ -45,9 +45,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
-from .._copy import byte_view, copy_tensors, usable_cores
-from .._digest import digests
-from .._exceptions import (
+from ..._copy import byte_view, copy_tensors, usable_cores
+from ..._digest import digests
+from ..._exceptions import (
     SenderLostError,
     WeightMismatchError,
     WeightSyncStateError,
@@ -56,14 +56,14 @@ from .._exceptions import (
     WorkerLostError,
     import_extra,
 )
-from .._offload import inline_allowed
-from .._packet import Manifest, Packet, Signature
-from .._pinned import PageLocks, copy_to_host, host_buffer
-from .._placement import Placement, on_gpu
-from ._base import Applier, Outgoing, SenderTransport, worker_failed, worker_lost
-from ._delta_base import DeltaSetting
+from ..._memory._pinned import PageLocks, copy_to_host, host_buffer
+from ..._memory._placement import Placement, on_gpu
+from ..._offload import inline_allowed
+from ..._packet import Manifest, Packet, Signature
+from .._base import Applier, Outgoing, SenderTransport, worker_failed, worker_lost
+from .._chain._delta_base import DeltaSetting
 from ._host_copy import HostCopy, HostCopyError, HostReader, UnmappedError
-from ._ray_relay import HostRelay, SendKind
+from ._relay import HostRelay, SendKind
 
 # This module is imported only where Ray is used (schemes/_ray.py imports it
 # inside the calls that need it), so Ray is imported here, with the error

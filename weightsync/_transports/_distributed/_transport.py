@@ -32,19 +32,22 @@ from typing import Any
 import anyio
 import torch
 
-from .._copy import usable_cores
-from .._digest import copy_out, digests
-from .._exceptions import SenderLostError, WorkerError, WorkerLostError
-from .._frames import CHUNK_BYTES
-from .._packet import Manifest, Packet
-from .._pinned import DeviceCopies, PageLocks, copy_to_host, host_buffer
-from .._placement import Placement, on_gpu
-from .._readiness import wait_readable_any
-from ._base import Outgoing, SenderTransport, worker_failed, worker_lost
-from ._chain import ChainDriver
-from ._delta_base import DeltaBase, DeltaChoice, DeltaSetting, element_size
-from ._dist_chain import WorkerChain
-from ._dist_protocol import (
+from ..._copy import usable_cores
+from ..._digest import copy_out, digests
+from ..._exceptions import SenderLostError, WorkerError, WorkerLostError
+from ..._frames import CHUNK_BYTES
+from ..._memory._pinned import DeviceCopies, PageLocks, copy_to_host, host_buffer
+from ..._memory._placement import Placement, on_gpu
+from ..._packet import Manifest, Packet
+from ..._readiness import wait_readable_any
+from .._base import Outgoing, SenderTransport, worker_failed, worker_lost
+from .._chain._delta_base import DeltaBase, DeltaChoice, DeltaSetting, element_size
+from .._chain._driver import ChainDriver
+from .._chain._gloo import connect_store, short_message
+from .._peer import describe_exit, exit_status, started_here
+from ._chain_control import WorkerChain
+from ._liveness import Liveness, TrainerLink
+from ._protocol import (
     CloseNotice,
     Hello,
     SendInfo,
@@ -58,10 +61,7 @@ from ._dist_protocol import (
     session_prefix,
     wait_key,
 )
-from ._dist_relay import ChainUpdate, WorkerRelay
-from ._gloo_chain import connect_store, short_message
-from ._liveness import Liveness, TrainerLink
-from ._peer import describe_exit, exit_status, started_here
+from ._relay import ChainUpdate, WorkerRelay
 
 __all__ = [
     "ChainEndpoint",

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from .._packet import Manifest, Packet
-from .._placement import gpu_stream
-from .._slab import DeviceSlab, SlabRef
-from ._base import EVERY_VERSION
+from ..._memory._placement import gpu_stream
+from ..._memory._slab import DeviceSlab, SlabRef
+from ..._packet import Manifest, Packet
+from .._base import EVERY_VERSION
 from ._slot_ledger import SlotLedger
 
 __all__ = ["DeviceSlots", "OneSlab"]

@@ -19,12 +19,15 @@ from typing import Any
 
 import torch
 
-from .._copy import copy_tensors
-from .._exceptions import SenderClosedError, SenderLostError
-from .._packet import Manifest, Signature
-from .._segment import AttachedSegments, Segment
-from ._chain import ChainMember, Report
-from ._dist_protocol import (
+from ..._copy import copy_tensors
+from ..._exceptions import SenderClosedError, SenderLostError
+from ..._memory._segment import AttachedSegments, Segment
+from ..._packet import Manifest, Signature
+from .._chain._driver import ChainMember, Report
+from .._chain._gloo import short_message
+from ._host_share import ReceiveBuffers, fill_segment, follow
+from ._liveness import TrainerLink
+from ._protocol import (
     CloseNotice,
     FollowNotice,
     Lead,
@@ -35,9 +38,6 @@ from ._dist_protocol import (
     encode,
     get_now,
 )
-from ._gloo_chain import short_message
-from ._host_share import ReceiveBuffers, fill_segment, follow
-from ._liveness import TrainerLink
 
 __all__ = ["ChainUpdate", "WorkerRelay"]
 
