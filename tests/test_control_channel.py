@@ -276,3 +276,54 @@ def test_a_hello_names_the_gpus_a_worker_reaches_or_is_read_as_an_older_one(
         return
     worker.theirs.send(message)
     _a_good_send_works(worker)
+
+
+def test_a_notice_is_framed_once_and_carries_each_sends_version() -> None:
+    """The sender frames an update notice once per layout and descriptor
+    and writes each send's version into it: what a worker reads back is the
+    notice pickled whole, whatever the version (and a descriptor that holds
+    the version's mark itself falls back to framing each notice whole)."""
+    from weightsync._memory._segment import SegmentRef
+    from weightsync._transports._pipes._transport import _MARK_BYTES, EncodedUpdates
+
+    for token in (b"\x00" * 16, _MARK_BYTES * 3 + b"x"):
+        notices = EncodedUpdates()
+        ref = SegmentRef(os.getpid(), 5, 1 << 20, token)
+        for version in (1, 2, 255, 256, 65536, 2**31 - 1, 2**31, 2**40):
+            message = ("update", version, "layout", ref, 2, os.getpid(), None, None)
+            data = notices.encoded(message)
+            assert int.from_bytes(data[:4], "big") == len(data) - 4  # Connection's framing
+            assert pickle.loads(data[4:]) == message
+            assert notices.encoded(message) is data  # every worker of the send: the same bytes
+
+
+def test_the_channel_reads_frames_split_or_together() -> None:
+    """A channel reads whatever came at once and takes whole frames from it:
+    one frame written in pieces is taken once all of it came, and several
+    frames that came together are taken one by one."""
+    from weightsync._transports._pipes._channel import PipeChannel, frame
+
+    ours, theirs = mp.Pipe()
+    channel = PipeChannel(ours, RuntimeError, RuntimeError)
+    try:
+        big = frame(("hello", "x" * 100_000))
+        fd = theirs.fileno()
+        os.write(fd, big[:3])
+        assert channel.poll() is None  # not even the length yet
+        os.write(fd, big[3:50_000])
+        assert channel.poll() is None
+        assert channel.wait_ready(0) is False  # (what came was read: the rest is to come)
+        os.write(fd, big[50_000:] + frame(("ack", 1, None)) + frame(("ack", 2, None)))
+        assert channel.poll() == ("hello", "x" * 100_000)
+        assert channel.poll() == ("ack", 1, None)
+        assert channel.wait_ready(0) is True  # (read already: no descriptor says so)
+        assert channel.poll() == ("ack", 2, None)
+        assert channel.poll() is None
+        theirs.send(("ack", 3, None))  # a plain Connection frames the same way
+        assert channel.poll() == ("ack", 3, None)
+        theirs.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            channel.poll()
+    finally:
+        channel.close()
+        ours.close()

@@ -346,9 +346,23 @@ def check_writable_in_place(
             )
 
 
+# The cores this process may run on, and when they were last asked for:
+# every send asks (its copy threads, each worker's share), and the answer
+# is a system call; it changes only when someone sets the affinity.
+_CORES: tuple[int, float] = (0, -1.0)
+_CORES_FOR = 1.0  # seconds
+
+
 def usable_cores() -> int:
-    """Cores this process may run on."""
+    """Cores this process may run on (asked of the kernel at most once a second)."""
+    global _CORES
+    count, asked = _CORES
+    now = time.monotonic()
+    if now - asked < _CORES_FOR:
+        return count
     try:
-        return len(os.sched_getaffinity(0))
+        count = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        count = os.cpu_count() or 1
+    _CORES = (count, now)
+    return count

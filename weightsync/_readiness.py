@@ -61,6 +61,9 @@ class ReadyWatch:
     def __init__(self) -> None:
         self._epoll = select.epoll()
         self._fds: set[int] = set()
+        # The descriptor tuples kept since the last drop(), by identity (the
+        # tuples themselves are held, so an id is never another's).
+        self._kept: dict[int, tuple[int, ...]] = {}
         self._woken: asyncio.Future[None] | None = None
 
     def _wake(self) -> None:
@@ -84,7 +87,12 @@ class ReadyWatch:
         from gather to gather, so that a send to the same workers registers
         nothing. A number that now names another descriptor (the one
         registered closed, and the kernel dropped it) is registered again:
-        ``modify`` tells the two apart (ENOENT)."""
+        ``modify`` tells the two apart (ENOENT). A channel hands the same
+        tuple object for as long as its descriptors stay open (a new one
+        once they change: ``PipeChannel.fds``), so a tuple kept before costs
+        no system call."""
+        if self._kept.get(id(fds)) is fds:
+            return  # this very tuple was kept since the last drop()
         epoll = self._epoll
         for fd in fds:
             try:
@@ -92,9 +100,11 @@ class ReadyWatch:
             except FileNotFoundError:
                 epoll.register(fd, select.EPOLLIN)
                 self._fds.add(fd)
+        self._kept[id(fds)] = fds
 
     def drop(self, fds: set[int]) -> None:
         """Stop watching ``fds`` (ready, but no longer waited for)."""
+        self._kept.clear()
         for fd in fds:
             self._fds.discard(fd)
             with contextlib.suppress(OSError):  # closed meanwhile: the kernel dropped it

@@ -82,7 +82,7 @@ class Workers:
             or along with ``worker_ids``, or empty.
         :raises UnknownWorkerError: it names a worker that is not one.
         """
-        if is_tensordict(weights) or not isinstance(weights, Mapping):
+        if weights is None or is_tensordict(weights) or not isinstance(weights, Mapping):
             return None
         ids = list(weights.keys())
         if not ids or not all(isinstance(k, int) and not isinstance(k, bool) for k in ids):

@@ -150,10 +150,19 @@ def route(
     the trainer's GPU (the scheme's staging can, and the send is not
     verified). A worker on a GPU that this send cannot serve device to
     device goes through host memory."""
-    placement = choose(trainer, worker)
-    if placement.on_device and not (device_staging and trainer[0] in reach):
-        return Placement.THROUGH_HOST
+    key = (trainer, worker, reach, device_staging)
+    placement = _ROUTES.get(key)
+    if placement is None:
+        placement = choose(trainer, worker)
+        if placement.on_device and not (device_staging and trainer[0] in reach):
+            placement = Placement.THROUGH_HOST
+        if len(_ROUTES) < 4096:  # (a handful of device tuples in any real run)
+            _ROUTES[key] = placement
     return placement
+
+
+# Routes decided before, by their inputs: a send asks once per worker.
+_ROUTES: dict[tuple[tuple[str, ...], tuple[str, ...] | None, tuple[str, ...], bool], Placement] = {}
 
 
 def caller_stream() -> Any:

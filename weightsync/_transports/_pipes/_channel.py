@@ -83,6 +83,7 @@ class PipeChannel:
         self._lost = lost
         self._garbled = garbled
         self.peer: ProcessWatch | None = None
+        self._fds: tuple[int, ...] | None = None
         # Bytes read but not yet taken as messages (the start of a frame
         # whose rest has not come, or the frames after the one taken).
         self._pending = bytearray()
@@ -93,6 +94,7 @@ class PipeChannel:
             if self.peer is not None:
                 self.peer.close()
             self.peer = ProcessWatch(pid)
+            self._fds = None
 
     def peer_alive(self) -> bool:
         return self.peer is None or self.peer.alive()
@@ -100,9 +102,13 @@ class PipeChannel:
     def fds(self) -> tuple[int, ...] | None:
         """The pipe's descriptor and the peer's pidfd: one of them turns
         readable when a message comes or the peer exits. None without a
-        pidfd (the peer is then polled now and then: :meth:`recv`)."""
-        watch = self.peer.fd if self.peer is not None else None
-        return None if watch is None else (self._fd, watch)
+        pidfd (the peer is then polled now and then: :meth:`recv`). The
+        same tuple object until the peer changes (``ReadyWatch.keep``
+        relies on it)."""
+        if self._fds is None:
+            watch = self.peer.fd if self.peer is not None else None
+            self._fds = None if watch is None else (self._fd, watch)
+        return self._fds
 
     def _closed(self, exc: BaseException) -> Exception:
         return self._lost(f"its pipe is closed ({exc.__class__.__name__}: {exc})")
@@ -263,6 +269,7 @@ class PipeChannel:
             return True  # closed: the next read reports it
 
     def close(self) -> None:
+        self._fds = None
         if self.peer is not None:
             self.peer.close()
             self.peer = None

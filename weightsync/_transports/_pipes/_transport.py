@@ -24,6 +24,7 @@ from __future__ import annotations
 import multiprocessing.process
 import os
 import signal
+import struct
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -48,20 +49,48 @@ __all__ = ["EncodedUpdates", "PipeEndpoint", "PipeSenderTransport", "PipeUpdate"
 _WORKER_MESSAGES: dict[str, tuple[int, ...]] = {"hello": (5, 6), "ack": (3,), "error": (3,)}
 
 
+# A version no send reaches, pickled as a 4-byte int (BININT): where it
+# appears once in a framed notice, any version below 2**31 can be written
+# over it (a pickle need not hold the shortest form of an int).
+_MARK = 0x7EADBEEF
+_MARK_BYTES = b"J" + struct.pack("<i", _MARK)
+_VERSION = struct.Struct("<i")
+
+
 class EncodedUpdates:
-    """The last update message framed, and its bytes, for the transports of
-    one sender: the workers of one send are told the same thing (the
-    staging's descriptor is one for all of them), so it is framed once per
-    send, not once per worker."""
+    """The update notices of one sender, framed: the workers of one send
+    are told the same thing (the staging's descriptor is one for all of
+    them), and from send to send only the version changes. So a notice is
+    framed once per layout and descriptor, with a mark where the version
+    goes, and each send writes its version over the mark: no pickling on
+    a send's path."""
 
     def __init__(self) -> None:
-        self._last: tuple[tuple[Any, ...], bytes] = ((), b"")
+        # (message without its version, the framed template, the mark's offset or -1)
+        self._last: tuple[tuple[Any, ...], bytes, int] = ((), b"", -1)
+        self._framed: tuple[tuple[Any, ...], bytes] = ((), b"")
 
     def encoded(self, message: tuple[Any, ...]) -> bytes:
-        last = self._last  # (one read: another thread may replace it)
-        if last[0] != message:
-            last = self._last = (message, frame(message))
-        return last[1]
+        framed = self._framed  # (one read: another thread may replace it)
+        if framed[0] == message:
+            return framed[1]
+        rest = message[:1] + message[2:]
+        last = self._last
+        if last[0] != rest:
+            template = frame((message[0], _MARK, *message[2:]))
+            at = template.find(_MARK_BYTES)
+            if at < 0 or template.find(_MARK_BYTES, at + 1) >= 0:
+                at = -1  # (the mark is not there once: frame each notice whole)
+            last = self._last = (rest, template, at)
+        version, (_, template, at) = message[1], last
+        if at < 0 or not 0 <= version < 2**31:
+            data = frame(message)
+        else:
+            patched = bytearray(template)
+            _VERSION.pack_into(patched, at + 1, version)
+            data = bytes(patched)
+        self._framed = (message, data)
+        return data
 
 
 class PipeSenderTransport:
