@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "weightsync"
 LAYERS: list[set[str]] = [
     {"_exceptions", "_frames", "_transports._peer"},
     {"_packet"},
+    {"_memory._views"},
     {"_copy", "_offload", "_loops", "_readiness", "_strategy", "_stepguard", "_torchrl", "_memory._placement"},
     {"_digest", "_memory._pinned"},
     # The memory layer: segments, slabs, page-locked buffers, placement.

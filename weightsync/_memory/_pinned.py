@@ -25,6 +25,11 @@ and let go before the memory is freed.
   a GPU enqueued on the caller's stream in chunks of :data:`EVENT_BYTES`
   with a CUDA event after each (:class:`DeviceCopies`), so that what reads
   the host bytes can start on the first chunks while the later ones copy.
+- :func:`pins`: the one decision of whether host memory is page-locked
+  (a GPU copies to or from it), for every staging and reader;
+  :func:`staging_buffer` and :func:`stage_from_device`: the trainer's host
+  buffer of a send from a GPU (Ray's put, torch.distributed's chain), and
+  the copy into it.
 
 Without CUDA nothing is registered and nothing else changes.
 """
@@ -38,7 +43,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -46,7 +51,7 @@ import torch
 from .._copy import check_same_layout, copy_tensors
 from .._frames import piece_spans
 from .._packet import Packet
-from ._placement import gpu_stream
+from ._placement import gpu_stream, on_gpu
 
 __all__ = [
     "EVENT_BYTES",
@@ -54,7 +59,10 @@ __all__ = [
     "PageLocks",
     "copy_to_host",
     "host_buffer",
+    "pins",
     "register",
+    "stage_from_device",
+    "staging_buffer",
     "unregister",
 ]
 
@@ -312,3 +320,32 @@ def copy_to_host(
                 events.append(event)
             marks.append((end, tuple(events)))
     return DeviceCopies(marks, sources)
+
+
+def pins(devices: Iterable[str]) -> bool:
+    """Whether host memory that tensors on ``devices`` (``_placement``
+    names) are copied to or from is page-locked: where one of them is a GPU
+    (the copy then runs at the bus's speed, and one from the device leaves
+    the caller free). Every staging, reader and host buffer asks here."""
+    return on_gpu(devices)
+
+
+def staging_buffer(nbytes: int, devices: Iterable[str]) -> torch.Tensor:
+    """A flat host buffer of ``nbytes`` for a send of tensors on
+    ``devices``: in pages of its own where it will be page-locked
+    (:func:`pins`, :func:`host_buffer`), else plain memory."""
+    if pins(devices):
+        return host_buffer(nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def stage_from_device(
+    locks: PageLocks, buffer: torch.Tensor, views: list[torch.Tensor], packet: Packet
+) -> DeviceCopies:
+    """Copy ``packet``'s tensors (some on a GPU) into ``views`` of
+    ``buffer``, which ``locks`` page-locks first (once for as long as it
+    keeps it), the copies enqueued on the caller's stream in chunks
+    (:func:`copy_to_host`): the one device-to-host staging of the trainer's
+    host buffers. Blocks for a new registration only."""
+    locks.lock(buffer)
+    return copy_to_host(views, packet)

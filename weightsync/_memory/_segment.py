@@ -39,6 +39,7 @@ from .._exceptions import out_of_resources
 from .._packet import Manifest, Packet
 from ._pinned import register, unregister
 from ._placement import on_caller_stream
+from ._views import LayoutViews
 
 __all__ = ["BROKEN", "HEADER_BYTES", "AttachedSegments", "Segment", "SegmentRef"]
 
@@ -293,7 +294,7 @@ class AttachedSegments:
     def __init__(self, *, keep: int | None) -> None:
         self._keep = keep
         self._segments: dict[bytes, Segment] = {}
-        self._views: dict[tuple[bytes, str], list[torch.Tensor]] = {}
+        self._views = LayoutViews()
 
     def segment(self, ref: SegmentRef) -> Segment:
         """The segment ``ref`` names, mapped on first use.
@@ -310,7 +311,7 @@ class AttachedSegments:
 
     def _drop(self, token: bytes) -> None:
         self._segments.pop(token).close()
-        self._views = {key: views for key, views in self._views.items() if key[0] != token}
+        self._views.forget(token)
 
     def holds(self, ref: SegmentRef, version: int) -> bool:
         """Whether that segment holds ``version`` now (the sender has not
@@ -323,16 +324,15 @@ class AttachedSegments:
     def views(self, ref: SegmentRef, manifest: Manifest) -> list[torch.Tensor]:
         """Read-only typed views of ``manifest``'s tensors in that segment;
         the same list object for as long as the segment and layout stay."""
-        key = (ref.token, manifest.layout_id)
-        views = self._views.get(key)
-        if views is None:
-            data = self.segment(ref).data
-            assert data is not None
-            views = self._views[key] = manifest.views(data)
-        return views
+        return self._views.of(ref.token, manifest, lambda: self._data(ref))
+
+    def _data(self, ref: SegmentRef) -> torch.Tensor:
+        data = self.segment(ref).data
+        assert data is not None
+        return data
 
     def close(self) -> None:
-        self._views = {}
+        self._views.forget()
         for segment in self._segments.values():
             segment.close()
         self._segments = {}

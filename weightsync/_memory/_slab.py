@@ -42,6 +42,7 @@ from .._exceptions import ResourceExhaustedError, out_of_resources
 from .._packet import Manifest
 from ._placement import device_name
 from ._segment import Segment, SegmentRef
+from ._views import LayoutViews
 
 __all__ = ["AttachedSlabs", "DeviceSlab", "SlabRef", "copy_on_stream", "local_index"]
 
@@ -203,7 +204,7 @@ class AttachedSlabs:
 
     def __init__(self) -> None:
         self._opened: dict[bytes, _Opened] = {}
-        self._views: dict[tuple[bytes, str], list[torch.Tensor]] = {}
+        self._views = LayoutViews()
 
     def _open(self, ref: SlabRef) -> _Opened:
         opened = self._opened.get(ref.token)
@@ -233,11 +234,7 @@ class AttachedSlabs:
     def views(self, ref: SlabRef, manifest: Manifest) -> list[torch.Tensor]:
         """Typed views (on the slab's GPU) of ``manifest``'s tensors; the
         same list object for as long as the slab and layout stay."""
-        key = (ref.token, manifest.layout_id)
-        views = self._views.get(key)
-        if views is None:
-            views = self._views[key] = manifest.views(self._open(ref).data)
-        return views
+        return self._views.of(ref.token, manifest, lambda: self._open(ref).data)
 
     def retain(self, tokens: Sequence[bytes]) -> None:
         """Let go of every slab but those of ``tokens`` (torch closes an IPC
@@ -246,7 +243,7 @@ class AttachedSlabs:
         gone = [token for token in self._opened if token not in tokens]
         if not gone:
             return
-        self._views = {key: views for key, views in self._views.items() if key[0] not in gone}
+        self._views.forget_all_but(tokens)
         for token in gone:
             with contextlib.suppress(Exception):
                 self._opened.pop(token).header.close()

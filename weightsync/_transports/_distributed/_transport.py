@@ -36,8 +36,9 @@ from ..._copy import usable_cores
 from ..._digest import copy_out, digests
 from ..._exceptions import SenderLostError, WorkerError, WorkerLostError
 from ..._frames import CHUNK_BYTES
-from ..._memory._pinned import DeviceCopies, PageLocks, copy_to_host, host_buffer
-from ..._memory._placement import Placement, on_gpu
+from ..._memory._pinned import DeviceCopies, PageLocks, pins, stage_from_device, staging_buffer
+from ..._memory._placement import Placement
+from ..._memory._views import LayoutViews
 from ..._packet import Manifest, Packet
 from ..._readiness import wait_readable_any
 from .._base import Outgoing, SenderTransport, worker_failed, worker_lost
@@ -129,7 +130,7 @@ class ChainStaging:
         self.members = self.workers.members
         self.driver: ChainDriver[int] = ChainDriver(self.workers, chunk=chunk)
         self._buffer: torch.Tensor | None = None
-        self._views: tuple[str, list[torch.Tensor]] | None = None
+        self._views = LayoutViews()
         # With the trainer's tensors on a GPU: the buffers kept page-locked
         # (the staging buffer and the delta base, which take turns), and the
         # current send's copies into the buffer, still running.
@@ -187,20 +188,14 @@ class ChainStaging:
         self._settle_copies()
         manifest = packet.manifest
         self._keep_base(manifest.nbytes)
-        gpu = on_gpu(packet.devices)
         if self._buffer is None or self._buffer.numel() < manifest.nbytes:
-            self._views = None
+            self._views.forget()
             self._buffer = None
-            # (Memory of its own to page-lock, where a GPU copies into it.)
-            self._buffer = (
-                host_buffer(manifest.nbytes) if gpu else torch.empty(manifest.nbytes, dtype=torch.uint8)
-            )
-        if self._views is None or self._views[0] != manifest.layout_id:
-            self._views = (manifest.layout_id, manifest.views(self._buffer))
-        views = self._views[1]
+            self._buffer = staging_buffer(manifest.nbytes, packet.devices)
+        views = self._views.of(self._buffer.data_ptr(), manifest, self._buffer)
         # (A buffer let go, or a base the encoder dropped, is unregistered.)
         self._pins.keep_only(self._buffer, None if self._delta is None else self._delta.memory)
-        if gpu:
+        if pins(packet.devices):
             sums = self._from_device(views, packet, digest)
         else:
             sums = copy_out(views, packet.tensors, digest, usable_cores())
@@ -221,8 +216,7 @@ class ChainStaging:
         then digested. Blocks for the registration of a new buffer, and
         for the copies only with ``digest``."""
         assert self._buffer is not None
-        self._pins.lock(self._buffer)
-        copies = copy_to_host(views, packet)
+        copies = stage_from_device(self._pins, self._buffer, views, packet)
         if not digest:
             self._copies = copies
             return None
@@ -252,7 +246,7 @@ class ChainStaging:
         previous = delta.adopt(buffer[:nbytes], version)
         self._holders = holders
         self._buffer = None if previous is None else torch.from_numpy(previous)
-        self._views = None
+        self._views.forget()
 
     def _forget_replies(self, version: int) -> None:
         """Drop the last send's replies (and its key, for a late one's sake:
@@ -452,7 +446,8 @@ class ChainStaging:
         self.liveness.close()
         self._settle_copies()
         self._pins.release()
-        self._buffer, self._views = None, None
+        self._buffer = None
+        self._views.forget()
         self.workers.close()
         self.store = None
 
@@ -623,7 +618,7 @@ class ChainEndpoint:
 
     async def announce(self, manifest: Manifest, devices: tuple[str, ...]) -> None:
         # A model on a GPU copies from page-locked buffers.
-        self._relay.pin_for_gpu(on_gpu(devices))
+        self._relay.pin_for_gpu(pins(devices))
         hello = Hello(
             os.getpid(), socket.gethostname(), self.address, manifest.signature, self._nonce, devices
         )

@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from ..._copy import PlanCache
-from ..._memory._placement import Placement, devices_of, on_gpu
+from ..._memory._pinned import pins
+from ..._memory._placement import Placement, devices_of
 from ..._memory._segment import AttachedSegments, Segment, SegmentRef
+from ..._memory._views import LayoutViews
 from ..._packet import Manifest, Packet
 
 __all__ = ["CopyReader", "SegmentStaging"]
@@ -29,21 +31,19 @@ class SegmentStaging:
 
     def __init__(self) -> None:
         self.segment: Segment | None = None
-        self._views: tuple[str, list[torch.Tensor]] | None = None
+        self._views = LayoutViews()
 
     def _ensure(self, packet: Packet) -> tuple[Segment, list[torch.Tensor]]:
         manifest = packet.manifest
         if self.segment is None or self.segment.nbytes < manifest.nbytes:
-            self._views = None
+            self._views.forget()
             if self.segment is not None:
                 self.segment.close()
             self.segment = Segment.create(manifest.nbytes)
-        if self._views is None or self._views[0] != manifest.layout_id:
-            assert self.segment.data is not None
-            self._views = (manifest.layout_id, manifest.views(self.segment.data))
-        if on_gpu(packet.devices):
+        if pins(packet.devices):
             self.segment.pin()  # the device-to-host copy at the bus's speed (once per segment)
-        return self.segment, self._views[1]
+        assert self.segment.data is not None
+        return self.segment, self._views.of(self.segment.token, manifest, self.segment.data)
 
     def write(
         self, packet: Packet, digest: bool, placements: Mapping[int, Placement]
@@ -60,7 +60,7 @@ class SegmentStaging:
         send is caught by the version check."""
 
     async def aclose(self) -> None:
-        self._views = None
+        self._views.forget()
         if self.segment is not None:
             self.segment.close()
             self.segment = None
@@ -104,7 +104,7 @@ class CopyReader:
             # A new plan (made once per layout and mapping): if it copies to
             # a GPU, page-lock the mapping, for the bus's speed.
             self._looked_at = plan
-            if plan.slow_dst and on_gpu(devices_of(plan.slow_dst)):
+            if plan.slow_dst and pins(devices_of(plan.slow_dst)):
                 self._segments.segment(descriptor).pin()
         plan.run(threads)
 

@@ -18,6 +18,7 @@ import torch
 
 from ..._memory._placement import gpu_stream
 from ..._memory._slab import DeviceSlab, SlabRef
+from ..._memory._views import LayoutViews
 from ..._packet import Manifest, Packet
 from .._base import EVERY_VERSION
 from ._slot_ledger import SlotLedger
@@ -31,7 +32,7 @@ class OneSlab:
 
     def __init__(self) -> None:
         self.current: DeviceSlab | None = None
-        self._views: tuple[str, list[torch.Tensor]] | None = None
+        self._views = LayoutViews()
 
     def write(self, packet: Packet) -> None:
         """Copy ``packet`` into the slab (made or grown first) on the
@@ -40,15 +41,14 @@ class OneSlab:
         device = packet.tensors[0].device
         slab = self.current
         if slab is None or slab.nbytes < manifest.nbytes or slab.device != device:
-            self._views = None
+            self._views.forget()
             if slab is not None:
                 slab.close()
                 self.current = None
             slab = self.current = DeviceSlab(manifest.nbytes, device)
-        if self._views is None or self._views[0] != manifest.layout_id:
-            assert slab.data is not None
-            self._views = (manifest.layout_id, manifest.views(slab.data))
-        slab.write(self._views[1], packet.tensors, packet.version, gpu_stream(packet, slab.device))
+        assert slab.data is not None
+        views = self._views.of(slab.token, manifest, slab.data)
+        slab.write(views, packet.tensors, packet.version, gpu_stream(packet, slab.device))
 
     def descriptor(self, worker_id: int) -> SlabRef:
         assert self.current is not None, "write() comes first"
@@ -64,7 +64,7 @@ class OneSlab:
             self.current.forget(worker_id)
 
     def close(self) -> None:
-        self._views = None
+        self._views.forget()
         if self.current is not None:
             self.current.close()
             self.current = None
@@ -78,7 +78,7 @@ class DeviceSlots:
         self.slots: list[DeviceSlab] = []
         self.current: DeviceSlab | None = None
         self._version = 0
-        self._views: dict[tuple[bytes, str], list[torch.Tensor]] = {}
+        self._views = LayoutViews()
         self._ledger = SlotLedger()
 
     def _choose(self, manifest: Manifest, device: torch.device) -> DeviceSlab:
@@ -97,7 +97,7 @@ class DeviceSlots:
 
     def _drop(self, slot: DeviceSlab) -> None:
         self.slots.remove(slot)
-        self._views = {k: v for k, v in self._views.items() if k[0] != slot.token}
+        self._views.forget(slot.token)
         if slot is self.current:
             self.current = None
         slot.close()
@@ -110,11 +110,8 @@ class DeviceSlots:
             room for another.
         """
         slot = self._choose(packet.manifest, packet.tensors[0].device)
-        key = (slot.token, packet.manifest.layout_id)
-        views = self._views.get(key)
-        if views is None:
-            assert slot.data is not None
-            views = self._views[key] = packet.manifest.views(slot.data)
+        assert slot.data is not None
+        views = self._views.of(slot.token, packet.manifest, slot.data)
         slot.write(views, packet.tensors, packet.version, gpu_stream(packet, slot.device))
         self.current, self._version = slot, packet.version
 
@@ -134,7 +131,7 @@ class DeviceSlots:
             slot.forget(worker_id)
 
     def close(self) -> None:
-        self._views = {}
+        self._views.forget()
         self.current = None
         slots, self.slots = self.slots, []
         for slot in slots:

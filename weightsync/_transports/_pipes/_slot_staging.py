@@ -26,8 +26,10 @@ import torch
 
 from ..._copy import CopyPlan
 from ..._exceptions import InvalidWeightsError
-from ..._memory._placement import Placement, devices_of, on_gpu
+from ..._memory._pinned import pins
+from ..._memory._placement import Placement, devices_of
 from ..._memory._segment import AttachedSegments, Segment, SegmentRef
+from ..._memory._views import LayoutViews
 from ..._packet import Manifest, Packet
 from ._slot_ledger import SlotLedger
 
@@ -41,7 +43,7 @@ class SlotStaging:
         self.slots: list[Segment] = []
         self.current: Segment | None = None
         self._version = 0
-        self._views: dict[tuple[bytes, str], list[torch.Tensor]] = {}
+        self._views = LayoutViews()
         self._ledger = SlotLedger()
         #: Testing hook: called with (tensor index, first byte) between the
         #: copy of a block and its check, when a send is verified.
@@ -57,7 +59,7 @@ class SlotStaging:
         for slot in [s for s in self.slots if s.token not in busy]:
             # Idle but too small for this layout: it will never be used again.
             self.slots.remove(slot)
-            self._views = {k: v for k, v in self._views.items() if k[0] != slot.token}
+            self._views.forget(slot.token)
             self._settled(slot).close()
         slot = Segment.create(manifest.nbytes)
         self.slots.append(slot)
@@ -100,13 +102,10 @@ class SlotStaging:
     ) -> tuple[Segment, list[torch.Tensor]]:
         """A free slot for ``manifest`` (of tensors on ``devices``), writable, and its views."""
         slot = self._choose(manifest)
-        if on_gpu(devices):
+        if pins(devices):
             slot.pin()  # the device-to-host copy at the bus's speed (once per slot)
-        key = (slot.token, manifest.layout_id)
-        views = self._views.get(key)
-        if views is None:
-            assert slot.data is not None
-            views = self._views[key] = manifest.views(slot.data)
+        assert slot.data is not None
+        views = self._views.of(slot.token, manifest, slot.data)
         self._settled(slot).protect(writable=True)  # (most often made so once free: released())
         return slot, views
 
@@ -143,7 +142,7 @@ class SlotStaging:
         return slot
 
     async def aclose(self) -> None:
-        self._views = {}
+        self._views.forget()
         self.current = None
         for slot in self.slots:
             self._settled(slot).close()
@@ -207,7 +206,7 @@ class SlotReader:
         else:
             own = [not t.is_cpu for t in targets]
         if any(own):
-            if on_gpu(devices_of(t for t, o in zip(targets, own, strict=True) if o)):
+            if pins(devices_of(t for t, o in zip(targets, own, strict=True) if o)):
                 # Tensors on a GPU: the host-to-device copy at the bus's speed
                 # (the slot's mapping is registered once).
                 self._segments.segment(descriptor).pin()

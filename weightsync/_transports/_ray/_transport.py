@@ -56,8 +56,9 @@ from ..._exceptions import (
     WorkerLostError,
     import_extra,
 )
-from ..._memory._pinned import PageLocks, copy_to_host, host_buffer
-from ..._memory._placement import Placement, on_gpu
+from ..._memory._pinned import PageLocks, pins, stage_from_device, staging_buffer
+from ..._memory._placement import Placement
+from ..._memory._views import LayoutViews
 from ..._offload import inline_allowed
 from ..._packet import Manifest, Packet, Signature
 from .._base import Applier, Outgoing, SenderTransport, worker_failed, worker_lost
@@ -161,7 +162,7 @@ class RayStaging:
         # Of a trainer on a GPU: the host buffer each send is copied into
         # before it is put (page-locked), and its views for the last layout.
         self._host: torch.Tensor | None = None
-        self._host_views: tuple[str, list[torch.Tensor]] | None = None
+        self._host_views = LayoutViews()
         self._pins = PageLocks()
 
     @property
@@ -189,18 +190,16 @@ class RayStaging:
         are on a GPU, copied (on the caller's stream) into a buffer of the
         staging's, page-locked once for all sends of its size. Blocks for
         the copies."""
-        if not on_gpu(packet.devices):
+        if not pins(packet.devices):
             return packet.tensors
         manifest = packet.manifest
         if self._host is None or self._host.numel() < manifest.nbytes:
-            self._host_views, self._host = None, None
-            self._host = host_buffer(manifest.nbytes)
+            self._host_views.forget()
+            self._host = None
+            self._host = staging_buffer(manifest.nbytes, packet.devices)
             self._pins.keep_only(self._host)  # (the smaller one it replaces is unregistered)
-        if self._host_views is None or self._host_views[0] != manifest.layout_id:
-            self._host_views = (manifest.layout_id, manifest.views(self._host))
-        self._pins.lock(self._host)
-        views = self._host_views[1]
-        copy_to_host(views, packet).wait()
+        views = self._host_views.of(self._host.data_ptr(), manifest, self._host)
+        stage_from_device(self._pins, self._host, views, packet).wait()
         return views
 
     def _put(self, packet: Packet, model_id: str | None, digest: bool) -> tuple[int, ...] | None:
@@ -413,7 +412,8 @@ class RayStaging:
         self.calls, self.replies, self.failed, self._finished = {}, {}, {}, set()
         # (Each send's copies were waited for before its put.)
         self._pins.release()
-        self._host, self._host_views = None, None
+        self._host = None
+        self._host_views.forget()
 
 
 class RaySenderTransport:
@@ -661,7 +661,7 @@ class RayEndpoint:
         self.host = HostReader()
         self.signature: Signature = receiver.manifest().signature
         self.devices: tuple[str, ...] = receiver.devices()
-        self.host.pin = on_gpu(self.devices)
+        self.host.pin = pins(self.devices)
         with _ENDPOINTS_LOCK:
             _ENDPOINTS[model_id] = self
 
@@ -711,7 +711,7 @@ class RayEndpoint:
     async def announce(self, manifest: Manifest, devices: tuple[str, ...]) -> None:
         """Nothing to send: the sender asks the actor (see ``connect``)."""
         self.signature, self.devices = manifest.signature, devices
-        self.host.pin = on_gpu(devices)
+        self.host.pin = pins(devices)
 
     async def next_update(self, timeout: float) -> None:
         """Never an update to pull (they are applied as they arrive); never waits.
