@@ -211,25 +211,26 @@ async def resume(
     """:func:`drive`, from ``action`` (where another driver stopped)."""
     try:
         while True:
-            if isinstance(action, Listen):
-                result: Any = await io.listen(action)
-            elif isinstance(action, Write):
-                result = await run_blocking(action.packet.nbytes, io.write, action)
-            elif isinstance(action, Post):
-                result = io.post(action)
-            elif isinstance(action, Staged):
-                if until_staged:
-                    return None
-                result = None
-            elif isinstance(action, Done):
-                return action.report
-            elif isinstance(action, Announce):
-                result = await io.announce(action)
-            elif isinstance(action, Deliver):
-                result = await io.deliver(action)
-            else:
-                await io.hand_over(action)
-                result = None
+            match action:
+                case Listen():
+                    result: Any = await io.listen(action)
+                case Write():
+                    result = await run_blocking(action.packet.nbytes, io.write, action)
+                case Post():
+                    result = io.post(action)
+                case Staged():
+                    if until_staged:
+                        return None
+                    result = None
+                case Done():
+                    return action.report
+                case Announce():
+                    result = await io.announce(action)
+                case Deliver():
+                    result = await io.deliver(action)
+                case HandOver():
+                    await io.hand_over(action)
+                    result = None
             action = machine.feed(result)
     except BaseException:
         machine.close()
@@ -261,24 +262,25 @@ def drive_blocking(
         if action is None:
             action = machine.start()
         while True:
-            if isinstance(action, Listen):
-                result: Any = io.listen_blocking(action, interrupted)
-            elif isinstance(action, Write):
-                result = io.write(action)
-            elif isinstance(action, Post):
-                result = io.post(action)
-            elif isinstance(action, Staged):
-                if until_staged:
-                    return None
-                result = None
-            elif isinstance(action, Done):
-                return action.report
-            elif isinstance(action, Announce):
-                result = enter_loop(_step(io.announce, action))
-            elif isinstance(action, Deliver):
-                result = enter_loop(_step(io.deliver, action))
-            else:
-                result = enter_loop(_step(io.hand_over, action))
+            match action:
+                case Listen():
+                    result: Any = io.listen_blocking(action, interrupted)
+                case Write():
+                    result = io.write(action)
+                case Post():
+                    result = io.post(action)
+                case Staged():
+                    if until_staged:
+                        return None
+                    result = None
+                case Done():
+                    return action.report
+                case Announce():
+                    result = enter_loop(_step(io.announce, action))
+                case Deliver():
+                    result = enter_loop(_step(io.deliver, action))
+                case HandOver():
+                    result = enter_loop(_step(io.hand_over, action))
             if interrupted():
                 raise KeyboardInterrupt  # (nobody waits for the rest of the send)
             action = machine.feed(result)

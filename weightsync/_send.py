@@ -360,9 +360,11 @@ class SendMachine:
         # mismatch is refused with no worker touched. Workers still starting
         # are waited for first, up to the scheme's timeout; the send's
         # deadline starts after that: a slow start is not taken for a slow send.
-        if any(transports[w].layout is None for w in targets):
-            self.failures.update((yield Announce(targets, sends.timeout, sends.version + 1)))
-            self.announce_seconds += time.perf_counter() - started
+        for wid in targets:
+            if transports[wid].layout is None:
+                self.failures.update((yield Announce(targets, sends.timeout, sends.version + 1)))
+                self.announce_seconds += time.perf_counter() - started
+                break
         staging_started = time.perf_counter()
         if self.deadline is None:
             self.deadline = self._clock() + self.timeout

@@ -418,6 +418,7 @@ def _run_tight(
         with torch.no_grad():
             for step in range(rounds):
                 change_model(tensors, step)
+                cpu = time.thread_time()
                 start = clock()
                 for target, source in pairs:
                     target.copy_(source)
@@ -431,8 +432,10 @@ def _run_tight(
                     if reply != _GO:
                         raise BenchError(f"{what}: worker {slot} replied {reply!r} to round {step + 1}")
                 elapsed = clock() - start
+                cpu = time.thread_time() - cpu
                 if step >= config.warmup:
                     result.send_s.append(elapsed)
+                    result.cpu_s.append(cpu)
         result.packet_nbytes = staging.packet_nbytes
         expected = tensor_checksums(named)
         ended = True

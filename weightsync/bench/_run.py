@@ -135,6 +135,7 @@ def _run_scheme(
         for step in range(config.warmup + config.repeats):
             change_model(tensors, step)
             staged = None
+            cpu = time.thread_time()
             start = time.perf_counter()
             if config.blocking:
                 report = sender.send(keys=keys, verify=case.verify)
@@ -143,10 +144,12 @@ def _run_scheme(
                 staged = time.perf_counter() - start  # the trainer may change its weights from here on
                 report = sender.wait_async()
             elapsed = time.perf_counter() - start
+            cpu = time.thread_time() - cpu
             if not config.check_once:
                 pool.verify(report.version, names, tensor_checksums(named))
             if step >= config.warmup:
                 result.send_s.append(elapsed)
+                result.cpu_s.append(cpu)
                 result.report_s.append(report.seconds)
                 if staged is not None:
                     result.stall_s.append(staged)

@@ -642,6 +642,10 @@ class CaseResult:
     # around one round of an alternative.
     send_s: list[float] = field(default_factory=list)
     report_s: list[float] = field(default_factory=list)  # SendReport.seconds of the same sends
+    # The trainer's thread's CPU time (user and system: time.thread_time) of
+    # each timed send (weightsync's schemes and bare-tight): what a send
+    # costs the trainer beyond waiting.
+    cpu_s: list[float] = field(default_factory=list)
     # How long each send held the trainer's weights: until send_async() returned.
     stall_s: list[float] = field(default_factory=list)
     # One ray.put of the model's bytes after each send (Ray cases): the
@@ -775,6 +779,7 @@ class CaseResult:
             "copy": copy,
             "torn": torn,
             "median_ms": self.median_s * 1e3,
+            "cpu_us": statistics.median(self.cpu_s) * 1e6 if self.cpu_s else None,
             "p10_ms": self.p10_s * 1e3,
             "p90_ms": self.p90_s * 1e3,
             "max_ms": self.max_s * 1e3,
@@ -850,6 +855,7 @@ class BenchRun:
                     "samples": {
                         "send_s": r.send_s,
                         "report_s": r.report_s,
+                        "cpu_s": r.cpu_s,
                         "stall_s": r.stall_s,
                         "put_s": r.put_s,
                         "memcpy_s": r.memcpy_s,
