@@ -596,9 +596,8 @@ def test_the_first_frame_leaves_before_the_last_chunk_is_encoded() -> None:
     the first batch is on the wire before the last chunk is encoded (here
     every frame is a batch of its own: this update's frames are smaller
     than one batch together)."""
-    from weightsync._transports._chain._gloo import send_frames
-
     from weightsync._delta import HEADER_SIZE
+    from weightsync._transports._chain._gloo import send_frames
 
     events: list[str] = []
 
@@ -635,9 +634,9 @@ def test_frames_cross_a_real_gloo_chain_in_batches_bit_exact(batch_bytes: int) -
     import threading
 
     import torch.distributed as dist
-    from weightsync._transports._chain._gloo import gloo_group, relay_frames, send_frames
 
     from weightsync._delta import HEADER_SIZE, read_header
+    from weightsync._transports._chain._gloo import gloo_group, relay_frames, send_frames
 
     v0, v1 = _trajectory("bf16-lr1e-5", 1)
     encoder = DeltaEncoder(v0.nbytes, 2, chunk_bytes=CHUNK)
@@ -691,9 +690,9 @@ def test_a_damaged_batch_head_is_a_broken_hop_named_as_such() -> None:
     import threading
 
     import torch.distributed as dist
-    from weightsync._transports._chain._gloo import gloo_group, relay_frames
 
     from weightsync._delta import HEADER_SIZE, read_header
+    from weightsync._transports._chain._gloo import gloo_group, relay_frames
 
     store = dist.HashStore()
     results: dict[int, object] = {}

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-from weightsync._transports._chain._gloo import send_chain
 
 import weightsync._memory._pinned as pinned
 import weightsync._memory._segment as segment_module
@@ -25,6 +24,7 @@ import weightsync._transports._distributed._transport as distributed
 from weightsync._memory._pinned import PageLocks, copy_to_host, host_buffer
 from weightsync._memory._segment import Segment
 from weightsync._packet import Manifest, Packet
+from weightsync._transports._chain._gloo import send_chain
 from weightsync._transports._distributed._host_share import ReceiveBuffers
 
 HAS_CUDA = torch.cuda.is_available()
@@ -218,7 +218,8 @@ def test_a_gpu_trainers_staging_buffers_are_registered_once_across_delta_sends(
     pytest.importorskip("blosc2")
     from test_delta_distributed import delta_workers, exact, nudge
 
-    monkeypatch.setattr(distributed, "on_gpu", lambda devices: True)
+    monkeypatch.setattr(distributed, "pins", lambda devices: True)
+    monkeypatch.setattr(pinned, "pins", lambda devices: True)
     with delta_workers(2) as w:
         w.scheme.connect()
         for step in range(4):

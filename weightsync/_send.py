@@ -399,11 +399,10 @@ class SendMachine:
             yield STAGED
         if not reachable:
             return
-        failed_before = set(self.failures)
         yield from (self._hand_over if sends.handler else self._gather)(packet, reachable)
         self._late(packet, reachable)
         workers.record(packet, reachable, [w for w in reachable if w in self.failures])
-        self.placements.update((w, p.value) for w, p in placements.items() if w not in failed_before)
+        self.placements.update((w, p.value) for w, p in placements.items())
 
     def _gather(self, packet: Packet, reachable: list[int]) -> Generator[Action, Any, None]:
         """Tell every reachable worker, then gather their acks: by
