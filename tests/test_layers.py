@@ -16,7 +16,16 @@ LAYERS: list[set[str]] = [
     {"_exceptions", "_frames", "_transports._peer"},
     {"_packet"},
     {"_memory._views"},
-    {"_copy", "_offload", "_loops", "_readiness", "_strategy", "_stepguard", "_torchrl", "_memory._placement"},
+    {
+        "_copy",
+        "_offload",
+        "_loops",
+        "_readiness",
+        "_strategy",
+        "_stepguard",
+        "_torchrl",
+        "_memory._placement",
+    },
     {"_digest", "_memory._pinned"},
     # The memory layer: segments, slabs, page-locked buffers, placement.
     {"_memory._segment", "_delta"},
