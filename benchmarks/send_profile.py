@@ -1,0 +1,223 @@
+"""Where a small send's time goes: a README-style trainer and its workers,
+timed from both sides, beside a bare byte's round trip in the same run.
+
+The trainer is the README's: a ``MultiProcessWeightSyncScheme`` over
+``spawn``ed worker processes that call ``receive()`` at their safe point,
+and a blocking ``send()`` after each change of the model. For each send
+it records the wall time and the CPU time of the trainer's sending thread
+(``time.thread_time``); each worker records, for each update it applies,
+the wall and CPU time of the ``receive()`` that applied it (the wait for
+the update is not in it). Before that, the same number of processes bounce
+one byte each over a socket pair, ``os.write`` then ``epoll`` and
+``os.read``, the least any send's notice and ack cost.
+
+``--steps`` also times the send's main steps on the trainer (the model
+read into a packet, the staging's write, the notices, the wait for and
+the taking of acks, the machine between them), by wrapping them, and
+prints each one's median over the sends: the wrapping adds a little to
+each, so their sum is above the plain run's.
+
+``--calls`` counts the calls (Python functions and the C functions they
+call) a send makes on the trainer, with ``sys.setprofile`` (which slows
+the sends it counts).
+
+Run: ``python benchmarks/send_profile.py [--size MIB] [--workers N] [--sends N] [--steps] [--calls]``;
+``--model mlp`` sends a 4-layer, 64-wide float32 model instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import multiprocessing as mp
+import os
+import select
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+import weightsync as ws
+
+
+def make_model(kind: str, nbytes: int) -> nn.Module:
+    if kind == "mlp":
+        return nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    module = nn.Module()
+    for i in range(8):
+        module.register_parameter(f"p{i}", nn.Parameter(torch.zeros(max(nbytes // 32, 1))))
+    return module
+
+
+def worker(scheme: ws.WeightSyncScheme, pipe: Any, kind: str, nbytes: int, out: Any) -> None:
+    torch.set_num_threads(1)
+    model = make_model(kind, nbytes)
+    scheme.init_on_worker("policy", pipe=pipe, model=model)
+    receiver = scheme.get_receiver()
+    walls: list[float] = []
+    cpus: list[float] = []
+    try:
+        while True:
+            receiver.async_receiver.wait_ready(1.0)  # (the wait is not timed)
+            wall, cpu = time.perf_counter(), time.thread_time()
+            version = scheme.receive()
+            if version is not None:
+                walls.append(time.perf_counter() - wall)
+                cpus.append(time.thread_time() - cpu)
+    except ws.SenderLostError:
+        pass
+    finally:
+        scheme.shutdown()
+    out.send((statistics.median(walls), statistics.median(cpus)) if walls else None)
+
+
+def bounce(sock: socket.socket) -> None:
+    while sock.recv(1) == b"x":
+        sock.send(b"a")
+
+
+def bare_round_trip(workers: int, sends: int) -> float:
+    """The median time of one byte to each of ``workers`` processes and
+    one back from each, blocked in epoll between."""
+    ctx = mp.get_context("fork")
+    pairs = [socket.socketpair() for _ in range(workers)]
+    procs = [ctx.Process(target=bounce, args=(theirs,)) for _, theirs in pairs]
+    for proc in procs:
+        proc.start()
+    watch = select.epoll()
+    for ours, _ in pairs:
+        watch.register(ours.fileno(), select.EPOLLIN)
+    times = []
+    try:
+        for _ in range(sends):
+            start = time.perf_counter()
+            for ours, _ in pairs:
+                os.write(ours.fileno(), b"x")
+            left = workers
+            while left:
+                for fd, _ in watch.poll(1.0):
+                    os.read(fd, 1)
+                    left -= 1
+            times.append(time.perf_counter() - start)
+    finally:
+        for ours, _ in pairs:
+            os.write(ours.fileno(), b"q")
+        for proc in procs:
+            proc.join()
+        watch.close()
+    return statistics.median(times)
+
+
+def wrap_steps(totals: collections.Counter[str]) -> None:
+    """Time the send's main steps on the trainer (see the module's docstring)."""
+    from weightsync._drive import SendIO
+    from weightsync._packing import Packer
+    from weightsync._send import SendMachine
+
+    def timed(owner: Any, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                totals[label] += time.perf_counter() - start
+
+        setattr(owner, name, step)
+
+    timed(Packer, "packet", "read the model into a packet")
+    timed(SendIO, "write", "the staging's write (with its copy)")
+    timed(SendIO, "post", "the notices (a write to each worker)")
+    timed(SendIO, "listen_blocking", "the wait for acks, and taking them")
+    timed(SendIO, "take", "  of which taking the acks")
+    timed(SendMachine, "__init__", "the send's machine: made")
+    timed(SendMachine, "feed", "the send's machine: fed")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=float, default=0.0625, help="MiB, as 8 tensors (default: %(default)s)")
+    parser.add_argument("--model", choices=["flat", "mlp"], default="flat", help="(default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=1, help="(default: %(default)s)")
+    parser.add_argument("--sends", type=int, default=2000, help="timed sends (default: %(default)s)")
+    parser.add_argument("--steps", action="store_true", help="also time the trainer's steps")
+    parser.add_argument(
+        "--calls", action="store_true", help="also count the calls a send makes on the trainer (slow)"
+    )
+    args = parser.parse_args()
+    nbytes = int(args.size * (1 << 20))
+
+    bare = bare_round_trip(args.workers, args.sends)
+
+    ctx = mp.get_context("spawn")
+    scheme = ws.MultiProcessWeightSyncScheme()
+    pipes, procs, outs = [], [], []
+    for _ in range(args.workers):
+        ours, theirs = ctx.Pipe()
+        results, out = ctx.Pipe(duplex=False)
+        procs.append(ctx.Process(target=worker, args=(scheme, theirs, args.model, nbytes, out)))
+        procs[-1].start()
+        pipes.append(ours)
+        outs.append(results)
+    model = make_model(args.model, nbytes)
+    scheme.init_on_sender("policy", pipes=pipes, model=model)
+    sender = scheme.get_sender()
+    scheme.wait_for_workers()
+    for _ in range(50):
+        sender.send()
+    totals: collections.Counter[str] = collections.Counter()
+    steps: dict[str, list[float]] = collections.defaultdict(list)
+    if args.steps:
+        wrap_steps(totals)
+    walls, cpus = [], []
+    calls = [0]
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            calls[0] += 1
+
+    for _ in range(args.sends):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1)
+        wall, cpu = time.perf_counter(), time.thread_time()
+        if args.calls:
+            sys.setprofile(count)
+        sender.send()
+        if args.calls:
+            sys.setprofile(None)
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.thread_time() - cpu)
+        for label, seconds in totals.items():
+            steps[label].append(seconds)
+        totals.clear()
+    scheme.shutdown()
+    received = [out.recv() for out in outs]
+    for proc in procs:
+        proc.join()
+
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"{size} bytes as {len(list(model.parameters()))} tensors to {args.workers} worker(s), "
+          f"{args.sends} blocking sends; torch threads {torch.get_num_threads()}")  # fmt: skip
+    print(f"bare byte round trip to each worker (median): {bare * 1e6:.0f} us")
+    print(f"send() (median): {statistics.median(walls) * 1e6:.0f} us; "
+          f"the trainer's thread CPU per send: {statistics.median(cpus) * 1e6:.0f} us")  # fmt: skip
+    for i, got in enumerate(received):
+        if got is not None:
+            print(f"worker {i}: receive() that applied an update (median): "
+                  f"{got[0] * 1e6:.0f} us wall, {got[1] * 1e6:.0f} us CPU")  # fmt: skip
+    if args.calls:
+        print(f"calls a send makes on the trainer (Python functions and the C functions they call): "
+              f"{calls[0] / args.sends:.0f}")  # fmt: skip
+    for label, samples in steps.items():
+        print(f"  {label:40s} {statistics.median(samples) * 1e6:7.1f} us (median per send)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
