@@ -55,7 +55,8 @@ _POLL_SLICE = 0.05
 class SendIO:
     """What a sender's sends act on, and each step of a send written once:
     its channels (the sender's own mapping, which membership changes update
-    in place), its staging, its packer, its gatherer of announcements, and
+    in place), its staging, its packer, the wait for its workers to announce
+    themselves (``Announcements``), and
     one epoll set kept from send to send."""
 
     def __init__(
@@ -63,10 +64,10 @@ class SendIO:
         transports: Mapping[int, SenderTransport],
         staging: Staging | None,
         packer: Packer,
-        acks: Announcements,
+        announcements: Announcements,
     ) -> None:
         self.transports = transports
-        self.staging, self.packer, self.acks = staging, packer, acks
+        self.staging, self.packer, self.announcements = staging, packer, announcements
         self._watch: ReadyWatch | None = None
 
     @property
@@ -118,7 +119,7 @@ class SendIO:
     # -- the steps that are a transport's coroutines --------------------------------
     async def announce(self, action: Announce) -> dict[int, WorkerError]:
         try:
-            await self.acks.announced(action.targets, action.timeout, action.version)
+            await self.announcements.announced(action.targets, action.timeout, action.version)
         except WorkerError as exc:
             return dict(exc.failures)
         return {}

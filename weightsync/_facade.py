@@ -140,7 +140,8 @@ class WeightSender:
                 )
 
             async def in_loop() -> SendReport | None:
-                return await resume(machine, io, action or machine.start(), until_staged=until_staged)
+                first = machine.start() if action is None else action
+                return await resume(machine, io, first, until_staged=until_staged)
 
             return RUNTIME.call(in_loop)
         except BaseException:
