@@ -294,8 +294,6 @@ class SendMachine:
         self.nbytes = 0
         self.staged_seconds = 0.0
         self.announce_seconds = 0.0
-        #: Whether the weights are staged (the caller may change them).
-        self.staged = False
         self._steps = self._run()
 
     @property
@@ -395,7 +393,6 @@ class SendMachine:
             self.nbytes += packet.nbytes
         if last:
             self.staged_seconds = time.perf_counter() - (staging_started if self._each is None else started)
-            self.staged = True
             yield STAGED
         if not reachable:
             return
