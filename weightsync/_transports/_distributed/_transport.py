@@ -366,7 +366,7 @@ class ChainStaging:
         waiter calls ``check_alive`` at least every
         :data:`_ALIVE_EVERY` seconds, which raises for a worker that is gone.
         """
-        assert version == self._replies_of, "stage() of this version comes first"
+        assert version == self._replies_of, "write() of this version comes first"
         delay = _POLL[0]
         try:
             while True:
