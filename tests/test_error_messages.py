@@ -106,12 +106,19 @@ def test_workers_never_announced_are_told_the_likely_causes() -> None:
     conns += [sleeping, its_end, ctrl0, ctrl0_child, wrong, kept, ctrl1, ctrl1_child]
     try:
         scheme.init_on_sender("policy", pipes=[sleeping, wrong], model=build_model("net"))
-        for call in (scheme.wait_for_workers, scheme.send):
+        for name, call in (("wait_for_workers", scheme.wait_for_workers), ("send", scheme.send)):
             with pytest.raises(ws.AckTimeoutError) as info:
                 call()
             message = str(info.value)
             assert "worker 0" in message and "worker 1" in message
-            assert message.count("did not announce itself before the deadline") == 2
+            what = "did not announce itself (start, then call init_on_worker() for this model)"
+            assert message.count(what) == 2
+            limit = (
+                "wait_for_workers()'s timeout of 1 s"
+                if name == "wait_for_workers"
+                else ("the send's timeout of 1 s")
+            )
+            assert message.count(f"within {limit}") == 2
             assert message.count("likely causes") == 1
             for cause in (
                 "never calls it for this model",

@@ -33,8 +33,10 @@ def cluster() -> Iterator[Cluster]:
 
 def test_send_async_then_wait_async(cluster: Cluster) -> None:
     cluster.bump()
-    assert cluster.sender.send_async() is None
+    handle = cluster.sender.send_async()
+    assert isinstance(handle, ws.SendHandle) and handle.worker_ids == (0, 1, 2)
     report = cluster.sender.wait_async()
+    assert report.version == handle.version and handle.done()
     for i in range(3):
         cluster.assert_has(i, cluster.expected())
         assert cluster.state(i)["applied"][-1] == report.version
@@ -77,12 +79,17 @@ def test_scheme_send_goes_through_the_sender(cluster: Cluster) -> None:
 
 
 def test_blocking_call_from_a_thread_running_its_own_loop(cluster: Cluster) -> None:
+    """Inside a coroutine it is refused (tests/test_coroutines.py); from
+    code the loop runs outside any task it blocks the loop's thread."""
     cluster.bump()
 
-    async def notebook_cell() -> ws.SendReport:
-        return cluster.sender.send()  # blocks this loop's thread, as documented
+    async def main() -> ws.SendReport:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[ws.SendReport] = loop.create_future()
+        loop.call_soon(lambda: done.set_result(cluster.sender.send()))
+        return await done
 
-    report = asyncio.run(notebook_cell())
+    report = asyncio.run(main())
     assert report.worker_ids == (0, 1, 2)
     cluster.assert_has(1, cluster.expected())
 

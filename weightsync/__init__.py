@@ -9,6 +9,7 @@ described in ``docs/architecture.md``.
 # Errors
 from ._exceptions import (
     AckTimeoutError,
+    BlockingCallError,
     DeltaFrameError,
     InvalidWeightsError,
     MissingExtraError,
@@ -27,14 +28,14 @@ from ._exceptions import (
 )
 
 # Sync facade
-from ._facade import WeightReceiver, WeightSender
+from ._facade import SendHandle, WeightReceiver, WeightSender
 
 # Legacy updaters
 from ._legacy import MultiProcessedRemoteWeightUpdate, RemoteWeightUpdaterBase
 
 # Async core
 from ._receiver import AsyncWeightReceiver
-from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, SendReport
+from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, PendingSend, SendReport
 
 # Strategies
 from ._strategy import WeightStrategy
@@ -57,6 +58,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_TIMEOUT",
     "AckTimeoutError",
+    "BlockingCallError",
     "AsyncWeightReceiver",
     "AsyncWeightSender",
     "DeltaFrameError",
@@ -67,10 +69,12 @@ __all__ = [
     "MultiProcessWeightSyncScheme",
     "MultiProcessedRemoteWeightUpdate",
     "NoWeightSyncScheme",
+    "PendingSend",
     "RayWeightSyncMixin",
     "RayWeightSyncScheme",
     "RemoteWeightUpdaterBase",
     "ResourceExhaustedError",
+    "SendHandle",
     "SendReport",
     "SenderClosedError",
     "SenderLostError",

@@ -24,6 +24,10 @@ __all__ = ["Announcements"]
 
 # How often a wait for workers to announce themselves logs who it waits for.
 _PROGRESS_EVERY = 5.0
+# A send that has waited this long for workers to announce themselves says
+# so once, at WARNING: the user did not ask for the wait, and may not know
+# why the send stands still.
+_WARN_AFTER = 5.0
 
 # Why workers are most often never heard of: ends the error of a wait for them.
 _NEVER_ANNOUNCED = (
@@ -55,6 +59,7 @@ class Announcements:
         deadline: float,
         failures: dict[int, WorkerError],
         version: int | None,
+        limit: str,
     ) -> None:
         """Run ``step(transport)`` for every target concurrently, all under
         ``deadline`` (the loop's clock); each failure goes to ``failures``,
@@ -79,18 +84,26 @@ class Announcements:
         for wid in targets:
             if wid not in done and wid not in failures:
                 failures[wid] = AckTimeoutError(
-                    f"worker {wid} (model {self.model_id!r}) did not announce itself before the deadline",
+                    f"worker {wid} (model {self.model_id!r}) did not announce itself (start, then call "
+                    f"init_on_worker() for this model) within {limit}",
                     worker_id=wid,
                     model_id=self.model_id,
                     version=version,
                 )
 
     async def announced(
-        self, targets: list[int], timeout: float, version: int | None = None
+        self,
+        targets: list[int],
+        timeout: float,
+        version: int | None = None,
+        *,
+        limit: str | None = None,
+        warn: bool = False,
     ) -> dict[int, float]:
         """Wait for every target's announcement (up to ``timeout`` seconds); their times (see
         :meth:`AsyncWeightSender.wait_for_workers`), logging who is still awaited every
-        _PROGRESS_EVERY seconds.
+        _PROGRESS_EVERY seconds (``warn``: once at WARNING first, after _WARN_AFTER).
+        ``limit`` names the timeout in the error (default: wait_for_workers()'s).
 
         :raises WorkerError: naming every target that died or was late.
         """
@@ -100,6 +113,8 @@ class Announcements:
         if not waiting:
             return times
         failures: dict[int, WorkerError] = {}
+        if limit is None:
+            limit = f"wait_for_workers()'s timeout of {timeout:g} s"
 
         async def announce(transport: SenderTransport) -> None:
             await transport.connect()
@@ -107,8 +122,8 @@ class Announcements:
 
         deadline = anyio.current_time() + timeout
         async with anyio.create_task_group() as group:
-            group.start_soon(self._log_progress, targets, times, timeout, started)
-            await self._each(waiting, announce, deadline, failures, version)
+            group.start_soon(self._log_progress, targets, times, limit, started, warn)
+            await self._each(waiting, announce, deadline, failures, version, limit)
             group.cancel_scope.cancel()
         if failures:
             for err in failures.values():
@@ -118,21 +133,34 @@ class Announcements:
         return times
 
     async def _log_progress(
-        self, targets: list[int], times: dict[int, float], timeout: float, started: float
+        self, targets: list[int], times: dict[int, float], limit: str, started: float, warn: bool
     ) -> None:
         """Every _PROGRESS_EVERY seconds, until cancelled: which of
-        ``targets`` announced themselves (``times``) and which not yet."""
+        ``targets`` announced themselves (``times``) and which not yet; with
+        ``warn``, once at WARNING first (a send waiting for them)."""
+        if warn:
+            await anyio.sleep(_WARN_AFTER)
+            missing = [w for w in targets if w not in times]
+            _log.warning(
+                "weightsync: a send of model %r has waited %.0f s for worker(s) %s to announce "
+                "themselves (it waits at most %s); call scheme.wait_for_workers() once the "
+                "workers are started, before the first send",
+                self.model_id,
+                time.perf_counter() - started,
+                ", ".join(map(str, missing)),
+                limit,
+            )
         while True:
             await anyio.sleep(_PROGRESS_EVERY)
             waited = time.perf_counter() - started
             missing = [w for w in targets if w not in times]
             _log.info(
                 "weightsync: model %r: %d of %d workers announced themselves after %.0f s "
-                "(of at most %.0f s); still waiting for worker(s) %s",
+                "(waiting at most %s); still waiting for worker(s) %s",
                 self.model_id,
                 len(targets) - len(missing),
                 len(targets),
                 waited,
-                timeout,
+                limit,
                 ", ".join(map(str, missing)),
             )

@@ -119,7 +119,9 @@ class SendIO:
     # -- the steps that are a transport's coroutines --------------------------------
     async def announce(self, action: Announce) -> dict[int, WorkerError]:
         try:
-            await self.announcements.announced(action.targets, action.timeout, action.version)
+            await self.announcements.announced(
+                action.targets, action.timeout, action.version, limit=action.limit, warn=True
+            )
         except WorkerError as exc:
             return dict(exc.failures)
         return {}

@@ -24,8 +24,10 @@ The tree::
     │   ├── MissingExtraError (ImportError)  an optional extra that a feature needs is not
     │   │                                    installed (``extra`` names it)
     │   └── WeightSyncStateError (RuntimeError)
-    │                                        lifecycle misuse: use before init, after
-    │                                        shutdown, a send while one is pending
+    │       │                                lifecycle misuse: use before init, after
+    │       │                                shutdown, a send while one is pending
+    │       └── BlockingCallError            a blocking call made inside a coroutine, whose
+    │                                        event loop it would stall (names what to await)
 
 Every error carries ``model_id``; :class:`WorkerError` also carries
 ``worker_ids`` and ``failures`` (worker id -> the error for that worker), so a
@@ -46,6 +48,7 @@ import torch
 
 __all__ = [
     "AckTimeoutError",
+    "BlockingCallError",
     "DeltaFrameError",
     "InvalidWeightsError",
     "MissingExtraError",
@@ -75,6 +78,13 @@ class WeightSyncError(Exception):
 class WeightSyncStateError(WeightSyncError, RuntimeError):
     """The lifecycle was misused: a call before init, after shutdown, or while
     another send is pending."""
+
+
+class BlockingCallError(WeightSyncStateError):
+    """A blocking call (``send()``, ``receive()``, ...) was made inside a
+    coroutine running on an event loop: it would stall that loop (every
+    other task of it) for as long as it waits. Raised before anything is
+    done; the message names the coroutine to await instead."""
 
 
 class WeightMismatchError(WeightSyncError, ValueError):

@@ -8,12 +8,13 @@ of this.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from typing import Any
 
 from ._drive import drive_blocking, resume
@@ -32,7 +33,7 @@ from ._send import STAGED, Action, SendMachine
 from ._sender import AsyncWeightSender, Keys, SendOptions, SendReport
 from ._stepguard import StepGuard
 
-__all__ = ["WeightReceiver", "WeightSender"]
+__all__ = ["SendHandle", "WeightReceiver", "WeightSender"]
 
 _log = logging.getLogger("weightsync")
 # How often the applier thread looks at its stop flag while no update comes.
@@ -49,10 +50,8 @@ class WeightSender:
 
     def __init__(self, sender: AsyncWeightSender) -> None:
         self._sender = sender
-        self._pending: concurrent.futures.Future[SendReport] | None = None
-        # The pending send_async()'s send, whose acks the loop thread may
-        # not have started gathering yet (see wait_async).
-        self._unstarted: SendMachine | None = None
+        # The send_async() not waited for yet; it clears itself once over.
+        self._pending: SendHandle | None = None
         self._closed = False
         RUNTIME.acquire()
 
@@ -76,6 +75,11 @@ class WeightSender:
         """Whether a ``send_async()`` is not waited for yet (see :meth:`wait_async`)."""
         return self._pending is not None
 
+    def _refuse_in_coroutine(self, what: str, instead: str) -> None:
+        RUNTIME.refuse_in_coroutine(
+            what, f"await scheme.get_async_sender().{instead}", model_id=self._sender.model_id
+        )
+
     def _check(self, what: str) -> None:
         if self._closed:
             raise WeightSyncStateError(
@@ -96,12 +100,16 @@ class WeightSender:
         (what it logs while it waits, and what it raises).
 
         :raises RuntimeError: a ``send_async()`` is pending.
+        :raises BlockingCallError: called inside a coroutine (await
+            :meth:`AsyncWeightSender.wait_for_workers` there).
         """
+        self._refuse_in_coroutine("wait_for_workers()", "wait_for_workers(...)")
         self._check("wait_for_workers()")
         return RUNTIME.call(lambda: self._sender.wait_for_workers(worker_ids, timeout=timeout))
 
     def connect(self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None) -> None:
         """:meth:`wait_for_workers`, returning nothing."""
+        self._refuse_in_coroutine("connect()", "connect(...)")
         self.wait_for_workers(worker_ids, timeout=timeout)
 
     def send(
@@ -120,7 +128,10 @@ class WeightSender:
         :meth:`AsyncWeightSender.send`.
 
         :raises RuntimeError: a ``send_async()`` is pending.
+        :raises BlockingCallError: called inside a coroutine, before
+            anything is staged (await :meth:`AsyncWeightSender.send` there).
         """
+        self._refuse_in_coroutine("send()", "send(...)")
         self._check("send()")
         machine = self._sender.machine(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
         return self._drive(machine, None)
@@ -157,9 +168,9 @@ class WeightSender:
         keys: Keys | None = None,
         partial: bool = False,
         verify: bool | None = None,
-    ) -> None:
+    ) -> SendHandle:
         """Start a send and return once the weights are staged; :meth:`wait_async`
-        gathers the acks. Arguments as :meth:`send`.
+        (or the handle returned) gathers the acks. Arguments as :meth:`send`.
 
         Blocks while the weights are copied out (into the shared segment or
         slot, or Ray's object store), not while the workers apply them: once
@@ -171,10 +182,14 @@ class WeightSender:
 
         Every error of the send, one found before anything moved (weights
         that do not fit, an unknown worker) included, is raised by
-        :meth:`wait_async`.
+        :meth:`wait_async` (and the handle's ``wait()``, or ``await handle``).
+        The handle may be ignored, as torchrl's collectors do.
 
         :raises RuntimeError: a previous ``send_async()`` is still pending.
+        :raises BlockingCallError: called inside a coroutine, before
+            anything is staged (await :meth:`AsyncWeightSender.send_async` there).
         """
+        self._refuse_in_coroutine("send_async()", "send_async(...) (it returns once staged)")
         self._check("send_async()")
         try:
             machine = self._sender.machine(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
@@ -183,8 +198,8 @@ class WeightSender:
             # As torchrl's send_async: the send's errors come from wait_async().
             failed: concurrent.futures.Future[SendReport] = concurrent.futures.Future()
             failed.set_exception(exc)
-            self._pending = failed
-            return
+            self._pending = SendHandle(self, failed, None)
+            return self._pending
         io = self._sender.io
         try:
 
@@ -193,14 +208,14 @@ class WeightSender:
                 assert report is not None
                 return report
 
-            self._pending = RUNTIME.start(gather)
-            self._unstarted = machine
+            self._pending = SendHandle(self, RUNTIME.start(gather), machine)
         except BaseException:
             # Staged: finish it here rather than leave the sender busy with
             # a send nobody waits for.
             with contextlib.suppress(Exception):
                 self._drive(machine, STAGED)
             raise
+        return self._pending
 
     def wait_async(self, timeout: float | None = None) -> SendReport:
         """Block until the pending ``send_async()`` is done; re-raise its error.
@@ -209,37 +224,33 @@ class WeightSender:
 
         :raises RuntimeError: no ``send_async()`` is pending.
         :raises TimeoutError: ``timeout`` passed first (the send stays pending).
+        :raises BlockingCallError: called inside a coroutine (await the
+            handle that ``send_async()`` returned there).
         """
+        RUNTIME.refuse_in_coroutine(
+            "wait_async()",
+            "await the SendHandle that send_async() returned (await handle)",
+            model_id=self._sender.model_id,
+        )
         if self._pending is None:
             raise WeightSyncStateError(
                 "wait_async() with no send_async() pending", model_id=self._sender.model_id
             )
-        future, unstarted = self._pending, self._unstarted
-        self._unstarted = None
-        if timeout is None and unstarted is not None and future.cancel():
-            # The loop thread has not started gathering the acks yet (the
-            # caller waits at once, as when it has nothing to overlap): this
-            # thread, which would only block, gathers them instead. On a
-            # machine with few cores, waking the loop thread for it costs
-            # about as much as the whole send of a small model.
-            self._pending = None
-            report: SendReport = self._drive(unstarted, STAGED)
-            return report
-        try:
-            return future.result(timeout)
-        finally:
-            # Only a wait that timed out leaves the send pending; a send that
-            # failed (even with a TimeoutError of its own) is over.
-            if future.done():
-                self._pending = None
+        return self._pending.wait(timeout)
 
     def add_worker(self, worker_id: int, transport: Any) -> None:
-        """See :meth:`AsyncWeightSender.add_worker` (schemes call it)."""
+        """See :meth:`AsyncWeightSender.add_worker` (schemes call it).
+
+        :raises BlockingCallError: called inside a coroutine."""
+        self._refuse_in_coroutine("add_worker()", "add_worker(...)")
         self._check("add_worker()")
         RUNTIME.call(self._sender.add_worker, worker_id, transport)
 
     def remove_worker(self, worker_id: int) -> None:
-        """Stop sending to ``worker_id``; see :meth:`AsyncWeightSender.remove_worker`."""
+        """Stop sending to ``worker_id``; see :meth:`AsyncWeightSender.remove_worker`.
+
+        :raises BlockingCallError: called inside a coroutine."""
+        self._refuse_in_coroutine("remove_worker()", "remove_worker(...)")
         self._check("remove_worker()")
         RUNTIME.call(self._sender.remove_worker, worker_id)
 
@@ -248,18 +259,141 @@ class WeightSender:
         return self.send(weights)
 
     def shutdown(self) -> None:
-        """Finish a pending send (errors ignored), close the channels. Idempotent."""
+        """Finish a pending send (errors ignored), close the channels. Idempotent.
+
+        :raises BlockingCallError: called inside a coroutine while the
+            channels are open (await :meth:`AsyncWeightSender.aclose`
+            there; this then has nothing left to do).
+        """
         if self._closed:
             return
+        if not self._sender.closed or self._pending is not None:
+            self._refuse_in_coroutine("shutdown()", "aclose() (or leave its async with)")
         self._closed = True
         if self._pending is not None:
-            with contextlib.suppress(BaseException):
-                self._pending.result()
+            self._pending.finish()
             self._pending = None
         try:
-            RUNTIME.call(self._sender.aclose)
+            if not self._sender.closed:
+                RUNTIME.call(self._sender.aclose)
         finally:
             RUNTIME.release()
+
+
+
+class SendHandle:
+    """A send started by :meth:`WeightSender.send_async`: staged, its acks to come.
+
+    Wait for it once, in whichever way fits where the caller is:
+
+    - ``handle.wait(timeout=None)`` blocks, as :meth:`WeightSender.wait_async`
+      (the same wait: either one completes the send);
+    - ``await handle`` inside any asyncio loop, which keeps running
+      meanwhile (the acks are gathered on weightsync's loop thread).
+
+    Once the send is over, waiting again returns its report (or raises its
+    error) again. Ignoring the handle is fine: ``wait_async()`` still
+    completes the send.
+    """
+
+    def __init__(
+        self,
+        sender: WeightSender,
+        future: concurrent.futures.Future[SendReport],
+        machine: SendMachine | None,
+    ) -> None:
+        self._sender = sender
+        self._future = future
+        # The send, while the loop thread may not have started gathering its
+        # acks yet (see wait()); None once a waiter took it over, or for a
+        # send refused before anything moved.
+        self._unstarted = machine
+        self._version = machine.version if machine is not None else None
+        self._worker_ids = machine.worker_ids if machine is not None else ()
+
+    @property
+    def version(self) -> int | None:
+        """The version the send carries (None: it was refused before staging;
+        waiting raises why)."""
+        return self._version
+
+    @property
+    def worker_ids(self) -> tuple[int, ...]:
+        """The workers targeted (empty: the send was refused before staging)."""
+        return self._worker_ids
+
+    def done(self) -> bool:
+        """Whether the send is over (waiting returns or raises at once). Never blocks."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> SendReport:
+        """Block until every targeted worker acked, or the send failed; its
+        report. ``timeout=None`` waits as long as the send's own deadline.
+
+        :raises TimeoutError: ``timeout`` passed first (the send goes on;
+            wait again).
+        :raises BlockingCallError: called inside a coroutine (``await
+            handle`` there).
+        :raises WorkerError: the send's errors (see :meth:`WeightSender.send`).
+        """
+        RUNTIME.refuse_in_coroutine(
+            "SendHandle.wait()",
+            "await the handle itself (await handle)",
+            model_id=self._sender.async_sender.model_id,
+        )
+        future, unstarted = self._future, self._unstarted
+        self._unstarted = None
+        if timeout is None and unstarted is not None and future.cancel():
+            # The loop thread has not started gathering the acks yet (the
+            # caller waits at once, as when it has nothing to overlap): this
+            # thread, which would only block, gathers them instead. On a
+            # machine with few cores, waking the loop thread for it costs
+            # about as much as the whole send of a small model.
+            self._future = concurrent.futures.Future()
+            try:
+                report: SendReport = self._sender._drive(unstarted, STAGED)
+            except BaseException as exc:
+                self._future.set_exception(exc)
+                raise
+            else:
+                self._future.set_result(report)
+                return report
+            finally:
+                self._over()
+        try:
+            return future.result(timeout)
+        finally:
+            if future.done():
+                self._over()
+
+    def __await__(self) -> Generator[Any, None, SendReport]:
+        return self._awaited().__await__()
+
+    async def _awaited(self) -> SendReport:
+        # The loop thread gathers the acks (it was handed the send at
+        # send_async()); this loop only waits for its outcome.
+        self._unstarted = None
+        try:
+            return await asyncio.wrap_future(self._future)
+        finally:
+            if self._future.done():
+                self._over()
+
+    def finish(self) -> None:
+        """Let the send end, its errors ignored (the sender is shutting down)."""
+        self._unstarted = None
+        with contextlib.suppress(BaseException):
+            self._future.result()
+        self._over()
+
+    def _over(self) -> None:
+        """The send is over: its sender may start the next one."""
+        if self._sender._pending is self:
+            self._sender._pending = None
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<SendHandle version={self._version} workers={list(self._worker_ids)} {state}>"
 
 
 class WeightReceiver:
@@ -304,6 +438,11 @@ class WeightReceiver:
     def announce(self) -> None:
         RUNTIME.call(self._receiver.announce)
 
+    def _refuse_in_coroutine(self, what: str, instead: str) -> None:
+        RUNTIME.refuse_in_coroutine(
+            what, f"await scheme.get_async_receiver().{instead}", model_id=self._receiver.model_id
+        )
+
     def _check_open(self) -> None:
         if self._closed:
             raise WeightSyncStateError(
@@ -320,7 +459,14 @@ class WeightReceiver:
         version applied since the previous call, waiting up to ``timeout``
         for one, or None; after :meth:`start_applier` it raises what stopped
         the applier (e.g. :class:`SenderLostError`).
+
+        :raises BlockingCallError: called inside a coroutine where it may
+            wait or copy (await :meth:`AsyncWeightReceiver.receive` there);
+            with no ``timeout`` where updates are applied as they arrive, it
+            only reads the version, and is allowed.
         """
+        if timeout or not (self._applier is not None or self._receiver.endpoint.pushes):
+            self._refuse_in_coroutine("receive()", "receive(...)")
         self._check_open()
         if self._applier is not None:
             return self._take_background(timeout or 0.0)
@@ -356,7 +502,10 @@ class WeightReceiver:
 
         :raises WaitTimeoutError: not applied in time; nothing else changed.
         :raises SenderLostError: the sender died or shut down first.
+        :raises BlockingCallError: called inside a coroutine (await
+            :meth:`AsyncWeightReceiver.wait_for_version` there).
         """
+        self._refuse_in_coroutine("wait_for_version()", "wait_for_version(...)")
         self._check_open()
         if self._applier is None:
             return RUNTIME.call(self._receiver.wait_for_version, version, timeout)
@@ -476,12 +625,19 @@ class WeightReceiver:
 
     def shutdown(self) -> None:
         """Stop the applier (after the update it is applying, if any), close
-        the endpoint. Idempotent."""
+        the endpoint. Idempotent.
+
+        :raises BlockingCallError: called inside a coroutine while the
+            endpoint is open (await :meth:`AsyncWeightReceiver.aclose` there;
+            this then has little left to do)."""
         if self._closed:
             return
+        if not self._receiver.closed:
+            self._refuse_in_coroutine("shutdown()", "aclose()")
         self._closed = True
         try:
             self._stop_applier()
-            RUNTIME.call(self._receiver.aclose)
+            if not self._receiver.closed:
+                RUNTIME.call(self._receiver.aclose)
         finally:
             RUNTIME.release()

@@ -157,6 +157,11 @@ class AsyncWeightReceiver:
             return True
         return self.endpoint.wait_ready(timeout)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` ran."""
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise WeightSyncStateError(

@@ -15,7 +15,13 @@ Two ways in, one coroutine core:
   ``BlockingPortal``; the calling thread blocks while it waits. That loop runs
   on uvloop when uvloop is installed, unless ``WEIGHTSYNC_LOOP=asyncio``.
 
-A blocking call from the loop thread itself raises instead of deadlocking.
+A blocking call from the loop thread itself raises instead of deadlocking,
+and one made inside a coroutine (a task of a running loop) raises at once,
+naming the coroutine to await (:meth:`Runtime.refuse_in_coroutine`): it
+would stall that loop, every other task of it, for as long as it waits.
+A notebook cell is the exception: IPython's kernel runs each cell, sync or
+not, inside a task of its loop, and a cell's code is the user's to block
+(an ``async def`` that the cell awaits is not: it refuses there too).
 
 Ctrl-C during a blocking call on the main thread cancels the coroutine
 through its cancel scope, so every copy it started (shielded) ends and every
@@ -34,8 +40,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import inspect
 import os
 import signal
+import sys
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
@@ -45,7 +53,7 @@ from typing import Any, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal
 
-from ._exceptions import WeightSyncStateError, out_of_resources
+from ._exceptions import BlockingCallError, WeightSyncStateError, out_of_resources
 from ._offload import caller_blocked
 
 __all__ = ["RUNTIME", "LOOP_THREAD_NAME", "Runtime"]
@@ -83,6 +91,38 @@ def _thread_runs_a_loop() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+# The packages that run a notebook's cells (ipykernel's shell, IPython's
+# runner): a blocking call whose nearest coroutine is theirs was made by a
+# cell's own code, which blocks the kernel's loop whatever it does.
+_NOTEBOOK_PACKAGES = frozenset({"ipykernel", "IPython"})
+_COROUTINE_CODE = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+
+
+def _blocked_coroutine() -> str | None:
+    """The name of the coroutine that a blocking call made here would
+    stall: the nearest one up the calling thread's stack, in a task of a
+    running loop. None: no task runs here (no loop, or a plain callback of
+    one), or the call is a notebook cell's (IPython runs each cell inside a
+    task of the kernel's loop: a sync cell under its own coroutines, a cell
+    with a top-level ``await`` as a coroutine of the cell's ``<module>``)."""
+    if not _thread_runs_a_loop():
+        return None
+    task = asyncio.current_task()
+    if task is None:
+        return None
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_flags & _COROUTINE_CODE:
+            module = frame.f_globals.get("__name__", "")
+            if code.co_name == "<module>" or module.partition(".")[0] in _NOTEBOOK_PACKAGES:
+                return None
+            return getattr(code, "co_qualname", code.co_name)
+        frame = frame.f_back
+    coro = task.get_coro()
+    return getattr(coro, "__qualname__", None) or task.get_name()
 
 
 def _run_guarded(guard: _Interruptible, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -238,6 +278,28 @@ class Runtime:
                 "a blocking weightsync call was made from weightsync's own event-loop thread; "
                 "await the async API (get_async_sender / get_async_receiver) there instead"
             )
+
+    def refuse_in_coroutine(self, call: str, instead: str, model_id: str | None = None) -> None:
+        """Raise if the calling thread runs a coroutine (a task of an event
+        loop) that the blocking ``call`` would stall. Never blocks.
+
+        ``instead`` names what that coroutine should await. A loop's plain
+        callback, a thread with no loop, and a notebook's cell pass.
+
+        :raises BlockingCallError: called inside such a coroutine.
+        :raises WeightSyncStateError: called from weightsync's loop thread.
+        """
+        self._check_not_loop_thread()
+        coroutine = _blocked_coroutine()
+        if coroutine is None:
+            return
+        raise BlockingCallError(
+            f"{call} blocks, and was called inside the coroutine {coroutine}(): it would stall "
+            f"that coroutine's event loop, every other task of it, for as long as it waits. "
+            f"In a coroutine, {instead}; or run the blocking call on a thread "
+            f"(await asyncio.to_thread(...))",
+            model_id=model_id,
+        )
 
     def portal(self) -> BlockingPortal:
         """The loop thread's portal, started on first use."""

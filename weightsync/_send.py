@@ -81,8 +81,8 @@ class SendReport:
     staged_seconds: float = 0.0
     #: Waiting for targeted workers to announce themselves (a send to workers
     #: that are still starting; 0 once they all have, see
-    #: ``AsyncWeightSender.wait_for_workers``). Not part of the send's
-    #: ``timeout``, which starts once they have.
+    #: ``AsyncWeightSender.wait_for_workers``). Part of ``seconds``, and of
+    #: the send's ``timeout``.
     announce_seconds: float = 0.0
     #: How the weights reached each worker (``_placement.Placement``):
     #: ``"host"`` (both in host memory), ``"device-to-host"`` (trainer on a
@@ -103,13 +103,15 @@ class SendReport:
 
 
 class Announce(NamedTuple):
-    """Wait (up to ``timeout`` seconds) until every one of ``targets`` has
-    announced itself. Feed back {worker: its WorkerError} for those that
-    died or were late (empty: all did)."""
+    """Wait (up to ``timeout`` seconds: what is left of the send's deadline)
+    until every one of ``targets`` has announced itself. Feed back {worker:
+    its WorkerError} for those that died or were late (empty: all did);
+    ``limit`` names the timeout that applied, for the error."""
 
     targets: list[int]
     timeout: float
     version: int
+    limit: str
 
 
 class Write(NamedTuple):
@@ -289,8 +291,9 @@ class SendMachine:
         self.failures: dict[int, WorkerError] = {}
         #: How each worker was reached (``Placement`` values), by worker id.
         self.placements: dict[int, str] = {}
-        #: When the send stops waiting (``clock()``); set once its targets announced.
-        self.deadline: float | None = None
+        #: When the send stops waiting (``clock()``): one deadline for all of
+        #: it, workers still announcing themselves included.
+        self.deadline: float = clock() + self.timeout
         self.nbytes = 0
         self.staged_seconds = 0.0
         self.announce_seconds = 0.0
@@ -356,16 +359,15 @@ class SendMachine:
         started = time.perf_counter()
         # Every target's layout must be known before anything is staged, so a
         # mismatch is refused with no worker touched. Workers still starting
-        # are waited for first, up to the scheme's timeout; the send's
-        # deadline starts after that: a slow start is not taken for a slow send.
+        # are waited for first, within the send's one deadline.
         for wid in targets:
             if transports[wid].layout is None:
-                self.failures.update((yield Announce(targets, sends.timeout, sends.version + 1)))
+                left = max(self.deadline - self._clock(), 0.0)
+                limit = f"the send's timeout of {self.timeout:g} s"
+                self.failures.update((yield Announce(targets, left, sends.version + 1, limit)))
                 self.announce_seconds += time.perf_counter() - started
                 break
         staging_started = time.perf_counter()
-        if self.deadline is None:
-            self.deadline = self._clock() + self.timeout
         options = self.options
         packet = sends.packer.packet(
             sends.version + 1,
@@ -406,7 +408,6 @@ class SendMachine:
         descriptor, one wakeup for any number of them, and through each
         channel's own delivery where that is all that reaches it."""
         deadline = self.deadline
-        assert deadline is not None
         told = yield Post(packet, [w for w in reachable if w not in self.failures])
         watched: dict[int, tuple[int, ...]] = {}
         deliver: list[int] = []
@@ -435,7 +436,6 @@ class SendMachine:
 
     def _hand_over(self, packet: Packet, reachable: list[int]) -> Generator[Action, Any, None]:
         """The staging carries the send to all its workers at once (a chain)."""
-        assert self.deadline is not None
         awaited = [w for w in reachable if w not in self.failures]
         yield HandOver(_Outgoing(self, packet, awaited, self.deadline), self.deadline)
 

@@ -9,8 +9,9 @@ calling thread instead (:func:`~._drive.drive_blocking`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 import anyio
@@ -40,17 +41,23 @@ __all__ = [
 
 
 class PendingSend:
-    """A send whose weights are staged, its acks still to come; made by
-    ``AsyncWeightSender.start_send``.
+    """A send whose weights are staged, its acks still to come; returned by
+    :meth:`AsyncWeightSender.send_async`.
 
-    The caller's weights are no longer read: change them at will. Await
-    :meth:`wait` once (the sender runs no other send until it returned).
+    The caller's weights are no longer read: change them at will. Wait for
+    it with ``await pending`` (or ``await pending.wait(timeout)``, or the
+    sender's ``await wait_async()``); until it is over, the sender runs no
+    other send. Once over, waiting again returns its report (or raises its
+    error) again.
     """
 
-    def __init__(self, machine: SendMachine, io: SendIO, action: Action) -> None:
+    def __init__(self, owner: AsyncWeightSender, machine: SendMachine, io: SendIO, action: Action) -> None:
+        self._owner = owner
         self.machine, self._io = machine, io
-        # Where the send goes on from (the action after its staging).
+        # Where the send goes on from (the action after its staging), until
+        # a wait starts gathering the acks in a task of its loop.
         self._action: Action | None = action
+        self._task: asyncio.Task[SendReport | None] | None = None
 
     @property
     def version(self) -> int:
@@ -62,37 +69,79 @@ class PendingSend:
         """The workers targeted."""
         return self.machine.worker_ids
 
-    def take(self) -> Action:
-        """The action the send goes on from, once: a second wait is refused.
+    def done(self) -> bool:
+        """Whether the send is over. Never blocks."""
+        return self._task is not None and self._task.done()
 
-        :raises WeightSyncStateError: it was waited for already.
-        """
-        action, self._action = self._action, None
-        if action is None:
-            raise WeightSyncStateError(
-                f"version {self.version} of model {self.machine.model_id!r} was already waited for",
-                model_id=self.machine.model_id,
-            )
-        return action
+    def _gathering(self) -> asyncio.Task[SendReport | None]:
+        """The task gathering the acks, started in the running loop on the
+        first wait (a wait that times out leaves it running)."""
+        if self._task is None:
+            action, self._action = self._action, None
+            assert action is not None
+            self._task = asyncio.get_running_loop().create_task(resume(self.machine, self._io, action))
+        return self._task
 
-    def abandon(self) -> None:
-        """Give up the send before any worker was told of it: the sender may
-        run the next one."""
-        self._action = None
-        self.machine.close()
+    async def wait(self, timeout: float | None = None) -> SendReport:
+        """Return once every targeted worker acked this version, or raise
+        once the send failed or its deadline passed.
 
-    async def wait(self) -> SendReport:
-        """Block until every targeted worker acked this version, or the
-        send's deadline passed; its report.
+        ``timeout`` (None: as long as the send's own deadline): give up
+        waiting after that many seconds, the send going on (wait again).
+        A cancellation of this wait cancels the send: its work stops first.
 
         :raises WorkerLostError: a worker died; the others still got the update.
         :raises AckTimeoutError: a worker did not ack in time (also a TimeoutError).
         :raises WorkerApplyError: a worker failed to apply; carries its message.
-        :raises WeightSyncStateError: awaited a second time.
+        :raises TimeoutError: ``timeout`` passed first; the send goes on.
         """
-        report = await resume(self.machine, self._io, self.take())
+        require_asyncio(self.machine.model_id)
+        task = self._gathering()
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+        except BaseException:
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait({task})
+            self._over()
+            raise
+        if not done:
+            raise TimeoutError(
+                f"version {self.version} of model {self.machine.model_id!r} is still waiting for "
+                f"acks after {timeout:g} s; the send goes on (wait again)"
+            )
+        self._over()
+        report = task.result()
         assert report is not None
         return report
+
+    def __await__(self) -> Generator[Any, None, SendReport]:
+        return self.wait().__await__()
+
+    async def finish(self) -> None:
+        """End the send, its errors ignored (the sender is closing): one
+        never waited for is abandoned before any ack is gathered."""
+        if self._task is None:
+            self._action = None
+            self.machine.close()
+        elif self._task.get_loop() is not asyncio.get_running_loop():
+            # Gathered on another loop (closed from another thread): stop it there.
+            self._task.get_loop().call_soon_threadsafe(self._task.cancel)
+        else:
+            self._task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait({self._task})
+            if not self._task.cancelled():
+                self._task.exception()  # retrieved: not reported as never retrieved
+        self._over()
+
+    def _over(self) -> None:
+        if self._owner._pending is self:
+            self._owner._pending = None
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<PendingSend version={self.version} workers={list(self.worker_ids)} {state}>"
 
 
 class AsyncWeightSender:
@@ -141,6 +190,13 @@ class AsyncWeightSender:
                     "staging carries none either (no handle_send)"
                 )
         self._closed = False
+        # The send_async() not waited for yet; it clears itself once over.
+        self._pending: PendingSend | None = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` ran."""
+        return self._closed
 
     @property
     def verify(self) -> bool:
@@ -250,7 +306,7 @@ class AsyncWeightSender:
         all and carries the last version). ``worker_ids``: None (all), one id,
         or a list. ``timeout``: seconds for the whole send (default: the
         scheme's timeout). The weights may be changed again once this returns
-        (already once they are staged: see :meth:`start_send`).
+        (already once they are staged: see :meth:`send_async`).
 
         A partial update (``partial=True``: ``weights`` holds some of the
         model's tensors; or ``keys``: names, or a test on names, picking
@@ -282,12 +338,13 @@ class AsyncWeightSender:
             applied a whole one (or missed a send since; nothing was sent).
         """
         require_asyncio(self.model_id)
+        self._refuse_while_pending("send()")
         machine = self.machine(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
         report = await drive(machine, self.io)
         assert report is not None
         return report
 
-    async def start_send(
+    async def send_async(
         self,
         weights: Any = None,
         worker_ids: int | Iterable[int] | None = None,
@@ -300,8 +357,9 @@ class AsyncWeightSender:
         """Start a send and return once the weights are staged: copied out
         of ``weights`` into the staging (a shared segment or slot, Ray's
         object store), so the caller may change them at once. Every
-        targeted worker has been told; ``await pending.wait()`` gathers the
-        acks. Until that returns, this sender runs no other send.
+        targeted worker has been told; ``await wait_async()`` (or ``await``
+        the :class:`PendingSend` returned) gathers the acks. Until then,
+        this sender runs no other send.
 
         Arguments as :meth:`send`; the deadline (``timeout``) runs from this
         call. Raises here what is found before anything moves (the
@@ -309,12 +367,45 @@ class AsyncWeightSender:
         ``InvalidWeightsError``, ``ResourceExhaustedError`` and
         ``WeightSyncStateError`` of :meth:`send`); the workers' errors
         (``WorkerLostError``, ``AckTimeoutError``, ``WorkerApplyError``)
-        come from :meth:`PendingSend.wait`.
+        come from the wait.
+
+        :raises WeightSyncStateError: a send_async() is pending (nothing was staged).
         """
         require_asyncio(self.model_id)
+        self._refuse_while_pending("send_async()")
         machine = self.machine(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
         await drive(machine, self.io, until_staged=True)
-        return PendingSend(machine, self.io, STAGED)
+        self._pending = PendingSend(self, machine, self.io, STAGED)
+        return self._pending
+
+    #: The name this coroutine had before; the same call.
+    start_send = send_async
+
+    async def wait_async(self, timeout: float | None = None) -> SendReport:
+        """Return once the pending :meth:`send_async` is over: its report;
+        raise its error. ``timeout`` as :meth:`PendingSend.wait`.
+
+        :raises WeightSyncStateError: no send_async() is pending.
+        :raises TimeoutError: ``timeout`` passed first (the send stays pending).
+        """
+        require_asyncio(self.model_id)
+        pending = self._pending
+        if pending is None:
+            raise WeightSyncStateError("wait_async() with no send_async() pending", model_id=self.model_id)
+        return await pending.wait(timeout)
+
+    @property
+    def pending(self) -> PendingSend | None:
+        """The :meth:`send_async` not waited for yet (None: none)."""
+        return self._pending
+
+    def _refuse_while_pending(self, what: str) -> None:
+        if self._pending is not None:
+            raise WeightSyncStateError(
+                f"{what} while a send_async() of model {self.model_id!r} (version "
+                f"{self._pending.version}) is pending; await wait_async() first",
+                model_id=self.model_id,
+            )
 
     def machine(
         self, weights: Any, worker_ids: int | Iterable[int] | None, options: SendOptions
@@ -402,6 +493,8 @@ class AsyncWeightSender:
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
+            if self._pending is not None:
+                await self._pending.finish()
             for transport in self.workers.transports.values():
                 await transport.aclose()
             if self.staging is not None:
