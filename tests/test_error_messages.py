@@ -5,8 +5,10 @@ Each test reads the text the user would read."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -195,3 +197,107 @@ def test_a_missing_extra_is_an_import_error_that_names_it() -> None:
         assert error["import_error"] and error["extra"] == extra and error["name"] == module
         assert f"pip install 'weightsync[{extra}]'" in error["message"]
         assert f"{module} cannot be imported" in error["message"]
+
+
+# -- errors name only public things ----------------------------------------------------
+def misuses() -> dict[str, Any]:
+    """A user's mistakes, each a call that raises; run in one process, with
+    an in-process trainer and one worker thread where one is needed."""
+    import asyncio
+    import copy
+
+    def trainer(**options: Any) -> ws.InProcessWeightSyncScheme:
+        scheme = ws.InProcessWeightSyncScheme(timeout=5, **options)
+        scheme.init_on_sender("policy", model=build_model("net"), num_workers=1)
+        return scheme
+
+    def send_in_a_coroutine() -> None:
+        scheme = trainer()
+
+        async def train() -> None:
+            scheme.send()
+
+        try:
+            asyncio.run(train())
+        finally:
+            scheme.shutdown()
+
+    def with_a_worker(call: Any, worker_kind: str = "net") -> Any:
+        def run() -> None:
+            scheme = trainer()
+            worker = copy.copy(scheme)
+            worker.init_on_worker("policy", model=build_model(worker_kind), worker_idx=0)
+            try:
+                call(scheme)
+            finally:
+                worker.shutdown()
+                scheme.shutdown()
+
+        return run
+
+    def shut(scheme: ws.WeightSyncScheme) -> None:
+        scheme.shutdown()
+        scheme.send()
+
+    def pending_twice(scheme: ws.WeightSyncScheme) -> None:
+        scheme.get_sender().send_async()
+        scheme.get_sender().send_async()
+
+    return {
+        "delta on a pipe scheme": lambda: ws.MultiProcessWeightSyncScheme(delta=True),
+        "delta on the shared scheme": lambda: ws.SharedMemWeightSyncScheme(delta=True),
+        "an unknown option": lambda: ws.MultiProcessWeightSyncScheme(deltas=True),
+        "pipes=[]": lambda: ws.MultiProcessWeightSyncScheme().init_on_sender(
+            "policy", pipes=[], model=build_model("net")
+        ),
+        "num_workers=0": lambda: ws.InProcessWeightSyncScheme().init_on_sender(
+            "policy", num_workers=0, model=build_model("net")
+        ),
+        "get_sender() before init": lambda: ws.MultiProcessWeightSyncScheme().get_sender(),
+        "receive() before init": lambda: ws.MultiProcessWeightSyncScheme().receive(),
+        "a bad strategy": lambda: ws.MultiProcessWeightSyncScheme(strategy="pickle"),  # type: ignore[arg-type]
+        "a bad wire_dtype": lambda: ws.MultiProcessWeightSyncScheme(wire_dtype=torch.int8),
+        "init_on_worker without a pipe": lambda: ws.MultiProcessWeightSyncScheme().init_on_worker(
+            "policy", model=build_model("net")
+        ),
+        "send() in a coroutine": send_in_a_coroutine,
+        "send() after shutdown()": with_a_worker(shut),
+        "send_async() twice": with_a_worker(pending_twice),
+        "wait_async() with nothing pending": with_a_worker(lambda s: s.get_sender().wait_async()),
+        "an unknown worker id": with_a_worker(lambda s: s.send(worker_ids=[7])),
+        "an empty worker list": with_a_worker(lambda s: s.send(worker_ids=[])),
+        "weights keyed by worker": with_a_worker(lambda s: s.send({0: build_model("net")})),
+        "a tensor the worker lacks": with_a_worker(lambda s: s.send({"nope": torch.zeros(2)}, partial=True)),
+        "a worker of another shape": with_a_worker(lambda s: s.send(), worker_kind="wide"),
+        "a worker of another dtype": with_a_worker(lambda s: s.send(), worker_kind="bf16"),
+        "sparse weights": with_a_worker(
+            lambda s: s.send({k: v.to_sparse() for k, v in build_model("net").state_dict().items()})
+        ),
+    }
+
+
+# A name that starts with "_" (a private class, module or attribute), at the
+# start of a word or after a dot: "_PipeScheme", "self._worker_ends".
+_PRIVATE_NAME = re.compile(r"(?<![A-Za-z0-9_])_[A-Za-z]\w*")
+
+
+def test_no_error_for_a_users_mistake_names_a_private_thing() -> None:
+    """Every misuse above raises, and its message (with the messages of the
+    errors it carries) names only public things."""
+    messages: dict[str, str] = {}
+    for what, misuse in misuses().items():
+        with pytest.raises(Exception) as info:
+            misuse()
+        error: BaseException | None = info.value
+        text = []
+        while error is not None:
+            text.append(f"{type(error).__name__}: {error}")
+            error = error.__cause__
+        messages[what] = " <- ".join(text)
+    private = {what: _PRIVATE_NAME.findall(m) for what, m in messages.items() if _PRIVATE_NAME.search(m)}
+    assert not private, {what: (names, messages[what]) for what, names in private.items()}
+    assert (
+        "delta sends are for the cross-host schemes, RayWeightSyncScheme(delta=True) and "
+        in (messages["delta on a pipe scheme"])
+    )
+    assert "BlockingCallError" in messages["send() in a coroutine"]

@@ -11,6 +11,7 @@ package) provides the transports.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Literal
@@ -160,6 +161,32 @@ class _SchemeState:
     _config_class: ClassVar[type[SchemeConfig]] = SchemeConfig
 
     _needs_model = True
+
+    def _refuse_options(self, unknown: Mapping[str, Any]) -> None:
+        """A ``TypeError`` naming this (public) class for options it does not
+        take, where Python's own would name the class that defines
+        ``__init__`` (a private base); for ``delta``, which schemes take it.
+
+        :raises TypeError: ``unknown`` is not empty.
+        """
+        if not unknown:
+            return
+        name = type(self).__name__
+        if "delta" in unknown:
+            raise TypeError(
+                f"{name}() takes no delta option: delta sends are for the cross-host schemes, "
+                "RayWeightSyncScheme(delta=True) and DistributedWeightSyncScheme(delta=True); on one "
+                "host every send's bytes move once, through shared memory"
+            )
+        taken = [
+            p.name
+            for p in inspect.signature(type(self)).parameters.values()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD
+        ]
+        raise TypeError(
+            f"{name}() got an unexpected keyword argument {next(iter(unknown))!r}; it takes "
+            + ", ".join(taken)
+        )
 
     def _configure(self, strategy: StrategyName | None, **options: Any) -> None:
         """Check the options and freeze them (a subclass's ``__init__`` calls

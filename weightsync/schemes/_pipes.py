@@ -68,9 +68,14 @@ class _PipeScheme(WeightSyncScheme):
         per_worker_weights: bool = False,
         sync: bool = True,
         wire_dtype: torch.dtype | None = None,
+        **unknown: Any,
     ) -> None:
         """``sync=False`` (as torchrl's schemes take it): :meth:`send` returns
-        once the weights are staged, without waiting for the acks."""
+        once the weights are staged, without waiting for the acks.
+
+        :raises TypeError: an option this scheme does not take (``delta``:
+            the message names the schemes that do)."""
+        self._refuse_options(unknown)
         self._configure(
             strategy,
             timeout=timeout,
@@ -142,7 +147,10 @@ class _PipeScheme(WeightSyncScheme):
             # Accepted, it would make a sender whose sends go to nobody.
             raise ValueError(
                 f"{type(self).__name__}.init_on_sender got no workers (pipes=[]): give the trainer's end "
-                "of one pipe per worker, pipes=[...], or num_workers=N (N >= 1) for the scheme to make them"
+                "of one pipe per worker, pipes=[...] (each worker passing its end as "
+                "init_on_worker(..., pipe=...)), or num_workers=N (N >= 1) for the scheme to make "
+                "them (then hand this scheme to each worker after init_on_sender, and call "
+                "init_on_worker(..., worker_idx=i) there)"
             )
         num_workers = _from(context, kwargs, "num_workers") or len(pipes)
         if num_workers != len(pipes):
@@ -373,7 +381,9 @@ class InProcessWeightSyncScheme(_PipeScheme):
         verify: bool = False,
         per_worker_weights: bool = False,
         wire_dtype: torch.dtype | None = None,
+        **unknown: Any,
     ) -> None:
+        self._refuse_options(unknown)
         super().__init__(
             strategy,
             timeout=timeout,
