@@ -102,7 +102,8 @@ def test_a_notebook_cell_may_block_its_kernels_loop(kernel: Any) -> None:
             policy.weight.add_(1.0)
         handle = scheme.get_sender().send_async()
         report = handle.wait()
-        print(json.dumps({"version": report.version, "same": torch.equal(worker_policy.weight, policy.weight)}))
+        same = torch.equal(worker_policy.weight, policy.weight)
+        print(json.dumps({"version": report.version, "same": same}))
         """,
     )
     assert json.loads(printed) == {"version": 2, "same": True}
