@@ -24,10 +24,11 @@ pytestmark = pytest.mark.cli
 def test_bench_prints_table_and_writes_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Without --json, the results go to bench-<time>.json in the current directory.
+    # The results go where --json says.
     monkeypatch.chdir(tmp_path)
     shm_before = shm_entries()
     args = ["--scheme", "multiprocess", "--size", "0.25", "--workers", "1", "2", "--repeats", "3"]
+    args += ["--json", "results.json"]
     code = main(["bench", *args, "--warmup", "1"])
     printed = capsys.readouterr()
     assert code == 0, printed.err
@@ -43,7 +44,8 @@ def test_bench_prints_table_and_writes_json(
     # A legend under the table says what each column means, x ref's target included.
     legend = " ".join(" ".join(lines[header + 4 :]).split())
     assert "x floor" in legend and "1.15x target is for models of 128 MiB" in legend
-    (out,) = tmp_path.glob("bench-*.json")
+    (out,) = tmp_path.glob("*.json")
+    assert out.name == "results.json"
     rows = [line.split() for line in lines[header + 2 : header + 4]]
     assert [(row[0], row[2]) for row in rows] == [("multiprocess", "1"), ("multiprocess", "2")]
 
@@ -61,6 +63,10 @@ def test_bench_prints_table_and_writes_json(
         stalls = zip(case["samples"]["stall_s"], case["samples"]["send_s"], strict=True)
         assert all(0 < stall < send for stall, send in stalls)
         assert case["stall_reference"] == "memcpy" and case["stall_vs_reference"] > 0
+    assert report["config"]["schemes"] == ["multiprocess"]
+    (startup,) = report["worker_startup"]
+    assert startup["kind"] == "processes" and startup["workers"] == 2 and startup["seconds"] > 0
+    assert all(case["connect_ms"] > 0 for case in report["cases"])
 
     # Nothing is left running or mapped.
     assert mp.active_children() == []
@@ -96,19 +102,14 @@ def test_bench_without_options_runs_every_local_scheme(
     # the Ray scheme is left out with a note (with it: the test below).
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
     assert LOCAL_SCHEMES == ("multiprocess", "shared", "ray")
-    monkeypatch.chdir(tmp_path)  # the results file goes there, as bench-<time>.json
+    monkeypatch.chdir(tmp_path)  # without --json, nothing is written there
     code = main(["bench", "--size", "0.25", "--repeats", "2"])
     printed = capsys.readouterr()
     assert code == 0, printed.err
     _check_default_output(printed.out + printed.err, ["multiprocess", "shared"])
     assert "skipped ray: ray is not importable" in printed.out
-    (out,) = tmp_path.glob("bench-*.json")
-    report = json.loads(out.read_text())
-    assert report["config"]["schemes"] == ["multiprocess", "shared"]
-    assert report["config"]["workers"] == [1, 4]
-    (startup,) = report["worker_startup"]
-    assert startup["kind"] == "processes" and startup["workers"] == 4 and startup["seconds"] > 0
-    assert all(case["connect_ms"] > 0 for case in report["cases"])
+    assert list(tmp_path.iterdir()) == [], "a bench without --json wrote a file"
+    assert "raw samples and machine facts" not in printed.out
 
 
 def test_bench_without_options_runs_ray_where_installed() -> None:
@@ -664,7 +665,7 @@ def test_bench_compares_torchrls_process_schemes_on_cuda_placements(
     ("trainer", "worker", "floor"),
     [
         ("cuda", "cuda", "(workers + 1) x D2D"),
-        ("cuda", "cpu", "one page-locked D2H + workers x memcpy"),
+        ("cuda", "cpu", "one page-locked D2H + workers' memcpys in parallel"),
         ("cpu", "cuda", "one memcpy + workers x page-locked H2D"),
     ],
 )

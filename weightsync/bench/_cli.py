@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
             "Time scheme.send() (the whole send: every worker applied and acked) for each "
             "combination of scheme, size, workers and tensors; verify after every send that each "
             "worker holds exactly the trainer's weights; compare with a single-threaded memcpy and "
-            "with (workers+1) memcpys on 2 threads, measured in the same run."
+            "with the floor of (workers+1) memcpys (their bytes at the machine's memory bandwidth, or "
+            "the chain of two copies in sequence, whichever is larger), measured in the same run."
         ),
         epilog=f"known schemes:\n{known}\nalternatives (--compare):\n{alternatives}\n\n{columns}"
         f"\n\ncolumns of --delta (medians over the steps):\n{delta_legend()}",
@@ -193,10 +194,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--json",
         metavar="PATH",
-        help="where to write the raw samples and machine facts (default: bench-YYYYmmdd-HHMMSS.json "
-        "in the current directory)",
+        help="write the raw samples and machine facts there (default: no results file)",
     )
-    bench.add_argument("--no-json", action="store_true", help="write no results file")
+    bench.add_argument(
+        "--no-json", action="store_true", help="write no results file (the default; kept for old scripts)"
+    )
     bench.add_argument(
         "--wide", action="store_true", help="print every column (p10/max, GB/s, memcpy, memory...)"
     )
@@ -574,7 +576,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if "floor ms" in shown or "x floor" in shown:
         _say(DEVICE_FLOOR_NOTE if cuda else FLOOR_NOTE)
     print(legend(shown, cuda=cuda))
-    results_file = None if args.no_json else args.json or time.strftime("bench-%Y%m%d-%H%M%S.json")
+    results_file = None if args.no_json else args.json
     if results_file:
         try:
             run.write_json(results_file)

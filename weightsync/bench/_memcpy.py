@@ -1,6 +1,7 @@
 """The memcpy references of ``weightsync bench``: a single-threaded memcpy
 of a case's bytes, and the floor of a send's work (``workers + 1`` memcpys,
-one into staging and one out per worker, on up to two threads), measured in
+one into staging and one out per worker, on one thread and split across
+every core; and the chain of two of them in sequence), measured in
 the trainer process in the same run as the sends; and, where a case
 involves a CUDA device, one device-to-device, one page-locked
 device-to-host and one page-locked host-to-device copy of the same bytes
@@ -10,6 +11,7 @@ device-to-host and one page-locked host-to-device copy of the same bytes
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -84,16 +86,30 @@ def memcpy_floor_seconds(nbytes: int, copies: int, repeats: int, threads: int = 
     return times
 
 
+def floor_threads() -> int:
+    """The threads a floor's copies are split across: every core this
+    process may run on (a send's copies, the trainer's and each worker's,
+    run on as many)."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def floor_seconds(
-    nbytes: int, copies: int, repeats: int, threads: int = 2
+    nbytes: int, copies: int, repeats: int, threads: int | None = None
 ) -> tuple[list[float], list[float]]:
-    """The floor of a send's work: ``copies`` memcpys of ``nbytes`` on up to
-    ``threads`` threads, measured both ways: all on one thread, and split across
-    ``threads`` threads (:func:`memcpy_floor_seconds`). Returns both sample
-    lists; the floor is the smaller median, because handing a small buffer to
-    a second thread costs more than copying it. Blocks for the copies."""
+    """``copies`` memcpys of ``nbytes``, measured both ways: all on one
+    thread, and split across ``threads`` threads (default: every core,
+    :func:`floor_threads`; :func:`memcpy_floor_seconds`). Returns both
+    sample lists; the faster median is what this machine can do, because
+    handing a small buffer to other threads costs more than copying it.
+    With ``copies = workers + 1`` it bounds a send's copies by the
+    machine's memory bandwidth; with ``copies = 2``, by the chain of the
+    two copies that must follow one another (into the staging, out of
+    it). Blocks for the copies."""
     serial = _timed_copies(nbytes, copies, repeats)
-    return serial, memcpy_floor_seconds(nbytes, copies, repeats, threads)
+    return serial, memcpy_floor_seconds(nbytes, copies, repeats, threads or floor_threads())
 
 
 def device_copy_seconds(nbytes: int, device: str, repeats: int) -> dict[str, list[float]]:

@@ -31,7 +31,8 @@ For each case the trainer
 4. changes one tensor of its model, so every send carries different bytes;
 5. times, half before the sends and half after, a single-threaded memcpy of
    the same bytes and the floor of the scheme's work: ``workers + 1`` memcpys
-   (one into staging, one out per worker) on up to two threads
+   (one into staging, one out per worker) on one thread and on every core,
+   and two memcpys in sequence (the chain)
    (:mod:`weightsync.bench._memcpy`); where a CUDA device is involved, also
    one D2D, one page-locked D2H and one page-locked H2D copy of the same
    bytes on that GPU, from which the floor of the placement is added up
@@ -209,6 +210,9 @@ def _measure_references(result: CaseResult, repeats: int) -> None:
     serial, split = floor_seconds(result.nbytes, result.case.workers + 1, repeats)
     result.floor_serial_s += serial
     result.floor_split_s += split
+    serial, split = floor_seconds(result.nbytes, 2, repeats)
+    result.chain_serial_s += serial
+    result.chain_split_s += split
     if result.case.gpu is not None:
         for kind, samples in device_copy_seconds(result.nbytes, result.case.gpu, repeats).items():
             result.device_copy_s.setdefault(kind, []).extend(samples)

@@ -99,8 +99,9 @@ _MEANING = {
     "GB/s all": "workers x bytes / median",
     "memcpy ms": "one single-threaded memcpy of the same bytes, measured in the same run",
     "x memcpy": "median / memcpy ms",
-    "floor ms": "the floor: (workers + 1) memcpys of the same bytes in the trainer's process, on one "
-    "or two threads, measured in the same run (see the note above)",
+    "floor ms": "the floor: (workers + 1) memcpys of the same bytes in the trainer's process, at its "
+    "memory bandwidth or as a chain of two, whichever is larger, measured in the same run (see the "
+    "note above)",
     "x floor": "median / floor ms (the shared scheme can go below 1: see the note above)",
     "d2d ms": "one device-to-device copy of the same bytes on the GPU, measured in the same run",
     "d2h ms": "one page-locked device-to-host copy of the same bytes, measured in the same run",
@@ -112,9 +113,12 @@ _MEANING = {
 #: What the floor is, printed under every table that shows it.
 FLOOR_NOTE = (
     "floor: (workers + 1) memcpys of the same bytes, the copies of a send whose every worker keeps a "
-    "private copy (the trainer's copy into the staging, each worker's copy out of it), timed in the "
-    "trainer's process on one or two threads (the faster) in the same run. The shared scheme can beat "
-    "it (x floor below 1): its workers view the staged bytes in shared memory instead of copying them."
+    "private copy (the trainer's copy into the staging, each worker's copy out of it), bounded two "
+    "ways, the larger taken: all their bytes at this machine's memory bandwidth (the copies timed on "
+    "one thread and split across every core, the faster), and the chain of two copies that must "
+    "follow one another (into the staging, then out of it), each as fast. Timed in the trainer's "
+    "process in the same run. The shared scheme can beat it (x floor below 1): its workers view the "
+    "staged bytes in shared memory instead of copying them."
 )
 
 
@@ -122,8 +126,9 @@ FLOOR_NOTE = (
 DEVICE_FLOOR_NOTE = (
     "floor (a CUDA device involved): the copies of a send whose every worker keeps a private copy, "
     "each at the median of the same bytes copied in the trainer's process in the same run: GPU to "
-    "GPU, (workers + 1) D2D copies; GPU trainer to CPU workers, one page-locked D2H and one memcpy "
-    "per worker; CPU trainer to GPU workers, one memcpy and one page-locked H2D per worker. The "
+    "GPU, (workers + 1) D2D copies; GPU trainer to CPU workers, one page-locked D2H, then the "
+    "workers' memcpys, which run in parallel, at this machine's memory bandwidth (at least one "
+    "memcpy); CPU trainer to GPU workers, one memcpy and one page-locked H2D per worker. The "
     "shared scheme can beat it (x floor below 1)."
 )
 

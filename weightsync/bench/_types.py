@@ -653,7 +653,9 @@ class CaseResult:
     put_s: list[float] = field(default_factory=list)
     memcpy_s: list[float] = field(default_factory=list)
     floor_serial_s: list[float] = field(default_factory=list)  # workers + 1 copies, one thread
-    floor_split_s: list[float] = field(default_factory=list)  # the same, split across two threads
+    floor_split_s: list[float] = field(default_factory=list)  # the same, split across every core
+    chain_serial_s: list[float] = field(default_factory=list)  # 2 copies one after the other, one thread
+    chain_split_s: list[float] = field(default_factory=list)  # the same, split across every core
     # Where a CUDA device is involved: one copy of the same bytes of each
     # kind of DEVICE_COPIES (d2d, d2h, h2d), on the case's GPU, same run.
     device_copy_s: dict[str, list[float]] = field(default_factory=dict)
@@ -703,10 +705,36 @@ class CaseResult:
     def memcpy_median_s(self) -> float:
         return statistics.median(self.memcpy_s)
 
+    @staticmethod
+    def _faster(serial: list[float], split: list[float]) -> float:
+        return min(statistics.median(serial), statistics.median(split))
+
+    @property
+    def host_bandwidth_floor_s(self) -> float:
+        """(workers + 1) memcpys' bytes at this machine's memory bandwidth:
+        the faster median of those copies on one thread and split across
+        every core (copies run in parallel cannot beat it)."""
+        return self._faster(self.floor_serial_s, self.floor_split_s)
+
+    @property
+    def host_chain_floor_s(self) -> float:
+        """Two memcpys that must follow one another (the trainer's copy into
+        the staging, then a worker's out of it), each as fast as this
+        machine copies (0 where not measured)."""
+        if not self.chain_serial_s:
+            return 0.0
+        return self._faster(self.chain_serial_s, self.chain_split_s)
+
     @property
     def host_floor_median_s(self) -> float:
-        """The memcpy floor: the faster median of the serial and the split copies."""
-        return min(statistics.median(self.floor_serial_s), statistics.median(self.floor_split_s))
+        """The host floor: the larger of the chain and the bandwidth bound."""
+        return max(self.host_chain_floor_s, self.host_bandwidth_floor_s)
+
+    @property
+    def floor_bound(self) -> str:
+        """Which bound the floor is: ``"chain"`` or ``"bandwidth"`` (of
+        the host copies; a GPU's copies are summed as they are)."""
+        return "chain" if self.host_chain_floor_s > self.host_bandwidth_floor_s else "bandwidth"
 
     def device_copy_median_s(self, kind: str) -> float | None:
         """The median of one copy of kind ``kind`` (a key of
@@ -723,7 +751,7 @@ class CaseResult:
         if case.trainer_device == "cpu":
             return "one memcpy + workers x page-locked H2D"
         if case.worker_device == "cpu":
-            return "one page-locked D2H + workers x memcpy"
+            return "one page-locked D2H + workers' memcpys in parallel"
         return "(workers + 1) x D2D"
 
     @property
@@ -738,10 +766,14 @@ class CaseResult:
         if not case.on_cuda or None in (d2d, d2h, h2d):
             return self.host_floor_median_s
         assert d2d is not None and d2h is not None and h2d is not None
+        # One host copy, as fast as this machine makes it; the workers' host
+        # copies, which run in parallel, at its memory bandwidth.
+        one_copy = self.host_chain_floor_s / 2 or self.memcpy_median_s
         if case.trainer_device == "cpu":
-            return self.memcpy_median_s + case.workers * h2d
+            return one_copy + case.workers * h2d
         if case.worker_device == "cpu":
-            return d2h + case.workers * self.memcpy_median_s
+            per_copy = self.host_bandwidth_floor_s / (case.workers + 1)
+            return d2h + max(one_copy, case.workers * per_copy)
         return (case.workers + 1) * d2d
 
     @property
@@ -803,6 +835,7 @@ class CaseResult:
             "memcpy_ms": self.memcpy_median_s * 1e3,
             "floor_ms": self.floor_median_s * 1e3,
             "floor_kind": self.floor_kind,
+            "floor_bound": self.floor_bound,
             "host_floor_ms": self.host_floor_median_s * 1e3,
             **{
                 f"{kind}_pinned_ms" if kind != "d2d" else "d2d_ms": _ms(self.device_copy_median_s(kind))
@@ -861,6 +894,8 @@ class BenchRun:
                         "memcpy_s": r.memcpy_s,
                         "floor_serial_s": r.floor_serial_s,
                         "floor_split_s": r.floor_split_s,
+                        "chain_serial_s": r.chain_serial_s,
+                        "chain_split_s": r.chain_split_s,
                         "device_copy_s": r.device_copy_s,
                     },
                 }
