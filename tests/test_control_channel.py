@@ -327,3 +327,24 @@ def test_the_channel_reads_frames_split_or_together() -> None:
     finally:
         channel.close()
         ours.close()
+
+
+def test_a_worker_that_hears_the_close_lets_go_and_says_so() -> None:
+    """On the trainer's close a worker lets go of whatever it held of the
+    trainer's memory (its GPU memory, on a GPU), then says so ("released"),
+    before it raises SenderClosedError: a trainer that told it of its GPU
+    memory waits for that (bounded) before it frees the memory."""
+    from weightsync._transports._pipes._copy_staging import CopyReader
+    from weightsync._transports._pipes._transport import PipeEndpoint
+
+    trainer_end, worker_end = mp.Pipe(duplex=True)
+    endpoint = PipeEndpoint(worker_end, "policy", CopyReader())
+    try:
+        trainer_end.send(("close",))
+        with pytest.raises(ws.SenderClosedError, match="shut down"):
+            endpoint.take_ready()
+        assert trainer_end.poll(5)
+        assert trainer_end.recv() == ("released",)
+    finally:
+        trainer_end.close()
+        worker_end.close()

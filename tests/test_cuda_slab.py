@@ -722,3 +722,69 @@ def test_in_process_workers_on_the_trainers_gpu_copy_from_its_slab() -> None:
     finally:
         worker.shutdown()
         trainer.shutdown()
+
+
+SHUTDOWN_PROGRAM = r"""
+import multiprocessing as mp, sys, time
+import torch
+from torch import nn
+import weightsync as ws
+
+def collector(scheme, pipe):
+    policy = nn.Linear(256, 256).to("cuda:0")
+    scheme.init_on_worker("policy", pipe=pipe, model=policy)
+    try:
+        while True:
+            scheme.receive(timeout=0.05)
+    except ws.SenderClosedError:
+        time.sleep(3.0)   # a collector finishing its episode, still running
+    finally:
+        scheme.shutdown()
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    scheme = getattr(ws, sys.argv[1])()
+    pipes, procs = [], []
+    for _ in range(2):
+        ours, theirs = ctx.Pipe()
+        # Daemons: the trainer ends without waiting for them.
+        procs.append(ctx.Process(target=collector, args=(scheme, theirs), daemon=True))
+        procs[-1].start()
+        pipes.append(ours)
+    policy = nn.Linear(256, 256).to("cuda:0")
+    scheme.init_on_sender("policy", pipes=pipes, model=policy)
+    scheme.wait_for_workers(timeout=120)
+    for _ in range(3):
+        with torch.no_grad():
+            policy.weight.add_(1.0)
+        report = scheme.get_sender().send()
+    print("placements", sorted(set(report.placements.values())), flush=True)
+    scheme.shutdown()
+    print("OK", flush=True)
+"""
+
+
+@pytest.mark.parametrize("scheme_class", ["MultiProcessWeightSyncScheme", "SharedMemWeightSyncScheme"])
+def test_a_trainer_that_ends_after_shutdown_leaves_torch_no_cuda_warning(
+    scheme_class: str, tmp_path: Path
+) -> None:
+    """The trainer's shutdown waits (bounded) until its GPU workers let go of
+    its GPU memory, so that a trainer ending at once (its workers still
+    running) leaves torch nothing to warn of: no "Producer process has been
+    terminated before all shared CUDA tensors released" on stderr."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    program = tmp_path / "trainer.py"  # (a file: spawned workers import its collector)
+    program.write_text(SHUTDOWN_PROGRAM)
+    done = subprocess.run(
+        [sys.executable, str(program), scheme_class],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    output = f"exit status {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    assert done.returncode == 0 and "OK" in done.stdout.split(), output
+    assert "same-device" in done.stdout, output  # the workers read the trainer's GPU memory
+    assert "Producer process has been terminated" not in done.stderr, output

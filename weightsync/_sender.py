@@ -495,8 +495,10 @@ class AsyncWeightSender:
         with anyio.CancelScope(shield=True):
             if self._pending is not None:
                 await self._pending.finish()
-            for transport in self.workers.transports.values():
-                await transport.aclose()
+            # At once: each may wait for its worker to let go of GPU memory.
+            async with anyio.create_task_group() as group:
+                for transport in self.workers.transports.values():
+                    group.start_soon(transport.aclose)
             if self.staging is not None:
                 await self.staging.aclose()
             self.io.close()

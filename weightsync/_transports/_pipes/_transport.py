@@ -10,6 +10,7 @@ travel here::
                        worker's hello, without it, is read as reaching its own only)
                        ("ack", version, holding)      holding: what the worker runs on now
                        ("error", version, message)
+                       ("released",)                  after a close: it let go of the sender's GPU memory
     sender -> worker   ("update", version, layout_id, descriptor, copy_threads, sender_pid, subset, digests)
                        subset: a partial update's signature, or None
                        digests: the tensors' digests (verify=True), or None
@@ -21,6 +22,7 @@ one that breaks the protocol); the worker trusts its sender's.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.process
 import os
 import signal
@@ -35,6 +37,7 @@ import torch
 from ..._copy import usable_cores
 from ..._exceptions import SenderClosedError, SenderLostError, WorkerLostError, WorkerProtocolError
 from ..._memory._placement import reachable
+from ..._memory._slab import SlabRef
 from ..._packet import Manifest, Packet, Signature
 from .._base import EVERY_VERSION, DeviceAwareStaging, Staging, StagingReader, worker_failed, worker_lost
 from .._peer import describe_exit, exit_status, started_here
@@ -46,7 +49,15 @@ __all__ = ["EncodedUpdates", "PipeEndpoint", "PipeSenderTransport", "PipeUpdate"
 # -- the sender's channel to one worker ----------------------------------------
 
 # What a worker may send: kind -> length of the tuple.
-_WORKER_MESSAGES: dict[str, tuple[int, ...]] = {"hello": (5, 6), "ack": (3,), "error": (3,)}
+_WORKER_MESSAGES: dict[str, tuple[int, ...]] = {"hello": (5, 6), "ack": (3,), "error": (3,), "released": (1,)}
+
+# How long the trainer's close waits for a worker told of its GPU memory to
+# let go of it. CUDA IPC memory lives as long as the trainer's process: one
+# that ends (or frees the memory) while a worker still maps it leaves torch
+# warning "Producer process has been terminated before all shared CUDA
+# tensors released". A worker lets go as soon as it hears the close (at its
+# next receive(), or at once under the applier).
+_RELEASE_WAIT = 2.0
 
 
 # A version no send reaches, pickled as a 4-byte int (BININT): where it
@@ -127,6 +138,8 @@ class PipeSenderTransport:
         # The worker re-initialised since the current update was posted.
         self._resend = False
         self._closed = False
+        # Whether the worker was told of the trainer's GPU memory (a slab).
+        self._told_device = False
         self._pid = os.getpid()  # (sent with every update: the worker watches it)
         # Why the worker is gone (reason, exit code, signal), once it is.
         self._gone: tuple[str, int | None, int | None] | None = None
@@ -171,6 +184,8 @@ class PipeSenderTransport:
             model_id = message[1]
             if model_id is not None and self.model_id is not None and model_id != self.model_id:
                 raise self._garbled(f"it announced model {model_id!r} on this model's channel")
+        elif kind == "released":
+            pass
         elif not isinstance(message[1], int) or message[1] > self._posted:
             raise self._garbled(
                 f"it answered version {message[1]!r}, never sent to it (newest sent: {self._posted})"
@@ -211,6 +226,8 @@ class PipeSenderTransport:
             raise self._lost("")
         threads = max(1, usable_cores() // packet.fanout)
         descriptor = self._staging.descriptor(self.worker_id)
+        if isinstance(descriptor, SlabRef):
+            self._told_device = True
         return (
             "update",
             packet.version,
@@ -289,9 +306,20 @@ class PipeSenderTransport:
         try:
             with anyio.move_on_after(0.5):
                 await self._channel.send(("close",))
-        except WorkerLostError:
+            if self._told_device and self._gone is None:
+                await self._wait_released()
+        except (WorkerLostError, WorkerProtocolError):
             pass
         self._channel.close()
+
+    async def _wait_released(self) -> None:
+        """Wait (up to _RELEASE_WAIT) until the worker let go of the
+        trainer's GPU memory: it says so, or closes its end."""
+        with anyio.move_on_after(_RELEASE_WAIT):
+            while True:
+                message = await self._channel.recv()
+                if message is not None and self._checked(message)[0] == "released":
+                    return
 
 
 # -- the worker's end ------------------------------------------------------------
@@ -373,8 +401,11 @@ class PipeEndpoint:
             return PipeUpdate(version, layout_id, descriptor, threads, self, subset, digests)
         if kind == "close":
             # A slot on the trainer's GPU lives only as long as its process:
-            # the model keeps running on copies of its own.
+            # the model keeps running on copies of its own, and the worker
+            # lets go of that memory before the trainer frees it.
             self.reader.keep_own()
+            with contextlib.suppress(SenderLostError):
+                self._channel.try_send(("released",))
             raise SenderClosedError(
                 f"the sender of model {self.model_id!r} shut down", model_id=self.model_id
             )
