@@ -154,7 +154,7 @@ def test_a_frame_damaged_in_transit_is_caught_and_repaired_with_the_full_bytes(
         w.scheme.send()
         real = _chain.send_frames
 
-        def flip_one_byte(group: Any, frames: Any, *args: Any) -> None:
+        def flip_one_byte(group: Any, frames: Any, *args: Any, **kwargs: Any) -> None:
             def damaged() -> Iterator[bytes]:
                 for k, frame in enumerate(frames):
                     if k == 0 and len(frame) > _chain.HEADER_SIZE:
@@ -163,7 +163,7 @@ def test_a_frame_damaged_in_transit_is_caught_and_repaired_with_the_full_bytes(
                         frame = bytes(frame)
                     yield frame
 
-            real(group, damaged(), *args)
+            real(group, damaged(), *args, **kwargs)
 
         monkeypatch.setattr(_chain, "send_frames", flip_one_byte)
         nudge(w, seed=6)

@@ -280,7 +280,6 @@ class WeightSender:
             RUNTIME.release()
 
 
-
 class SendHandle:
     """A send started by :meth:`WeightSender.send_async`: staged, its acks to come.
 

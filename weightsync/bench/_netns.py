@@ -228,12 +228,16 @@ class EmulatedCluster:
             raise
         return self
 
-    def _build(self) -> None:
+    @staticmethod
+    def _tbf(bytes_per_second: float) -> list[str]:
         # Queue up to 20 ms of traffic per link, and let the bucket burst a
         # few full-size TCP segments, so one busy flow keeps the link full.
-        rate_bits = int(self.bytes_per_second * 8)
-        burst = max(64 * 1024, int(self.bytes_per_second / 500))
-        tbf = ["root", "tbf", "rate", f"{rate_bits}bit", "burst", str(burst), "latency", "20ms"]
+        rate_bits = int(bytes_per_second * 8)
+        burst = max(64 * 1024, int(bytes_per_second / 500))
+        return ["root", "tbf", "rate", f"{rate_bits}bit", "burst", str(burst), "latency", "20ms"]
+
+    def _build(self) -> None:
+        tbf = self._tbf(self.bytes_per_second)
         _ip("netns", "add", self.switch)
         self._made.append(self.switch)
         _ip("link", "set", "lo", "up", netns=self.switch)
@@ -251,6 +255,20 @@ class EmulatedCluster:
             _ip("link", "set", "eth0", "up", netns=ns)
             _tc(ns, "qdisc", "add", "dev", "eth0", *tbf)
             _tc(self.switch, "qdisc", "add", "dev", f"h{i}", *tbf)
+
+    def set_link(self, host: int, up: bool) -> None:
+        """Cut host ``host``'s link (its port on the switch goes down: nothing
+        passes either way, as when a cable is pulled) or heal it. The host's
+        connections are not reset: they wait, or time out, as over a real
+        cut."""
+        _ip("link", "set", f"h{host}", "up" if up else "down", netns=self.switch)
+
+    def set_rate(self, host: int, rate: str | None = None) -> None:
+        """Limit host ``host``'s link to ``rate`` in each direction (a tc rate
+        such as ``100mbit``; None: the cluster's own rate again)."""
+        tbf = self._tbf(parse_rate(rate) if rate is not None else self.bytes_per_second)
+        _tc(self.namespaces[host], "qdisc", "change", "dev", "eth0", *tbf)
+        _tc(self.switch, "qdisc", "change", "dev", f"h{host}", *tbf)
 
     # -- processes -----------------------------------------------------------
     def popen(

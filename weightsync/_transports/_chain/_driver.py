@@ -238,6 +238,9 @@ class ChainDriver(Generic[M]):
         self._group_members: tuple[M, ...] = ()
         self._generations = 0
         self._closed = False
+        # The send of the running run() is over (its every member answered
+        # the trainer, or its deadline passed): the run stops.
+        self._over = False
         #: Per send: every chain that ran, in order.
         self.routes: list[Route[M]] = []
         #: Per send: member -> True (it got every byte) or why not.
@@ -267,6 +270,7 @@ class ChainDriver(Generic[M]):
     def forget(self) -> None:
         """Forget the last send's outcome (a new send begins); its routes stay until it runs."""
         self.outcome, self._broke_for, self._silent = {}, {}, (set(), 0.0)
+        self._over = False
 
     def run(
         self,
@@ -313,9 +317,12 @@ class ChainDriver(Generic[M]):
                 candidates, use = (holders, use) if holders else (candidates, None)
             chain, fed = control.plan(candidates)
             left = deadline - time.monotonic()
-            if len(chain) < self.min_chain or left <= 0 or self._closed:
+            if len(chain) < self.min_chain or left <= 0 or self._closed or self._over:
                 return
-            stall = stall_limit(left)
+            # Nothing of a chain outlives the send's deadline: its stalls are
+            # cut to the time left, and its frames stop at the deadline (a
+            # thread of an abandoned send would hold the next one's staging).
+            stall = min(stall_limit(left), left)
             if self._group is None or self._group_members != tuple(chain):
                 self.drop()
                 self._generations += 1
@@ -337,10 +344,29 @@ class ChainDriver(Generic[M]):
                 try:
                     if use is not None:
                         count = use.encoded.count
-                        send_frames(self._group, self._counted(use.frames()), HEADER_SIZE, 1, stall, count)
+                        frames = self._counted(use.frames())
+                        send_frames(
+                            self._group,
+                            frames,
+                            HEADER_SIZE,
+                            1,
+                            stall,
+                            count,
+                            until=deadline,
+                            stopped=self._stopped,
+                        )
                     else:
                         self.sent_bytes += nbytes
-                        send_chain(self._group, sources, self.chunk, 1, stall, ready)
+                        send_chain(
+                            self._group,
+                            sources,
+                            self.chunk,
+                            1,
+                            stall,
+                            ready,
+                            until=deadline,
+                            stopped=self._stopped,
+                        )
                 except RuntimeError as exc:
                     sent_error = str(exc)
             sending = time.monotonic() - began
@@ -417,7 +443,7 @@ class ChainDriver(Generic[M]):
         patience = give_up_soon() if broken else deadline
         delay = _POLL[0]
         try:
-            while waiting and time.monotonic() < patience and not self._closed:
+            while waiting and time.monotonic() < patience and not self._closed and not self._over:
                 came = control.poll(route, waiting, min(delay, max(patience - time.monotonic(), 0.0)))
                 delay = min(delay * 2, _POLL[1])
                 for member, report in came:
@@ -469,6 +495,16 @@ class ChainDriver(Generic[M]):
         else:
             detail = error(i - 1) or report.error or "it did not get every byte"
         return f"the chain broke at {self.control.name(chain[i])}: {detail}"
+
+    def _stopped(self) -> bool:
+        return self._over or self._closed
+
+    def end_send(self) -> None:
+        """The send of the running :meth:`run` is over for the trainer (every
+        member answered, or its deadline passed): the run ends at its next
+        step (a wait for the members' reports, a chain to begin), not at the
+        deadline, so that the next send's staging never waits for it."""
+        self._over = True
 
     def drop(self) -> None:
         """Let go of the group: the next chain forms a new one."""

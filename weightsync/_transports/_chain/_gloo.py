@@ -102,6 +102,22 @@ def gloo_group(store: Any, prefix: str, rank: int, size: int, address: str, stal
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
 
 
+def _within(stall: float, until: float | None, what: str, stopped: Callable[[], bool] | None = None) -> float:
+    """How long the next wait of a chain may take: its stall limit, cut to
+    what is left before ``until`` (the send's deadline).
+
+    :raises ChainBroken: ``until`` passed, or ``stopped()`` (the send is over).
+    """
+    if stopped is not None and stopped():
+        raise ChainBroken(f"the send was over ({what})")
+    if until is None:
+        return stall
+    left = until - time.monotonic()
+    if left <= 0:
+        raise ChainBroken(f"the send's deadline passed ({what})")
+    return min(stall, left)
+
+
 def send_chain(
     group: Any,
     sources: Sequence[torch.Tensor],
@@ -109,16 +125,21 @@ def send_chain(
     dst: int,
     stall: float,
     ready: Callable[[int], object] | None = None,
+    until: float | None = None,
+    stopped: Callable[[], bool] | None = None,
 ) -> None:
     """Send the concatenation of ``sources`` (flat uint8 tensors) to rank
     ``dst`` in frames of ``chunk`` bytes; a frame spanning several sources
     is gathered first. Two frames are in flight at most. ``ready(n)``, if
     given, is called before each frame with the bytes of the concatenation
     up to its end, and returns once they are all there (the copies into
-    the sources may still be running when the chain starts).
+    the sources may still be running when the chain starts). ``until``
+    (``time.monotonic()``): the send's deadline, past which no frame
+    starts and none is waited for; nor once ``stopped()`` (the send is
+    over for the trainer).
 
     :raises ChainBroken: a frame did not leave within ``stall`` seconds, or
-        the peer is gone (gloo's error).
+        by ``until``, or the peer is gone (gloo's error).
     :raises RuntimeError: what ``ready`` raised.
     """
     in_flight: list[tuple[Any, torch.Tensor, int]] = []
@@ -127,14 +148,16 @@ def send_chain(
 
     def wait(work: Any, index: int) -> None:
         started = time.monotonic()
+        limit = _within(stall, until, f"sending frame {index + 1} of {last}", stopped)
         try:
-            work.wait(seconds(stall))
+            work.wait(seconds(limit))
         except RuntimeError as exc:
-            raise ChainBroken(_failure(exc, started, stall, f"sending frame {index + 1} of {last}")) from exc
+            raise ChainBroken(_failure(exc, started, limit, f"sending frame {index + 1} of {last}")) from exc
 
     # Where each source begins in the concatenation.
     starts = list(itertools.accumulate((s.numel() for s in sources), initial=0)) if ready else []
     for index, pieces in enumerate(spans):
+        _within(stall, until, f"sending frame {index + 1} of {last}", stopped)
         if ready is not None:
             i, _, stop = pieces[-1]
             ready(starts[i] + stop)
@@ -260,6 +283,8 @@ def send_frames(
     count: int,
     *,
     batch_bytes: int = BATCH_BYTES,
+    until: float | None = None,
+    stopped: Callable[[], bool] | None = None,
 ) -> None:
     """Send ``count`` encoded ``frames`` (each ``header_size`` bytes of header,
     then its payload) to rank ``dst``, in batches: each batch leaves once
@@ -267,7 +292,7 @@ def send_frames(
     frames are produced. Two batches are in flight at most.
 
     :raises ChainBroken: a batch did not leave within ``stall`` seconds, or
-        the peer is gone (gloo's error).
+        by ``until`` (as :func:`send_chain`), or the peer is gone (gloo's error).
     """
     in_flight: list[tuple[list[Any], tuple[torch.Tensor, torch.Tensor], int]] = []
     batch: list[bytes] = []
@@ -275,14 +300,19 @@ def send_frames(
 
     def wait(works: list[Any], last: int) -> None:
         started = time.monotonic()
+        what = f"sending frame {last + 1} of {count}"
         try:
             for work in works:
-                work.wait(seconds(stall))
+                limit = _within(stall, until, what, stopped)
+                work.wait(seconds(limit))
         except RuntimeError as exc:
-            raise ChainBroken(_failure(exc, started, stall, f"sending frame {last + 1} of {count}")) from exc
+            if isinstance(exc, ChainBroken):
+                raise
+            raise ChainBroken(_failure(exc, started, stall, what)) from exc
 
     def flush() -> None:
         nonlocal batch, size, sent
+        _within(stall, until, f"sending frame {sent + 1} of {count}", stopped)
         head = torch.frombuffer(bytearray(_BATCH.pack(size, len(batch))), dtype=torch.uint8)
         body = torch.frombuffer(bytearray().join(batch), dtype=torch.uint8)
         last = sent + len(batch) - 1

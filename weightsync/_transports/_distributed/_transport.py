@@ -179,8 +179,11 @@ class ChainStaging:
         self, packet: Packet, digest: bool, placements: Mapping[int, Placement]
     ) -> tuple[int, ...] | None:
         # The previous send's chain may still be ending (within a stall
-        # limit, when it was abandoned): it reads the buffer.
+        # limit, when it was abandoned: interrupted, or past its deadline):
+        # it reads the buffer. That send is over: its chain stops at its
+        # next step.
         if self._thread is not None:
+            self.driver.end_send()
             self._thread.join()
         self._thread = None
         # Its copies from the GPU are all in (a chain that broke did not
@@ -291,9 +294,14 @@ class ChainStaging:
             except WorkerError as exc:
                 send.fail(wid, exc)
 
-        async with anyio.create_task_group() as group:
-            for wid, link in links.items():
-                group.start_soon(answer, wid, link)
+        try:
+            async with anyio.create_task_group() as group:
+                for wid, link in links.items():
+                    group.start_soon(answer, wid, link)
+        finally:
+            # Every worker answered (or the deadline passed): the chain has
+            # nothing left to do for this send.
+            self.driver.end_send()
 
     def _start(self, outgoing: Outgoing) -> None:
         """Start the chain of the current send over its workers (never

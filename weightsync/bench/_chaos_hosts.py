@@ -1,0 +1,772 @@
+"""A chaos soak across emulated hosts: the torch.distributed scheme under
+faults that arrive together and keep arriving.
+
+A trainer on host 0 of an :class:`~weightsync.bench._netns.EmulatedCluster`
+sends a model (8 float32 tensors, 1% of its elements changed per version,
+``verify=True``: every worker checks the digests before it applies) to one
+worker per receiving host, back to back: ``send_async()``, then
+``wait_async()``, each send with the same deadline. Workers take each update
+at their safe point (``receive(timeout=0.2)`` in a loop), as collectors do.
+
+Meanwhile a seeded schedule (``random.Random(seed)``: the same seed gives
+the same faults at the same moments of the run) injects, one host at a time
+and at most two hosts at once:
+
+- ``kill``: every process of the host is killed (SIGKILL); after a while a
+  new worker starts there under a new rank, and the trainer adds it
+  (``scheme.add_worker()``), as a supervisor restarting a collector would;
+- ``cut``: the host's link goes down for 2 to 20 s, then comes back;
+- ``stop``: the host's processes are stopped (SIGSTOP), then continued;
+- ``slow``: the host's link rate drops tenfold for a while;
+- ``interrupt``: the trainer gets SIGINT (Ctrl-C) during a send, and sends
+  again.
+
+The trainer removes a worker it lost (``WorkerLostError``) and goes on. A
+worker whose process ended on its own (its sender lost for it) is started
+again under a new rank once its host is healthy.
+
+What must hold, judged after the run from the trainer's record of every send
+and the schedule's record of every fault (:func:`judge`):
+
+- no send outlives its deadline by more than :data:`HANG_BOUND` s;
+- ``send_async()`` returns within :data:`STAGE_BOUND` s (it only stages);
+- a send either reaches every targeted worker or raises a ``WorkerError``
+  naming workers that were each lost or late, and each named worker's host
+  was faulted (or its process gone) at some moment of the send, give or
+  take :data:`RECOVERY` s after a heal; workers not named applied the
+  version, digest-checked;
+- once every fault is healed, a send reaches every live worker, and each
+  worker ends holding exactly the trainer's last version (CRC32 of every
+  tensor);
+- the trainer's descriptors and memory stay flat, and the cluster leaves no
+  namespace or process behind.
+
+Run it with ``python benchmarks/chaos_soak.py`` (needs root and iproute2);
+``tests/test_chaos_hosts.py`` runs a short seeded one in ``pytest -m
+cluster``.
+
+Processes: :func:`run_chaos` (the machine's own namespace) starts ``python
+-m weightsync.bench._chaos_hosts trainer ...`` on host 0 and ``... worker
+...`` on the others, each in a process group of its own. The trainer reports
+one JSON line per send on its stdout, and takes commands on its stdin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import faulthandler
+import json
+import os
+import random
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+import weightsync as ws
+
+from ._model import mlp_shapes, tensor_checksums
+from ._netns import EmulatedCluster
+
+__all__ = ["ChaosConfig", "Fault", "judge", "run_chaos", "schedule"]
+
+MIB = 1 << 20
+MODEL_ID = "chaos"
+#: A send may end this long past its deadline (its error's way back, a
+#: chain's repair ending).
+HANG_BOUND = 3.0
+#: send_async() returns once the weights are staged: this long at most.
+STAGE_BOUND = 2.0
+#: After a heal, a host may still be named for this long (TCP's backed-off
+#: retransmissions, a chain re-forming, a restarted worker's start).
+RECOVERY = 4.0
+#: How long a restarted worker takes to import torch and announce itself, at most.
+START_WAIT = 120.0
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """One soak: ``hosts`` receiving hosts (one worker each) behind links of
+    ``rate``, ``sends`` sends of ``mib`` MiB with deadline ``timeout``,
+    faults from ``seed`` every ``gap`` s on average once ``calm`` sends went
+    without any (the baseline rate)."""
+
+    hosts: int = 3
+    rate: str = "1gbit"
+    mib: float = 64.0
+    sends: int = 1000
+    calm: int = 20
+    timeout: float = 8.0
+    seed: int = 1
+    gap: float = 15.0
+    delta: bool = False
+    #: Sends to the others while one host misses them, for the bytes-on-the-wire figure.
+    missed: tuple[int, ...] = (1, 5, 20)
+
+
+@dataclass
+class Fault:
+    """One fault of the schedule: ``kind`` on ``host`` at ``at`` s into the
+    chaos, healed ``seconds`` later (kill: restarted then)."""
+
+    at: float
+    kind: str
+    host: int
+    seconds: float
+    applied: float | None = None  # time.monotonic()
+    healed: float | None = None
+
+
+#: How often each kind is drawn, and how long each lasts (s).
+_KINDS: dict[str, tuple[float, tuple[float, float]]] = {
+    "kill": (2.0, (3.0, 10.0)),
+    "cut": (3.0, (2.0, 20.0)),
+    "stop": (2.0, (1.0, 10.0)),
+    "slow": (2.0, (5.0, 20.0)),
+    "interrupt": (1.0, (0.0, 0.0)),
+}
+
+
+def schedule(seed: int, hosts: int, seconds: float, gap: float) -> list[Fault]:
+    """The faults of a run of ``seconds`` s over hosts 1..``hosts``: one
+    every ``gap`` s on average (exponential gaps), each on a host that is
+    healthy then, at most two hosts faulted at once. The same arguments
+    give the same list."""
+    rng = random.Random(seed)
+    kinds = list(_KINDS)
+    weights = [_KINDS[k][0] for k in kinds]
+    faults: list[Fault] = []
+    busy: dict[int, float] = {}  # host -> healed at
+    t = rng.expovariate(1.0 / gap)
+    while t < seconds:
+        kind = rng.choices(kinds, weights)[0]
+        low, high = _KINDS[kind][1]
+        length = rng.uniform(low, high)
+        free = [h for h in range(1, hosts + 1) if busy.get(h, -1.0) + RECOVERY < t]
+        faulted_now = sum(1 for healed in busy.values() if healed + RECOVERY >= t)
+        if kind == "interrupt":
+            faults.append(Fault(t, kind, 0, 0.0))
+        elif free and faulted_now < 2:
+            host = rng.choice(free)
+            busy[host] = t + length
+            faults.append(Fault(t, kind, host, length))
+        t += rng.expovariate(1.0 / gap)
+    return faults
+
+
+# -- the trainer (host 0) --------------------------------------------------------
+
+
+def _nudge(tensors: dict[str, torch.Tensor], version: int) -> None:
+    """Change 1% of the elements, the same ones for the same version."""
+    generator = torch.Generator().manual_seed(version)
+    for tensor in tensors.values():
+        flat = tensor.view(-1)
+        where = torch.randint(0, flat.numel(), (max(flat.numel() // 100, 1),), generator=generator)
+        flat[where] += 1.0
+
+
+def _emit(record: dict[str, Any]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def _resources() -> dict[str, int]:
+    with open("/proc/self/statm") as statm:
+        rss_pages = int(statm.read().split()[1])
+    return {"fds": len(os.listdir("/proc/self/fd")), "rss": rss_pages * os.sysconf("SC_PAGE_SIZE")}
+
+
+class _Trainer:
+    def __init__(self, args: argparse.Namespace) -> None:
+        torch.manual_seed(0)
+        self.tensors = {n: torch.randn(s) for n, s in mlp_shapes(int(args.mib * MIB), 8).items()}
+        delta: Any = "always" if args.delta else False
+        self.scheme = ws.DistributedWeightSyncScheme(timeout=args.timeout, delta=delta, verify=True)
+        self.scheme.init_on_sender(MODEL_ID, num_workers=args.workers, model=self.tensors, host=args.host)
+        self.sender = self.scheme.get_sender()
+        self.timeout = args.timeout
+        self.sends = 0
+
+    def send(self, worker_ids: list[int] | None = None) -> dict[str, Any]:
+        """One send of the next version: send_async(), then wait()."""
+        self.sends += 1
+        _nudge(self.tensors, self.sends)
+        record: dict[str, Any] = {
+            "send": self.sends,
+            "targets": sorted(worker_ids or self.scheme.sender_transports),
+        }
+        record["t0"] = time.monotonic()
+        try:
+            handle = self.sender.send_async(worker_ids=worker_ids, timeout=self.timeout)
+            record["staged"] = time.monotonic()
+            report = handle.wait()
+            record.update(version=report.version, ok=True)
+        except KeyboardInterrupt:
+            record.update(interrupted=True)
+        except ws.WorkerError as exc:
+            record.update(
+                version=exc.version,
+                ok=False,
+                failures={str(w): type(e).__name__ for w, e in exc.failures.items()},
+                message=str(exc)[:400],
+            )
+        except Exception as exc:  # not a worker's: a problem of the run (judge() says so)
+            record.update(ok=False, unexpected=f"{type(exc).__name__}: {exc}"[:400])
+        record["t1"] = time.monotonic()
+        record["wire"] = self.scheme.last_wire_bytes
+        record["delta"] = list(self.scheme.last_delta)
+        record["chains"] = [list(chain) for chain, _ in self.scheme.last_routes]
+        if self.sends % 25 == 0:
+            record.update(_resources())
+        for wid, kind in (record.get("failures") or {}).items():
+            if kind == "WorkerLostError":
+                with contextlib.suppress(Exception):
+                    self.scheme.remove_worker(int(wid))
+                    record.setdefault("removed", []).append(int(wid))
+        return record
+
+    def command(self, line: str) -> bool:
+        """Act on one command from the orchestrator; False on ``quit``."""
+        words = line.split()
+        if not words:
+            return True
+        if words[0] == "add":
+            started = time.monotonic()
+            try:
+                wid = self.scheme.add_worker(worker_id=int(words[1]), timeout=START_WAIT)
+                _emit({"added": wid, "t0": started, "t1": time.monotonic()})
+            except Exception as exc:
+                _emit({"add_failed": f"{type(exc).__name__}: {exc}"[:400], "t1": time.monotonic()})
+        elif words[0] == "send":
+            ids = json.loads(words[1]) if len(words) > 1 else None
+            _emit(self.send(ids))
+        elif words[0] == "crc":
+            _emit({"crc": tensor_checksums(self.tensors), "version": self.sender.async_sender.version})
+        elif words[0] == "quit":
+            return False
+        return True
+
+
+def trainer_main(args: argparse.Namespace) -> None:
+    # SIGUSR1: every thread's stack to stderr (the orchestrator asks when the trainer hangs).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    trainer = _Trainer(args)
+    info = trainer.scheme.get_store_info()
+    assert info is not None
+    _emit({"store": info})
+    trainer.scheme.wait_for_workers(timeout=START_WAIT)  # (each imports torch first)
+    trainer.scheme.connect()
+    _emit({"connected": time.monotonic(), **_resources()})
+    soaking = True
+    try:
+        while True:
+            try:
+                # Commands first (a restarted worker to add), then the next send.
+                ready = select.select([sys.stdin], [], [], 0 if soaking else None)[0]
+                if ready:
+                    line = sys.stdin.readline()
+                    if line.strip() == "done":
+                        soaking = False
+                        _emit({"soaked": trainer.sends})
+                        continue
+                    if not line or not trainer.command(line):
+                        break
+                    continue
+                if soaking:
+                    _emit(trainer.send())
+            except KeyboardInterrupt:
+                # Ctrl-C between two sends (a send's own is in its record).
+                _emit({"interrupted_between": time.monotonic()})
+    finally:
+        trainer.scheme.shutdown()
+        _emit({"bye": time.monotonic(), **_resources()})
+
+
+# -- a worker (one per receiving host) --------------------------------------------
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    tensors = {n: torch.zeros(s) for n, s in mlp_shapes(int(args.mib * MIB), 8).items()}
+    scheme = ws.DistributedWeightSyncScheme(timeout=args.timeout)
+    store = {"host": args.store_host, "port": args.store_port}
+    scheme.init_on_worker(MODEL_ID, model=tensors, worker_idx=args.rank, store_info=store)
+    outcome = "closed"
+    try:
+        while True:
+            scheme.receive(timeout=0.2)  # the collector's safe point
+    except ws.SenderClosedError:
+        pass
+    except ws.SenderLostError:
+        outcome = "lost"
+    finally:
+        version = scheme.get_receiver().version
+        with open(args.out, "w") as out:
+            json.dump(
+                {"rank": args.rank, "version": version, "crc": tensor_checksums(tensors), "end": outcome}, out
+            )
+        scheme.shutdown()
+
+
+# -- the orchestrator (the machine's own namespace) --------------------------------
+
+
+@dataclass
+class _Worker:
+    rank: int
+    host: int
+    proc: subprocess.Popen[Any]
+    out: str
+    started: float
+    ended: float | None = None  # killed by the schedule, or found exited
+
+
+@dataclass
+class _Run:
+    config: ChaosConfig
+    cluster: EmulatedCluster
+    tmp: str
+    trainer: subprocess.Popen[str] | None = None
+    store: dict[str, Any] = field(default_factory=dict)
+    workers: list[_Worker] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+    next_rank: int = 1
+    #: Sends that named a healthy worker held back by a faulted host of its chain (judge()).
+    held_back: list[int] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    arrived: threading.Condition = field(default_factory=threading.Condition)
+
+    # -- processes --------------------------------------------------------------
+    def start_trainer(self) -> None:
+        argv = [sys.executable, "-m", "weightsync.bench._chaos_hosts", "trainer",
+                "--host", self.cluster.addresses[0], "--workers", str(self.config.hosts),
+                "--mib", str(self.config.mib), "--timeout", str(self.config.timeout)]  # fmt: skip
+        if self.config.delta:
+            argv.append("--delta")
+        with open(os.path.join(self.tmp, "trainer.err"), "wb") as err:
+            self.trainer = self.cluster.popen(
+                0, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1
+            )
+        assert self.trainer.stdout is not None
+        first = json.loads(self.trainer.stdout.readline() or "{}")
+        if "store" not in first:
+            raise RuntimeError(f"the chaos trainer did not start: {self.stderr('trainer')}")
+        self.store = first["store"]
+        threading.Thread(target=self._read_trainer, name="bench-chaos-trainer", daemon=True).start()
+
+    def _read_trainer(self) -> None:
+        assert self.trainer is not None and self.trainer.stdout is not None
+        for line in self.trainer.stdout:
+            with contextlib.suppress(json.JSONDecodeError):
+                record = json.loads(line)
+                with self.arrived:
+                    (self.records if "send" in record else self.events).append(record)
+                    self.arrived.notify_all()
+
+    def start_worker(self, host: int) -> _Worker:
+        with self.lock:
+            rank, self.next_rank = self.next_rank, self.next_rank + 1
+        out = os.path.join(self.tmp, f"rank{rank}.json")
+        argv = [sys.executable, "-m", "weightsync.bench._chaos_hosts", "worker",
+                "--store-host", str(self.store["host"]), "--store-port", str(self.store["port"]),
+                "--rank", str(rank), "--mib", str(self.config.mib), "--timeout", str(self.config.timeout),
+                "--out", out]  # fmt: skip
+        with open(os.path.join(self.tmp, f"rank{rank}.err"), "wb") as err:
+            proc = self.cluster.popen(host, argv, stdout=subprocess.DEVNULL, stderr=err)
+        worker = _Worker(rank, host, proc, out, time.monotonic())
+        with self.lock:
+            self.workers.append(worker)
+        return worker
+
+    def stderr(self, name: str, tail: int = 1500) -> str:
+        """The end of what process ``name`` (``trainer``, ``rank3``) wrote to
+        stderr (the trainer's, with every thread's stack if it still runs)."""
+        if name == "trainer" and self.trainer is not None and self.trainer.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.trainer.pid, signal.SIGUSR1)
+                time.sleep(1.0)
+            tail = max(tail, 6000)
+        with contextlib.suppress(OSError), open(os.path.join(self.tmp, f"{name}.err"), errors="replace") as f:
+            return f.read()[-tail:]
+        return ""
+
+    def command(self, line: str) -> None:
+        assert self.trainer is not None and self.trainer.stdin is not None
+        self.trainer.stdin.write(line + "\n")
+        self.trainer.stdin.flush()
+
+    def send_and_wait(self, line: str) -> dict[str, Any]:
+        """Have the trainer make one send (a ``send`` command); its record.
+
+        :raises RuntimeError: the trainer did not answer in time.
+        """
+        count = len(self.records)
+        self.command(line)
+        if not self.wait_for(lambda: len(self.records) > count, self.config.timeout * 3):
+            raise RuntimeError(f"the chaos trainer did not answer {line!r}: {self.stderr('trainer')}")
+        return self.records[-1]
+
+    def wait_for(self, test: Callable[[], bool], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self.arrived:
+            while not test():
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.trainer is not None and self.trainer.poll() is not None):
+                    return test()
+                self.arrived.wait(min(left, 0.5))
+        return True
+
+    def live(self, host: int) -> _Worker | None:
+        with self.lock:
+            mine = [w for w in self.workers if w.host == host and w.ended is None]
+        return mine[-1] if mine else None
+
+    def restart(self, host: int) -> None:
+        """A new worker on ``host`` (a new rank), added by the trainer."""
+        worker = self.start_worker(host)
+        self.command(f"add {worker.rank - 1}")
+
+    def live_at(self, host: int, t: float) -> _Worker | None:
+        """The worker running on ``host`` at ``t`` (None: none)."""
+        with self.lock:
+            mine = [
+                w
+                for w in self.workers
+                if w.host == host and w.started <= t and (w.ended is None or w.ended > t)
+            ]
+        return mine[-1] if mine else None
+
+    # -- the faults ---------------------------------------------------------------
+    def apply(self, fault: Fault) -> None:
+        fault.applied = time.monotonic()
+        if fault.kind == "interrupt":
+            assert self.trainer is not None
+            os.kill(self.trainer.pid, signal.SIGINT)
+        elif fault.kind == "kill":
+            self.cluster.kill_host(fault.host, signal.SIGKILL)
+            worker = self.live(fault.host)
+            if worker is not None:
+                worker.ended = time.monotonic()
+        elif fault.kind == "cut":
+            self.cluster.set_link(fault.host, False)
+        elif fault.kind == "stop":
+            self.cluster.kill_host(fault.host, signal.SIGSTOP)
+        elif fault.kind == "slow":
+            self.cluster.set_rate(fault.host, f"{int(self.cluster.bytes_per_second * 8 / 10)}bit")
+
+    def heal(self, fault: Fault) -> None:
+        if fault.kind == "kill":
+            self.restart(fault.host)
+        elif fault.kind == "cut":
+            self.cluster.set_link(fault.host, True)
+        elif fault.kind == "stop":
+            self.cluster.kill_host(fault.host, signal.SIGCONT)
+        elif fault.kind == "slow":
+            self.cluster.set_rate(fault.host, None)
+        fault.healed = time.monotonic()
+
+    def supervise(self, faulted: set[int]) -> None:
+        """A worker whose process ended on its own is started again, once
+        its host is healthy."""
+        with self.lock:
+            ended = [w for w in self.workers if w.ended is None and w.proc.poll() is not None]
+        for worker in ended:
+            worker.ended = time.monotonic()
+            self.events.append({"exited": worker.rank, "host": worker.host, "t": worker.ended})
+        for host in range(1, self.config.hosts + 1):
+            if host not in faulted and self.live(host) is None:
+                self.restart(host)
+
+    def chaos(self, faults: list[Fault], sends: int) -> None:
+        """Run ``faults`` (their ``at`` from now) until the trainer made
+        ``sends`` sends, healing each when due; then heal what is left."""
+        started = time.monotonic()
+        pending = sorted(faults, key=lambda f: f.at)
+        active: list[Fault] = []
+        while len(self.records) < sends and self.trainer is not None and self.trainer.poll() is None:
+            now = time.monotonic() - started
+            for fault in [f for f in active if f.applied is not None and now >= f.at + f.seconds]:
+                self.heal(fault)
+                active.remove(fault)
+            while pending and pending[0].at <= now:
+                fault = pending.pop(0)
+                self.apply(fault)
+                self.faults.append(fault)
+                if fault.kind != "interrupt":
+                    active.append(fault)
+            self.supervise({f.host for f in active})
+            time.sleep(0.05)
+        for fault in active:
+            self.heal(fault)
+        self.supervise(set())
+
+
+def judge(run: _Run) -> list[str]:
+    """What went wrong in ``run`` (see the module's docstring): [] when every
+    rule held."""
+    config = run.config
+    problems: list[str] = []
+    held_back: list[int] = []
+    host_of = {w.rank - 1: w for w in run.workers}
+    windows: dict[int, list[tuple[float, float]]] = {}
+    for fault in run.faults:
+        if fault.kind == "interrupt" or fault.applied is None:
+            continue
+        healed = fault.healed if fault.healed is not None else float("inf")
+        windows.setdefault(fault.host, []).append((fault.applied, healed + RECOVERY))
+
+    def faulted(host: int, t0: float, t1: float) -> bool:
+        return any(a <= t1 and t0 <= b for a, b in windows.get(host, []))
+
+    for record in run.records:
+        t0, t1 = record["t0"], record["t1"]
+        if record.get("interrupted"):
+            continue
+        if "unexpected" in record:
+            problems.append(f"send {record['send']} raised {record['unexpected']}")
+        if t1 - t0 > config.timeout + HANG_BOUND:
+            problems.append(
+                f"send {record['send']} took {t1 - t0:.2f} s, past its {config.timeout} s deadline"
+            )
+        if "staged" in record and record["staged"] - t0 > STAGE_BOUND:
+            problems.append(f"send {record['send']}: send_async() took {record['staged'] - t0:.2f} s")
+        for wid, kind in (record.get("failures") or {}).items():
+            worker = host_of.get(int(wid))
+            if worker is None:
+                problems.append(f"send {record['send']} named worker {wid}, which was never started")
+                continue
+            gone = worker.ended is not None and worker.ended <= t1 + RECOVERY
+            if kind not in ("WorkerLostError", "AckTimeoutError"):
+                problems.append(
+                    f"send {record['send']}: worker {wid} failed with {kind}: {record.get('message')}"
+                )
+            elif not gone and not faulted(worker.host, t0, t1):
+                # A pipelined chain moves at its slowest hop's pace: a host
+                # behind a faulted one in the send's chain may be held back
+                # past the deadline. Counted, not a problem.
+                chains = [chain for chain in record.get("chains", []) if worker.rank in chain]
+                chained = {rank for chain in chains for rank in chain}
+                hosts = {host_of[r - 1].host for r in chained if r - 1 in host_of}
+                if kind == "AckTimeoutError" and any(faulted(h, t0, t1) for h in hosts - {worker.host}):
+                    held_back.append(record["send"])
+                    continue
+                problems.append(
+                    f"send {record['send']} named worker {wid} ({kind}) on host {worker.host}, which was "
+                    f"neither faulted nor gone during it: {record.get('message')}"
+                )
+    run.held_back = held_back
+    return problems
+
+
+def _figures(run: _Run, calm_end: float, chaos_end: float, resources: list[dict[str, Any]]) -> dict[str, Any]:
+    records = [r for r in run.records if not r.get("interrupted")]
+    calm = [r for r in records if r["t1"] <= calm_end]
+    chaos = [r for r in records if calm_end < r["t0"] and r["t1"] <= chaos_end]
+    calm_start = min((r["t0"] for r in calm), default=calm_end)
+    heal_to_latest = []
+    for fault in run.faults:
+        if fault.healed is None or fault.kind == "interrupt":
+            continue
+        for record in records:
+            if record["t0"] < fault.healed or not record.get("ok"):
+                continue
+            worker = run.live_at(fault.host, record["t0"])
+            if worker is not None and worker.rank - 1 in record["targets"]:
+                heal_to_latest.append((fault.kind, record["t1"] - fault.healed))
+                break
+    by_kind: dict[str, list[float]] = {}
+    for kind, seconds in heal_to_latest:
+        by_kind.setdefault(kind, []).append(seconds)
+    return {
+        "sends": len(run.records),
+        "interrupted": sum(1 for r in run.records if r.get("interrupted")),
+        "held_back_by_a_faulted_chain_member": len(run.held_back),
+        "failed": sum(1 for r in records if not r.get("ok")),
+        "calm_per_minute": 60 * len(calm) / max(calm_end - calm_start, 1e-9),
+        "chaos_per_minute": 60 * len(chaos) / max(chaos_end - calm_end, 1e-9),
+        "worst_past_deadline_s": max((r["t1"] - r["t0"] - run.config.timeout for r in records), default=0.0),
+        "worst_stage_s": max((r["staged"] - r["t0"] for r in records if "staged" in r), default=0.0),
+        "heal_to_latest_s": {
+            k: {"median": statistics.median(v), "max": max(v), "n": len(v)} for k, v in by_kind.items()
+        },
+        "faults": {k: sum(1 for f in run.faults if f.kind == k) for k in _KINDS},
+        "trainer_fds": [r["fds"] for r in resources],
+        "trainer_rss_mib": [round(r["rss"] / MIB, 1) for r in resources],
+    }
+
+
+def _missed_versions(run: _Run) -> dict[str, Any]:
+    """Bytes the trainer puts on the wire for a send after host 1's worker
+    missed ``k`` versions (sent to the others only), against a send all kept
+    up with, and the full bytes."""
+    figures: dict[str, Any] = {}
+    worker = run.live(1)
+    if worker is None:
+        return figures
+    others = sorted(w.rank - 1 for w in run.workers if w.ended is None and w.host != 1)
+    everyone = sorted(w.rank - 1 for w in run.workers if w.ended is None)
+
+    def one(ids: list[int]) -> dict[str, Any]:
+        return run.send_and_wait(f"send {json.dumps(ids, separators=(',', ':'))}")
+
+    one(everyone)
+    kept_up = one(everyone)
+    figures["kept_up"] = {"wire": kept_up["wire"], "delta": kept_up["delta"], "ok": kept_up.get("ok")}
+    for k in run.config.missed:
+        for _ in range(k):
+            one(others)
+        after = one(everyone)
+        figures[f"missed_{k}"] = {"wire": after["wire"], "delta": after["delta"], "ok": after.get("ok")}
+    return figures
+
+
+def run_chaos(config: ChaosConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run one soak (see the module's docstring); its figures, its problems
+    (``judge``) and its schedule. Needs root and iproute2 (an emulated
+    cluster)."""
+    say = progress or (lambda text: None)
+    nbytes = sum(int(torch.Size(s).numel()) * 4 for s in mlp_shapes(int(config.mib * MIB), 8).values())
+    with (
+        tempfile.TemporaryDirectory(prefix="ws-chaos-") as tmp,
+        EmulatedCluster(config.hosts + 1, config.rate) as cluster,
+    ):
+        run = _Run(config, cluster, tmp)
+        problems: list[str] = []
+        try:
+            run.start_trainer()
+            for host in range(1, config.hosts + 1):
+                run.start_worker(host)
+            if not run.wait_for(lambda: any("connected" in e for e in run.events), START_WAIT):
+                raise RuntimeError(
+                    f"the chaos trainer's workers did not connect: {run.stderr('trainer')} "
+                    + " ".join(run.stderr(f"rank{w.rank}", 600) for w in run.workers)
+                )
+            say(f"connected; {config.calm} calm sends")
+            run.wait_for(lambda: len(run.records) >= config.calm, config.calm * (config.timeout + HANG_BOUND))
+            calm_end = time.monotonic()
+            # The faults' times are seconds from now; the schedule spans about
+            # as long as the sends take with faults (it stops with them).
+            horizon = (config.sends - config.calm) * (config.timeout + HANG_BOUND)
+            faults = schedule(config.seed, config.hosts, horizon, config.gap)
+            say(f"chaos: {config.sends - config.calm} sends, a fault every {config.gap:g} s on average")
+            run.chaos(faults, config.sends)
+            chaos_end = time.monotonic()
+            run.command("done")
+            if not run.wait_for(lambda: any("soaked" in e for e in run.events), START_WAIT):
+                raise RuntimeError(f"the chaos trainer did not stop sending: {run.stderr('trainer')}")
+            # Every fault healed: wait for the restarted workers, then a send must reach all.
+            healed = run.wait_for(
+                lambda: (
+                    sum(1 for e in run.events if "added" in e or "add_failed" in e)
+                    >= sum(1 for w in run.workers if w.rank > config.hosts)
+                ),
+                START_WAIT,
+            )
+            if not healed:
+                problems.append("a restarted worker was not added in time")
+            final: dict[str, Any] = {}
+            for _ in range(3):
+                run.send_and_wait("send")
+                final = run.records[-1]
+                if final.get("ok"):
+                    break
+            if not final.get("ok"):
+                problems.append(f"no send reached every worker once every fault was healed: {final}")
+            say("the versions a host missed")
+            missed = _missed_versions(run)
+            count = len(run.events)
+            run.command("crc")
+            run.wait_for(lambda: any("crc" in e for e in run.events[count:]), 30)
+            crc = next(e for e in run.events[count:] if "crc" in e)
+            run.command("quit")
+            run.wait_for(lambda: any("bye" in e for e in run.events), 60)
+            assert run.trainer is not None
+            run.trainer.wait(timeout=60)
+            for worker in run.workers:
+                if worker.ended is None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        worker.proc.wait(timeout=30)
+            for worker in run.workers:
+                if worker.ended is not None:
+                    continue
+                try:
+                    with open(worker.out) as handle:
+                        state = json.load(handle)
+                except (OSError, json.JSONDecodeError):
+                    problems.append(f"worker {worker.rank - 1} (host {worker.host}) left no final state")
+                    continue
+                if state["version"] != crc["version"] or state["crc"] != crc["crc"]:
+                    problems.append(
+                        f"worker {worker.rank - 1} (host {worker.host}) ended at version {state['version']}, "
+                        f"the trainer at {crc['version']}, or its bytes differ"
+                    )
+            problems += judge(run)
+            resources = [r for r in run.records if "fds" in r]
+            figures = _figures(run, calm_end, chaos_end, resources)
+            figures.update(missed_versions=missed, full_bytes=nbytes)
+            if len(resources) >= 8:
+                half = len(resources) // 2
+                early = statistics.median(r["fds"] for r in resources[:half])
+                late = statistics.median(r["fds"] for r in resources[half:])
+                if late > early + 8:
+                    problems.append(f"the trainer's descriptors grew from {early} to {late}")
+                rss_early = statistics.median(r["rss"] for r in resources[:half])
+                rss_late = statistics.median(r["rss"] for r in resources[half:])
+                if rss_late > rss_early + 4 * nbytes:
+                    problems.append(
+                        f"the trainer's memory grew from {rss_early / MIB:.0f} to {rss_late / MIB:.0f} MiB"
+                    )
+        finally:
+            if run.trainer is not None and run.trainer.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(run.trainer.pid, signal.SIGKILL)
+        cluster.close()
+        left = cluster.namespaces_left()
+        if left:
+            problems.append(f"namespaces left behind: {left}")
+    return {
+        "config": asdict(config),
+        "figures": figures,
+        "problems": problems,
+        "schedule": [asdict(f) for f in run.faults],
+        "events": run.events,
+        "sends": run.records,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m weightsync.bench._chaos_hosts")
+    sub = parser.add_subparsers(dest="role", required=True)
+    trainer = sub.add_parser("trainer")
+    trainer.add_argument("--host", required=True)
+    trainer.add_argument("--workers", type=int, required=True)
+    trainer.add_argument("--mib", type=float, required=True)
+    trainer.add_argument("--timeout", type=float, required=True)
+    trainer.add_argument("--delta", action="store_true")
+    worker = sub.add_parser("worker")
+    worker.add_argument("--store-host", required=True)
+    worker.add_argument("--store-port", type=int, required=True)
+    worker.add_argument("--rank", type=int, required=True)
+    worker.add_argument("--mib", type=float, required=True)
+    worker.add_argument("--timeout", type=float, required=True)
+    worker.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if args.role == "trainer":
+        trainer_main(args)
+    else:
+        worker_main(args)
+
+
+if __name__ == "__main__":
+    main()
