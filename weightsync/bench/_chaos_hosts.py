@@ -300,6 +300,8 @@ def worker_main(args: argparse.Namespace) -> None:
     scheme = ws.DistributedWeightSyncScheme(timeout=args.timeout)
     store = {"host": args.store_host, "port": args.store_port}
     scheme.init_on_worker(MODEL_ID, model=tensors, worker_idx=args.rank, store_info=store)
+    with open(args.out + ".up", "w"):
+        pass  # up: the orchestrator has the trainer add it now
     outcome = "closed"
     try:
         while True:
@@ -328,6 +330,7 @@ class _Worker:
     out: str
     started: float
     ended: float | None = None  # killed by the schedule, or found exited
+    added: bool = False  # the trainer was told to add it (once it was up)
 
 
 @dataclass
@@ -433,9 +436,27 @@ class _Run:
         return mine[-1] if mine else None
 
     def restart(self, host: int) -> None:
-        """A new worker on ``host`` (a new rank), added by the trainer."""
-        worker = self.start_worker(host)
-        self.command(f"add {worker.rank - 1}")
+        """A new worker on ``host`` (a new rank); the trainer adds it once it
+        is up (:meth:`supervise`), as a supervisor would."""
+        self.start_worker(host)
+
+    def add_those_up(self) -> None:
+        """Have the trainer add each restarted worker that is up (it called
+        ``init_on_worker``), once."""
+        with self.lock:
+            waiting = [
+                w for w in self.workers if w.rank > self.config.hosts and not w.added and w.ended is None
+            ]
+        ready = [w for w in waiting if os.path.exists(w.out + ".up")]
+        for worker in ready:
+            worker.added = True
+            self.command(f"add {worker.rank - 1}")
+
+    def pending_adds(self) -> int:
+        with self.lock:
+            return sum(
+                1 for w in self.workers if w.rank > self.config.hosts and not w.added and w.ended is None
+            )
 
     def live_at(self, host: int, t: float) -> _Worker | None:
         """The worker running on ``host`` at ``t`` (None: none)."""
@@ -484,6 +505,7 @@ class _Run:
         for worker in ended:
             worker.ended = time.monotonic()
             self.events.append({"exited": worker.rank, "host": worker.host, "t": worker.ended})
+        self.add_those_up()
         for host in range(1, self.config.hosts + 1):
             if host not in faulted and self.live(host) is None:
                 self.restart(host)
@@ -665,14 +687,15 @@ def run_chaos(config: ChaosConfig, progress: Callable[[str], None] | None = None
             run.command("done")
             if not run.wait_for(lambda: any("soaked" in e for e in run.events), START_WAIT):
                 raise RuntimeError(f"the chaos trainer did not stop sending: {run.stderr('trainer')}")
+
             # Every fault healed: wait for the restarted workers, then a send must reach all.
-            healed = run.wait_for(
-                lambda: (
-                    sum(1 for e in run.events if "added" in e or "add_failed" in e)
-                    >= sum(1 for w in run.workers if w.rank > config.hosts)
-                ),
-                START_WAIT,
-            )
+            def all_added() -> bool:
+                run.supervise(set())
+                asked = sum(1 for w in run.workers if w.added)
+                answered = sum(1 for e in run.events if "added" in e or "add_failed" in e)
+                return run.pending_adds() == 0 and answered >= asked
+
+            healed = run.wait_for(all_added, START_WAIT)
             if not healed:
                 problems.append("a restarted worker was not added in time")
             final: dict[str, Any] = {}
