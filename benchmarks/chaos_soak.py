@@ -22,8 +22,8 @@ import json
 import sys
 import time
 
-from weightsync.bench._chaos_hosts import ChaosConfig, run_chaos
-from weightsync.bench._netns import unavailable_reason
+from weightsync.bench import ChaosConfig, run_chaos
+from weightsync.bench import emulation_unavailable_reason as unavailable_reason
 
 
 def main() -> int:

@@ -14,8 +14,8 @@ import os
 
 import pytest
 
-from weightsync.bench import emulation_unavailable_reason
-from weightsync.bench._chaos_hosts import ChaosConfig, run_chaos, schedule
+from weightsync.bench import ChaosConfig, emulation_unavailable_reason, run_chaos
+from weightsync.bench import chaos_schedule as schedule
 
 pytestmark = [
     pytest.mark.cluster,

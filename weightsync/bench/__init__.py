@@ -33,6 +33,8 @@ shown), and ``_cli`` (the command line).
 
 from __future__ import annotations
 
+from ._chaos_hosts import ChaosConfig, run_chaos
+from ._chaos_hosts import schedule as chaos_schedule
 from ._cli import main
 from ._compare import resolve
 from ._hosts import HostActor, receiving_nodes
@@ -71,6 +73,9 @@ from ._types import (
 )
 
 __all__ = [
+    "ChaosConfig",
+    "chaos_schedule",
+    "run_chaos",
     "ALTERNATIVES",
     "DTYPES",
     "LOCAL_SCHEMES",
