@@ -260,6 +260,9 @@ class _Trainer:
 def trainer_main(args: argparse.Namespace) -> None:
     # SIGUSR1: every thread's stack to stderr (the orchestrator asks when the trainer hangs).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Ctrl-C reaches the trainer as in a terminal, even where the orchestrator
+    # was started in the background (a shell's "&" leaves SIGINT ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     trainer = _Trainer(args)
     info = trainer.scheme.get_store_info()
     assert info is not None
