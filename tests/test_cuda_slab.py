@@ -463,25 +463,27 @@ finally:
 """
 
 
+def run_trainer(argv: list[str], timeout: float, **env: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Run ``python *argv`` in a fresh interpreter (this repository and the
+    tests importable, ``env`` added); its outcome, and all it printed."""
+    full = {**os.environ, **env}
+    full["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p
+    )
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout
+    )
+    return done, f"exit status {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+
+
 def test_a_trainer_with_expandable_segments_still_reaches_gpu_workers() -> None:
     """A trainer whose allocator uses expandable segments (a fresh
     interpreter: the setting is read once, at CUDA's start) sends to a GPU
     worker bit for bit, or fails with an error that names
     expandable_segments."""
-    env = dict(os.environ)
-    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p
+    done, output = run_trainer(
+        ["-c", TRAINER_PROGRAM], 90, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", TRAINER_PROGRAM],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
-    output = f"exit status {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     if done.returncode == 0 and "OK" in done.stdout.split():
         return
     assert done.returncode != 0, output
@@ -772,19 +774,9 @@ def test_a_trainer_that_ends_after_shutdown_leaves_torch_no_cuda_warning(
     its GPU memory, so that a trainer ending at once (its workers still
     running) leaves torch nothing to warn of: no "Producer process has been
     terminated before all shared CUDA tensors released" on stderr."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     program = tmp_path / "trainer.py"  # (a file: spawned workers import its collector)
     program.write_text(SHUTDOWN_PROGRAM)
-    done = subprocess.run(
-        [sys.executable, str(program), scheme_class],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    output = f"exit status {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    done, output = run_trainer([str(program), scheme_class], 180)
     assert done.returncode == 0 and "OK" in done.stdout.split(), output
     assert "same-device" in done.stdout, output  # the workers read the trainer's GPU memory
     assert "Producer process has been terminated" not in done.stderr, output
