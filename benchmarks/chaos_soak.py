@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 
@@ -48,6 +49,9 @@ def main() -> int:
         hosts=args.hosts, rate=args.link_rate, mib=args.size, sends=args.sends, timeout=args.timeout,
         seed=args.seed, gap=args.gap, delta=args.delta,
     )  # fmt: skip
+    # Ctrl-C stops the soak (and cleans up), even where it was started in
+    # the background: a shell's "&" leaves SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     started = time.monotonic()
     result = run_chaos(
         config, progress=lambda text: print(f"[{time.monotonic() - started:7.1f} s] {text}", flush=True)

@@ -573,6 +573,71 @@ def test_the_delta_base_samples_the_send_and_reuses_the_sample() -> None:
     assert DeltaBase.of(False) is None
 
 
+def test_a_member_that_fell_behind_gets_a_delta_against_the_version_it_holds() -> None:
+    """The base moves on without a member that missed sends: its version is
+    kept (``history``), and the next send carries two deltas, each rebuilt
+    exactly from the version its members hold; once no member holds the
+    old version it is let go, and with ``history=0`` the member that fell
+    behind gets the full bytes."""
+    from weightsync._transports._chain._delta_base import DeltaBase
+
+    versions = _trajectory("bf16-lr1e-5", 6)
+    nbytes = versions[0].nbytes
+    base = DeltaBase.of("always", CHUNK, threads=1)
+    assert base is not None and base.history == 1
+    base.fit(nbytes, 2)
+    assert base.adopt(versions[0].copy(), 0, {0}) is None
+    # Member "late" stays at version 0 while "kept" acks versions 1 to 4.
+    for v in range(1, 5):
+        spare = base.adopt(versions[v].copy(), v, {v, 0})
+        assert (spare is None) == (v == 1), v  # version 0 is kept, not handed back
+        assert set(base.behind) == {0}
+    sends = base.chains(versions[5], {"kept": 4, "late": 0, "new": None})
+    assert [(s.encoded.base_version, set(s.eligible)) for s in sends] == [(4, {"kept"}), (0, {"late"})]
+    assert "1 member(s) behind at version 0" in base.choice.behind[0]
+    sizes = {}
+    for send, held in zip(sends, (versions[4], versions[0]), strict=True):
+        host = held.copy()
+        decoder = DeltaDecoder(host, 2, chunk_bytes=CHUNK)
+        frames = list(send.frames())
+        for frame in frames:
+            decoder.feed(frame)
+        decoder.check(version_digest(versions[5]))
+        assert np.array_equal(host, versions[5])
+        sizes[send.encoded.base_version] = sum(len(f) for f in frames)
+    # Five versions behind costs more than one, and still less than the full bytes.
+    assert sizes[4] < sizes[0] < nbytes, sizes
+    # Once no member holds version 0 (it caught up), its memory is handed back.
+    spare = base.adopt(versions[5].copy(), 5, {5})
+    assert base.behind == {} and spare is not None and spare.nbytes == nbytes
+    # history=0: nothing is kept; the member behind gets the full bytes.
+    none = DeltaBase.of("always", CHUNK, threads=1, history=0)
+    assert none is not None
+    none.fit(nbytes, 2)
+    none.adopt(versions[0].copy(), 0, {0})
+    assert none.adopt(versions[1].copy(), 1, {0, 1}) is not None and none.behind == {}
+    assert [s.encoded.base_version for s in none.chains(versions[2], {"kept": 1, "late": 0})] == [1]
+
+
+def test_only_the_newest_older_versions_are_kept() -> None:
+    from weightsync._transports._chain._delta_base import DeltaBase
+
+    versions = _trajectory("bf16-lr1e-5", 4)
+    base = DeltaBase.of(True, CHUNK, threads=1, history=2)
+    assert base is not None
+    base.fit(versions[0].nbytes, 2)
+    base.adopt(versions[0].copy(), 0, {0})
+    # Members stay behind at 0, 1 and 2 while the base moves on: two are kept, the newest.
+    base.adopt(versions[1].copy(), 1, {0, 1})
+    base.adopt(versions[2].copy(), 2, {0, 1, 2})
+    assert set(base.behind) == {0, 1}
+    spare = base.adopt(versions[3].copy(), 3, {0, 1, 2, 3})
+    assert set(base.behind) == {1, 2} and spare is not None
+    # A new layout starts again: nothing is kept.
+    base.fit(versions[0].nbytes // 2, 2)
+    assert base.behind == {} and base.version is None
+
+
 def test_the_schemes_take_delta_threads() -> None:
     import pickle
 
@@ -580,13 +645,15 @@ def test_the_schemes_take_delta_threads() -> None:
 
     for cls in (ws.DistributedWeightSyncScheme, ws.RayWeightSyncScheme):
         scheme = cls(delta=True, delta_threads=3)
-        assert (scheme.delta, scheme.delta_threads) == (True, 3)
-        again = pickle.loads(pickle.dumps(scheme))
-        assert (again.delta, again.delta_threads) == (True, 3)
+        assert (scheme.delta, scheme.delta_threads, scheme.delta_history) == (True, 3, 1)
+        again = pickle.loads(pickle.dumps(cls(delta=True, delta_threads=3, delta_history=4)))
+        assert (again.delta, again.delta_threads, again.delta_history) == (True, 3, 4)
         assert cls(delta="always").delta == "always" and cls().delta_threads == 0
         assert scheme.last_delta_choice == {}  # nothing sent
         with pytest.raises(ValueError, match="delta_threads"):
             cls(delta=True, delta_threads=-1)
+        with pytest.raises(ValueError, match="delta_history"):
+            cls(delta=True, delta_history=-1)
         with pytest.raises(ValueError, match="'always'"):
             cls(delta="sometimes")  # type: ignore[arg-type]
 

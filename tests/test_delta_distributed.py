@@ -104,25 +104,39 @@ def test_deltas_are_bit_exact_and_small(share: bool) -> None:
 
 
 @extended
-def test_a_worker_that_missed_a_send_gets_the_full_bytes() -> None:
-    with delta_workers(3) as w:
+@pytest.mark.parametrize("history", [1, 0])
+def test_a_worker_that_missed_sends_gets_a_delta_against_the_version_it_holds(history: int) -> None:
+    """The base moves on without worker 2 while it misses sends; the next
+    send carries the others' delta, then worker 2's against the version it
+    holds (the trainer kept it: ``delta_history``), smaller than the full
+    bytes. With ``delta_history=0`` worker 2 gets the full bytes."""
+    with delta_workers(3, delta_history=history) as w:
         w.scheme.connect()
         w.scheme.send()
         nudge(w, seed=1)
-        w.scheme.send()
-        # Worker 2 misses this one: the base moves on without it.
-        nudge(w, seed=2)
-        w.scheme.send(worker_ids=[0, 1])
-        nudge(w, seed=3)
+        held = w.scheme.send()
+        # Worker 2 misses these: the base moves on without it.
+        for seed in (2, 3, 4):
+            nudge(w, seed=seed)
+            w.scheme.send(worker_ids=[0, 1])
+        nudge(w, seed=5)
         report = w.scheme.send()
-        # A delta chain for those that hold the base, then the full bytes for worker 2 (rank 3).
-        assert w.scheme.last_delta == [True, False]
+        # A delta chain for those that hold the base, then worker 2's own (rank 3).
+        assert w.scheme.last_delta == [True, history > 0]
         assert w.scheme.last_routes[1][0] == (3,)
         exact(w, report.version, range(3))
+        behind = w.scheme.last_delta_choice["behind"]
+        if history:
+            assert f"behind at version {held.version}" in behind[held.version]
+            # Four versions of about 1% of the elements each: far less than the bytes.
+            assert w.scheme.last_wire_bytes < 0.5 * report.nbytes
+        else:
+            assert behind == {} and w.scheme.last_wire_bytes > report.nbytes
         # All of them hold the new base now: one delta chain again.
-        nudge(w, seed=4)
+        nudge(w, seed=6)
         report = w.scheme.send()
         assert w.scheme.last_delta == [True]
+        assert w.scheme.last_delta_choice["behind"] == {}
         exact(w, report.version, range(3))
 
 

@@ -155,6 +155,46 @@ def test_the_chain_goes_around_a_killed_worker(share: bool) -> None:
         assert w.state(2) == (report.version, w.expected())
 
 
+def test_a_removed_worker_leaves_no_descriptor_on_the_trainer() -> None:
+    """A trainer that replaces lost workers for days keeps nothing of each:
+    removing a worker closes its liveness connection (the one socket the
+    trainer holds per worker), whether it died or is still running (that
+    one hears a clean shutdown)."""
+    with workers(3) as w:
+        w.scheme.connect()
+
+        port = w.scheme.staging.liveness.address[1]
+
+        def sockets() -> int:
+            """The trainer's open sockets accepted on its liveness port."""
+            inodes = set()
+            for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+                with contextlib.suppress(FileNotFoundError), open(table) as lines:
+                    for line in list(lines)[1:]:
+                        fields = line.split()
+                        if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] != "0A":  # not LISTEN
+                            inodes.add(fields[9])
+            count = 0
+            for fd in os.listdir("/proc/self/fd"):
+                with contextlib.suppress(FileNotFoundError):  # (the listing's own)
+                    count += os.readlink(f"/proc/self/fd/{fd}")[8:-1] in inodes
+            return count
+
+        assert sockets() == 3
+        os.kill(w.procs[1].pid, signal.SIGKILL)
+        w.procs[1].join(10)
+        with pytest.raises(ws.WorkerLostError):
+            w.scheme.send()
+        w.scheme.remove_worker(1)
+        w.scheme.remove_worker(2)  # alive
+        assert sockets() == 1
+        report = w.scheme.send()
+        assert report.worker_ids == (0,) and w.state(0) == (report.version, w.expected())
+        # Worker 2 heard a clean shutdown: it stays up and says so.
+        w.procs[2].join(0.5)
+        assert w.procs[2].exitcode in (None, 0)
+
+
 def test_a_killed_host_leader_is_named_and_another_feeds_the_host() -> None:
     with workers(3) as w:
         w.scheme.connect()

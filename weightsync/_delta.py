@@ -594,15 +594,17 @@ def _apply_sparse(blosc2: Any, payload: memoryview, elements: np.ndarray) -> Non
     elements[positions] = changed
 
 
-def check_delta(setting: object, threads: int) -> None:
-    """Check a scheme's ``delta`` and ``delta_threads``.
+def check_delta(setting: object, threads: int, history: int = 0) -> None:
+    """Check a scheme's ``delta``, ``delta_threads`` and ``delta_history``.
 
     :raises ValueError: ``setting`` is not True, False or ``"always"``, or
-        ``threads`` is negative."""
+        ``threads`` or ``history`` is negative."""
     if not (setting is True or setting is False or setting == "always"):
         raise ValueError(f"delta is True, False or 'always', not {setting!r}")
     if not isinstance(threads, int) or threads < 0:
         raise ValueError(f"delta_threads is 0 (the default) or a number of threads, not {threads!r}")
+    if not isinstance(history, int) or isinstance(history, bool) or history < 0:
+        raise ValueError(f"delta_history is a number of older versions (0: none), not {history!r}")
 
 
 #: The most codec threads a scheme uses when it does not say.

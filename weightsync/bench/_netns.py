@@ -54,7 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -188,6 +188,27 @@ def remove_stale() -> list[str]:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
         removed.append(name)
     return removed
+
+
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """Hold SIGINT off for the block (main thread only; elsewhere Python
+    delivers no signal anyway), then raise KeyboardInterrupt if one came."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if came and callable(previous):
+        previous(signal.SIGINT, None)  # (Python's own raises KeyboardInterrupt)
+    elif came and previous == signal.SIG_DFL:
+        raise KeyboardInterrupt
 
 
 class EmulatedCluster:
@@ -373,7 +394,13 @@ class EmulatedCluster:
 
     def close(self) -> None:
         """Kill every process of the cluster's hosts and remove its
-        namespaces. Idempotent."""
+        namespaces. Idempotent. A Ctrl-C while it runs (a second one, as a
+        terminal sends to the whole process group) waits until it is done,
+        then is raised: a cut-short close would leave namespaces behind."""
+        with _ctrl_c_held():
+            self._close()
+
+    def _close(self) -> None:
         for ns in self._made:
             _kill_all_in(ns, signal.SIGCONT)  # a stopped process takes SIGKILL anyway; its children too
             _kill_all_in(ns)

@@ -14,6 +14,7 @@ import torch
 from .._delta import check_delta, require_codec
 from .._sender import DEFAULT_TIMEOUT, SendReport
 from .._transports._base import SenderTransport, Staging
+from .._transports._chain._delta_base import HISTORY
 from ._base import EndpointFactory, SchemeConfig, StrategyName, WeightSyncScheme, _num_workers
 
 __all__ = ["DistributedSchemeConfig", "DistributedWeightSyncScheme"]
@@ -23,10 +24,14 @@ __all__ = ["DistributedSchemeConfig", "DistributedWeightSyncScheme"]
 class DistributedSchemeConfig(SchemeConfig):
     """The options of :class:`DistributedWeightSyncScheme`: those of every
     scheme, and ``backend``, ``sync``, ``share_on_host``, ``delta``,
-    ``delta_threads``.
+    ``delta_threads``, ``delta_history``
+    (older versions the trainer keeps, each a buffer of the model's size
+    while a worker holds it, so that a worker that fell behind gets a
+    delta against the version it holds; 0: it gets the full bytes).
 
     :raises ValueError: a ``backend`` other than ``"gloo"``; a ``delta``
-        other than True, False or ``"always"``; negative ``delta_threads``.
+        other than True, False or ``"always"``; negative ``delta_threads``
+        or ``delta_history``.
     :raises MissingExtraError: ``delta=True`` without the ``delta`` extra
         installed (the message names it).
     """
@@ -36,9 +41,10 @@ class DistributedSchemeConfig(SchemeConfig):
     share_on_host: bool = True
     delta: bool | Literal["always"] = False
     delta_threads: int = 0
+    delta_history: int = HISTORY
 
     def __post_init__(self) -> None:
-        check_delta(self.delta, self.delta_threads)
+        check_delta(self.delta, self.delta_threads, self.delta_history)
         if self.delta:
             require_codec()
         if self.backend == "nccl":
@@ -194,6 +200,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         wire_dtype: torch.dtype | None = None,
         delta: bool | Literal["always"] = False,
         delta_threads: int = 0,
+        delta_history: int = HISTORY,
     ) -> None:
         """:raises ValueError: a ``backend`` other than ``"gloo"`` (``"nccl"``
         needs CUDA staging, which weightsync does not have and cannot test);
@@ -212,6 +219,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             share_on_host=share_on_host,
             delta=delta,
             delta_threads=delta_threads,
+            delta_history=delta_history,
         )
 
     def _reset(self) -> None:
@@ -254,6 +262,11 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     def delta_threads(self) -> int:
         """The codec's threads, 0 for the default (``config.delta_threads``)."""
         return self._config.delta_threads
+
+    @property
+    def delta_history(self) -> int:
+        """Older versions kept for workers that fell behind (``config.delta_history``)."""
+        return self._config.delta_history
 
     @property
     def last_delta_choice(self) -> dict[str, Any]:
@@ -373,6 +386,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             share_on_host=self.share_on_host,
             delta=self.delta,
             delta_threads=self.delta_threads,
+            delta_history=self.delta_history,
         )
         transports: dict[int, SenderTransport] = {
             i: DistributedSenderTransport(i + 1, i, staging, self._model_id) for i in range(num_workers)

@@ -13,6 +13,7 @@ from .._delta import check_delta, require_codec
 from .._exceptions import WeightSyncStateError
 from .._sender import DEFAULT_TIMEOUT, SendReport
 from .._transports._base import SenderTransport, Staging
+from .._transports._chain._delta_base import HISTORY
 from ._base import EndpointFactory, SchemeConfig, StrategyName, WeightSyncScheme, _from
 
 __all__ = ["RaySchemeConfig", "RayWeightSyncMixin", "RayWeightSyncScheme"]
@@ -21,19 +22,23 @@ __all__ = ["RaySchemeConfig", "RayWeightSyncMixin", "RayWeightSyncScheme"]
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RaySchemeConfig(SchemeConfig):
     """The options of :class:`RayWeightSyncScheme`: those of every scheme,
-    and ``delta``, ``delta_threads``.
+    and ``delta``, ``delta_threads``, ``delta_history``
+    (older versions the trainer keeps, each a buffer of the model's size
+    while a worker holds it, so that a worker that fell behind gets a
+    delta against the version it holds; 0: it gets the full bytes).
 
     :raises MissingExtraError: ``delta=True`` without the ``delta`` extra
         installed (the message names it).
     :raises ValueError: a ``delta`` other than True, False or ``"always"``;
-        negative ``delta_threads``.
+        negative ``delta_threads`` or ``delta_history``.
     """
 
     delta: bool | Literal["always"] = False
     delta_threads: int = 0
+    delta_history: int = HISTORY
 
     def __post_init__(self) -> None:
-        check_delta(self.delta, self.delta_threads)
+        check_delta(self.delta, self.delta_threads, self.delta_history)
         if self.delta:
             require_codec()
         super().__post_init__()
@@ -121,6 +126,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         wire_dtype: torch.dtype | None = None,
         delta: bool | Literal["always"] = False,
         delta_threads: int = 0,
+        delta_history: int = HISTORY,
     ) -> None:
         """:raises MissingExtraError: ``delta=True`` without the ``delta``
         extra installed (the message names it).
@@ -135,6 +141,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
             wire_dtype=wire_dtype,
             delta=delta,
             delta_threads=delta_threads,
+            delta_history=delta_history,
         )
 
     @property
@@ -146,6 +153,11 @@ class RayWeightSyncScheme(WeightSyncScheme):
     def delta_threads(self) -> int:
         """The codec's threads, 0 for the default (``config.delta_threads``)."""
         return self._config.delta_threads
+
+    @property
+    def delta_history(self) -> int:
+        """Older versions kept for hosts that fell behind (``config.delta_history``)."""
+        return self._config.delta_history
 
     @property
     def last_delta_choice(self) -> dict[str, Any]:
@@ -202,7 +214,12 @@ class RayWeightSyncScheme(WeightSyncScheme):
                 "(and create the actors) first",
                 model_id=self._model_id,
             )
-        staging = RayStaging(self._model_id, delta=self.delta, delta_threads=self.delta_threads)
+        staging = RayStaging(
+            self._model_id,
+            delta=self.delta,
+            delta_threads=self.delta_threads,
+            delta_history=self.delta_history,
+        )
         transports: dict[int, SenderTransport] = {
             i: RaySenderTransport(actor, i, staging, self._model_id) for i, actor in enumerate(actors)
         }
@@ -253,7 +270,12 @@ class RayWeightSyncScheme(WeightSyncScheme):
 
         staging = self.staging
         if not isinstance(staging, RayStaging):
-            staging = RayStaging(self._model_id, delta=self.delta, delta_threads=self.delta_threads)
+            staging = RayStaging(
+                self._model_id,
+                delta=self.delta,
+                delta_threads=self.delta_threads,
+                delta_history=self.delta_history,
+            )
         return RaySenderTransport(actor, len(self.sender_transports), staging, self._model_id)
 
     def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> EndpointFactory:

@@ -5,23 +5,36 @@ copied, the chain of encoded frames of each send against it (``_delta``
 encodes, ``_chain`` carries the frames), and the choice, per send, of a
 delta or the full bytes (:class:`DeltaChoice`).
 
-Who holds the base is each chain's own to say (the workers of that send
-that acked it; the host agents whose buffer holds its version): a member
+A member that fell behind (cut off, stopped or slow for a few sends)
+still holds an older version. Up to ``history`` of those older bases are
+kept, each with an encoder of its own, as long as a member holds one: such
+a member gets, in a chain of its own in the same send, a delta against
+the version it holds, or the full bytes where that delta would not be
+smaller (:meth:`DeltaBase.chains`).
+
+Who holds which version is each transport's own to say (the workers of a
+send that acked it; the host agents whose buffer holds it): a member
 believed to hold it that does not says so and gets the full bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Collection, Hashable, Mapping, Sequence
+from typing import Any, Literal, TypeVar
 
 from ..._delta import DeltaEncoder, default_threads
 from ..._frames import CHUNK_BYTES
 from ..._packet import Manifest
 from ._driver import Encoded, EncodedSend, Route
 
-__all__ = ["DeltaBase", "DeltaChoice", "DeltaSetting", "element_size"]
+__all__ = ["HISTORY", "DeltaBase", "DeltaChoice", "DeltaSetting", "element_size"]
+
+M = TypeVar("M", bound=Hashable)
+
+#: Older bases kept for members that fell behind, by default: each costs a
+#: buffer of the model's size, held only while a member holds its version.
+HISTORY = 1
 
 #: What a scheme's ``delta`` is: False (full bytes), True (a delta where it
 #: is expected to pay, :class:`DeltaChoice`), or ``"always"`` (a delta
@@ -108,10 +121,15 @@ class DeltaChoice:
     guess: tuple[float, float] | None = None
     #: Of the last delta send: encode and rebuild GB/s per core, and threads.
     rates: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: Of the last send: per older version members that fell behind hold,
+    #: what they were sent and why.
+    behind: dict[int, str] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
-        """The last send: ``{"delta": bool, "why": str, "rates": {...}}``."""
-        return {"delta": self.went, "why": self.why, "rates": dict(self.rates)}
+        """The last send: ``{"delta": bool, "why": str, "rates": {...},
+        "behind": {version: why}}`` (``behind``: members that fell behind
+        and hold an older version the trainer kept)."""
+        return {"delta": self.went, "why": self.why, "rates": dict(self.rates), "behind": dict(self.behind)}
 
     @property
     def full(self) -> float | None:
@@ -204,21 +222,31 @@ class DeltaBase:
     in the memory of the base it replaces, so the base costs one buffer of
     the model's size and no copy. ``threads``: the encoder's threads, and
     those a host rebuilds with (0: :func:`~.._delta.default_threads`);
-    ``always``: a delta whenever a base is held, without weighing it."""
+    ``always``: a delta whenever a base is held, without weighing it;
+    ``history``: the older bases kept for members that fell behind."""
 
-    def __init__(self, chunk: int = CHUNK_BYTES, *, threads: int = 0, always: bool = False) -> None:
+    def __init__(
+        self, chunk: int = CHUNK_BYTES, *, threads: int = 0, always: bool = False, history: int = HISTORY
+    ) -> None:
         self.chunk = chunk
         self.threads = threads if threads > 0 else default_threads()
         self.always = always
+        self.history = history
         self.encoder: DeltaEncoder | None = None
+        #: Older versions a member still holds -> an encoder whose base is
+        #: that version (oldest first): a member that fell behind gets a
+        #: delta against what it holds.
+        self.behind: dict[int, DeltaEncoder] = {}
         self.choice = DeltaChoice()
 
     @classmethod
-    def of(cls, setting: DeltaSetting, chunk: int = CHUNK_BYTES, threads: int = 0) -> DeltaBase | None:
+    def of(
+        cls, setting: DeltaSetting, chunk: int = CHUNK_BYTES, threads: int = 0, history: int = HISTORY
+    ) -> DeltaBase | None:
         """The delta base of a scheme's ``delta`` setting (None: no delta)."""
         if not setting:
             return None
-        return cls(chunk, threads=threads, always=setting == "always")
+        return cls(chunk, threads=threads, always=setting == "always", history=history)
 
     @property
     def version(self) -> int | None:
@@ -242,20 +270,95 @@ class DeltaBase:
         encoder = self.encoder
         if encoder is not None and encoder.nbytes == nbytes and encoder.element_size == element_size:
             return True
-        self.encoder = (
-            DeltaEncoder(nbytes, element_size, chunk_bytes=self.chunk, threads=self.threads)
-            if nbytes
-            else None
-        )
+        self.encoder = self._encoder(nbytes, element_size) if nbytes else None
+        self.behind = {}
         return False
 
-    def adopt(self, buffer: Any, version: int) -> Any | None:
+    def _encoder(self, nbytes: int, element_size: int) -> DeltaEncoder:
+        return DeltaEncoder(nbytes, element_size, chunk_bytes=self.chunk, threads=self.threads)
+
+    def adopt(self, buffer: Any, version: int, held: Collection[int] = ()) -> Any | None:
         """Make ``buffer`` (a whole send of ``version``, acked by those that
         hold it from now on; it :meth:`fits`) the base, kept as it is: the
-        caller must not write it again. Returns the previous base's memory
-        (a numpy array; None: there was none) for the caller's next send."""
-        assert self.encoder is not None, "fit() comes first"
-        return self.encoder.adopt(buffer, version)
+        caller must not write it again. ``held``: the versions the members
+        hold from now on; the previous base is kept for those that hold
+        its version (up to :attr:`history` older bases, the newest), and an
+        older base no member holds is let go. Returns memory the caller may
+        stage its next send in (a numpy array: the previous base's, or one
+        let go; None: there is none)."""
+        encoder = self.encoder
+        assert encoder is not None, "fit() comes first"
+        before = encoder.base_version
+        spare = encoder.adopt(buffer, version)
+        if spare is not None and before is not None and before in held and self.history > 0:
+            older = self._encoder(encoder.nbytes, encoder.element_size)
+            older.adopt(spare, before)
+            self.behind[before] = older
+            spare = None
+        for kept in sorted(self.behind):
+            if kept not in held or kept >= version or len(self.behind) > self.history:
+                memory = self.behind.pop(kept).base
+                spare = memory if spare is None else spare
+        return spare
+
+    def chains(self, current: Any, held: Mapping[M, int | None]) -> list[EncodedSend]:
+        """The encoded chains of ``current`` (the send's flat bytes,
+        unchanged until its frames are taken), given the version each
+        member is believed to hold (``held``): first the delta against the
+        base for the members that hold it (if it is expected to pay, see
+        :meth:`chain`), then one per older base kept for members that fell
+        behind, if its sample is smaller than the full bytes (see
+        :meth:`catch_up`). Members in none of them get the full bytes.
+        Blocks to encode the samples: call it on the chain's thread."""
+        version = self.version
+        out: list[EncodedSend] = []
+        main = self.chain(current, {m for m, v in held.items() if v is not None and v == version})
+        if main is not None:
+            out.append(main)
+        self.choice.behind = {}
+        for old in sorted(self.behind, reverse=True):
+            members = {m for m, v in held.items() if v == old}
+            if members:
+                encoded = self.catch_up(current, old, members)
+                if encoded is not None:
+                    out.append(encoded)
+        return out
+
+    def catch_up(self, current: Any, version: int, members: set[Any]) -> EncodedSend | None:
+        """The delta of ``current`` against older base ``version`` for the
+        ``members`` that hold it, or None where a sample of it is not
+        smaller than the full bytes by :data:`_MARGIN` (the missed sends
+        changed most of the bytes): they get the full bytes. With
+        ``always``, a delta whenever the base is kept. Blocks to encode
+        the sample (:attr:`DeltaChoice.behind` says what was chosen)."""
+        encoder = self.behind[version]
+        ready, ratio, _ = self._sample(encoder, current) if not self.always else ({}, 0.0, 0.0)
+        went = self.always or ratio <= _MARGIN
+        verdict = "delta" if went else "full bytes"
+        size = "" if self.always else f", a delta of {ratio:.3f} of the bytes"
+        self.choice.behind[version] = f"{verdict}: {len(members)} member(s) behind at version {version}{size}"
+        if not went:
+            return None
+        link = Encoded(version, encoder.element_size, len(encoder.spans), self.threads)
+        return EncodedSend(link, lambda: encoder.frames(current, ready=ready), members)
+
+    @staticmethod
+    def _sample(encoder: DeltaEncoder, current: Any) -> tuple[dict[int, bytes], float, float]:
+        """A few chunks of ``current`` encoded against ``encoder``'s base,
+        spread over the send: their frames (by chunk index), the fraction
+        of their bytes the frames took, and the CPU seconds per byte."""
+        count = len(encoder.spans)
+        picks = max(2, round(count * _SAMPLE_SHARE))
+        indices = sorted({min(count - 1, int((k + 0.5) * count / picks)) for k in range(picks)})
+        ready: dict[int, bytes] = {}
+        sampled = encoded = 0
+        cpu = 0.0
+        for index in indices:
+            frame, seconds = encoder.encode(current, index)
+            ready[index] = frame
+            start, stop = encoder.spans[index]
+            sampled, cpu, encoded = sampled + stop - start, cpu + seconds, encoded + len(frame)
+        return ready, encoded / sampled, cpu / sampled
 
     def chain(self, current: Any, eligible: set[Any]) -> EncodedSend | None:
         """The delta chain of ``current`` (the send's flat bytes, unchanged
@@ -273,25 +376,23 @@ class DeltaBase:
         if self.always:
             choice.went, choice.why = True, "delta: always (delta='always')"
         else:
-            count = len(encoder.spans)
-            picks = max(2, round(count * _SAMPLE_SHARE))
-            indices = sorted({min(count - 1, int((k + 0.5) * count / picks)) for k in range(picks)})
-            sampled = cpu = 0.0
-            encoded = 0
-            for index in indices:
-                frame, seconds = encoder.encode(current, index)
-                ready[index] = frame
-                start, stop = encoder.spans[index]
-                sampled, cpu, encoded = sampled + stop - start, cpu + seconds, encoded + len(frame)
-            if not choice.decide(encoder.nbytes, encoded / sampled, cpu / sampled):
+            ready, ratio, cpu = self._sample(encoder, current)
+            if not choice.decide(encoder.nbytes, ratio, cpu):
                 return None
         link = Encoded(encoder.base_version, encoder.element_size, len(encoder.spans), self.threads)
         return EncodedSend(link, lambda: encoder.frames(current, ready=ready), eligible)
 
     def observe(self, routes: Sequence[Route[Any]], rebuilds: Sequence[tuple[float, int]]) -> None:
-        """After a send: what its first chain measured (see :meth:`DeltaChoice.observe`)."""
+        """After a send: what its first chain of the base's members measured
+        (see :meth:`DeltaChoice.observe`): the delta against the base, else
+        the first of the full bytes; a chain of members that fell behind
+        teaches nothing of the others' sends."""
         encoder = self.encoder
         if not routes or encoder is None:
             return
-        first = routes[0]
+        version = encoder.base_version
+        first = next((r for r in routes if r.encoded is None or r.encoded.base_version == version), None)
+        if first is None:
+            return
+        # (Only the base's encoder ran for this chain's frames, if any.)
         self.choice.observe(encoder.nbytes, first, encoder if first.encoded is not None else None, rebuilds)

@@ -277,13 +277,14 @@ class ChainDriver(Generic[M]):
         sources: Sequence[torch.Tensor],
         members: Sequence[M],
         deadline: float,
-        encoded: EncodedSend | None = None,
+        encoded: Sequence[EncodedSend] = (),
         ready: Callable[[int], object] | None = None,
     ) -> None:
         """Send the concatenation of ``sources`` (flat uint8 tensors) to
         ``members``, along chains, until each has it, each left has failed
         (:attr:`outcome` says why), or ``deadline`` (``time.monotonic()``).
-        With ``encoded``, the first chain carries its frames to the members
+        Each of ``encoded`` (deltas against different bases), in order,
+        is first carried by a chain of its own to the members of the send
         that hold its base; every later chain (the others, and repairs)
         carries the bytes themselves. ``ready(n)``: returns once the first
         ``n`` bytes of the sources are there, before a frame of the bytes
@@ -303,16 +304,20 @@ class ChainDriver(Generic[M]):
         sources: Sequence[torch.Tensor],
         pending: list[M],
         deadline: float,
-        encoded: EncodedSend | None,
+        encoded: Sequence[EncodedSend],
         ready: Callable[[int], object] | None,
     ) -> None:
         control = self.control
         nbytes = sum(s.numel() for s in sources)
         excluded: set[M] = set()
-        for attempt in range(ATTEMPTS):
+        # The encoded chains come first, one per base (each member holds at
+        # most one); they are not repairs, so they do not use up attempts.
+        deltas = list(encoded) if nbytes else []
+        for _ in range(ATTEMPTS + max(len(deltas) - 1, 0)):
             candidates = [m for m in pending if m not in excluded]
-            use = encoded if attempt == 0 and nbytes else None
-            if use is not None:
+            use: EncodedSend | None = None
+            while deltas and use is None:
+                use = deltas.pop(0)
                 holders = [m for m in candidates if m in use.eligible]
                 candidates, use = (holders, use) if holders else (candidates, None)
             chain, fed = control.plan(candidates)

@@ -120,6 +120,16 @@ class Liveness:
                 with contextlib.suppress(OSError):
                     conn.send(_BELL)
 
+    def forget(self, rank: int, nonce: int) -> None:
+        """Close worker ``rank``'s connection, with the closing byte (the
+        trainer let go of it cleanly), and forget it. Never blocks."""
+        with self._lock:
+            conn = self._known.pop((rank, nonce), None)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.send(_CLOSING)
+                conn.close()
+
     def close(self) -> None:
         """Close every connection: each worker hears the trainer gone. Idempotent."""
         with self._lock:

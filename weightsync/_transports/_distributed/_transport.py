@@ -42,8 +42,8 @@ from ..._memory._views import LayoutViews
 from ..._packet import Manifest, Packet
 from ..._readiness import wait_readable_any
 from .._base import Outgoing, SenderTransport, worker_failed, worker_lost
-from .._chain._delta_base import DeltaBase, DeltaChoice, DeltaSetting, element_size
-from .._chain._driver import ChainDriver
+from .._chain._delta_base import HISTORY, DeltaBase, DeltaChoice, DeltaSetting, element_size
+from .._chain._driver import ChainDriver, EncodedSend
 from .._chain._gloo import connect_store, short_message
 from .._peer import describe_exit, exit_status, started_here
 from ._chain_control import WorkerChain
@@ -114,12 +114,15 @@ class ChainStaging:
         chunk: int = CHUNK_BYTES,
         delta: DeltaSetting = False,
         delta_threads: int = 0,
+        delta_history: int = HISTORY,
     ) -> None:
         self.model_id = model_id
-        # delta=True: the base, the workers that hold it, and the last send
-        # (its version, its workers by rank, whether it was whole, who acked it).
-        self._delta = DeltaBase.of(delta, chunk, delta_threads)
-        self._holders: frozenset[int] = frozenset()
+        # delta=True: the base (and older ones kept for workers that fell
+        # behind), the whole version each worker acked last, by rank, and
+        # the last send (its version, its workers by rank, whether it was
+        # whole, who acked it).
+        self._delta = DeltaBase.of(delta, chunk, delta_threads, delta_history)
+        self._held: dict[int, int] = {}
         self._last: tuple[int, dict[int, int], bool, Outgoing] | None = None
         self.store = store
         self.prefix = prefix
@@ -234,20 +237,21 @@ class ChainStaging:
     def _keep_base(self, nbytes: int) -> None:
         """Before the next send (of ``nbytes``) is staged: if the last one
         was whole and acked, its staged bytes become the delta base, held by
-        the workers that acked it (those that did not, dead or late, get
-        the full bytes next), and the next send is staged in the old base's
-        memory."""
+        the workers that acked it. Those that did not (dead, cut off, late)
+        still hold what they held: the old base is kept for them (see
+        :meth:`DeltaBase.adopt`), else they get the full bytes next. The
+        next send is staged in memory the base let go of."""
         last, self._last = self._last, None
         delta, buffer = self._delta, self._buffer
         if delta is None or last is None or buffer is None or not delta.fits(nbytes):
             return
         version, ranks, whole, outgoing = last
         done = outgoing.acked
-        holders = frozenset(rank for rank, wid in ranks.items() if wid in done)
+        holders = [rank for rank, wid in ranks.items() if wid in done]
         if not whole or not holders:
             return
-        previous = delta.adopt(buffer[:nbytes], version)
-        self._holders = holders
+        self._held.update(dict.fromkeys(holders, version))
+        previous = delta.adopt(buffer[:nbytes], version, set(self._held.values()))
         self._buffer = None if previous is None else torch.from_numpy(previous)
         self._views.forget()
 
@@ -314,18 +318,18 @@ class ChainStaging:
         self.workers.info = send.info
         source = self._buffer[: send.info.nbytes]
         ranks = sorted(send.ranks)
-        eligible: set[int] | None = None
+        held: dict[int, int] | None = None
         if self._delta is not None:
             whole = send.info.subset is None
             self._last = (send.info.version, dict(send.ranks), whole, outgoing)
             manifest = self._manifest
             if whole and manifest is not None:
                 if not self._delta.fit(manifest.nbytes, element_size(manifest)):
-                    self._holders = frozenset()  # a new layout: the encoder starts again
-                elif self._holders.intersection(ranks):
-                    eligible = set(self._holders)
+                    self._held = {}  # a new layout: the encoder starts again
+                elif any(rank in self._held for rank in ranks):
+                    held = {rank: self._held[rank] for rank in ranks if rank in self._held}
         self._thread = threading.Thread(
-            target=self._chain, args=(source, ranks, deadline, eligible, self._copies), daemon=True,
+            target=self._chain, args=(source, ranks, deadline, held, self._copies), daemon=True,
             name=f"weightsync-chain-{self.model_id}",
         )  # fmt: skip
         self._thread.start()
@@ -335,29 +339,31 @@ class ChainStaging:
         source: torch.Tensor,
         ranks: list[int],
         deadline: float,
-        eligible: set[int] | None,
+        held: dict[int, int] | None,
         copies: DeviceCopies | None,
     ) -> None:
         """The chain thread of one send: with ``delta=True``, whether it goes
-        as a delta to the ``eligible`` workers (a sample of it is encoded
-        here), then the chains, then what they measured for the next
-        send's choice. ``copies``: the copies from the GPU still running
-        into ``source``; each frame of the bytes leaves once its chunk is in."""
+        as a delta to the workers that hold the base, and to those ``held``
+        says fell behind (samples of it are encoded here), then the
+        chains, then what they measured for the next send's choice.
+        ``copies``: the copies from the GPU still running into ``source``;
+        each frame of the bytes leaves once its chunk is in."""
         delta = self._delta
-        encoded = None
+        encoded: list[EncodedSend] = []
         # The members are told once the first frame is in (all of it, to
         # encode a delta): the caller's work enqueued before the send runs
         # first, and may take longer than a member waits for its first frame.
-        first = source.numel() if delta is not None and eligible is not None else self.driver.chunk
+        first = source.numel() if delta is not None and held is not None else self.driver.chunk
         staged = copies is None or _in_time(copies, first, deadline)
         if delta is not None:
-            if eligible is None:
+            delta.choice.behind = {}
+            if held is None:
                 delta.choice.went, delta.choice.why = False, "full bytes: no worker of the send holds a base"
             elif not staged:
                 delta.choice.went, delta.choice.why = False, "full bytes: its copy from the GPU was late"
             else:
                 with contextlib.suppress(Exception):  # any doubt: the full bytes
-                    encoded = delta.chain(source, eligible)
+                    encoded = delta.chains(source, held)
         self.driver.run([source], ranks, deadline, encoded, None if copies is None else copies.wait_for)
         if delta is not None:
             delta.observe(self.driver.routes, list(self.driver.rebuilds.values()))
@@ -431,6 +437,13 @@ class ChainStaging:
     def _wake(self) -> None:
         self._came.set()
         self._came = anyio.Event()
+
+    def forget(self, rank: int, nonce: int | None) -> None:
+        """Worker ``rank`` is removed, or the trainer closes: nothing of it
+        is kept (the version it held, its liveness connection)."""
+        self._held.pop(rank, None)
+        if nonce is not None:
+            self.liveness.forget(rank, nonce)
 
     def notify(self, rank: int, notice: CloseNotice) -> str:
         """Leave ``notice`` for worker ``rank``; its key."""
@@ -557,15 +570,21 @@ class DistributedSenderTransport:
         if self._closed:
             return
         self._closed = True
-        if self._member is None or self._gone is not None or self._staging.store is None:
-            return
-        with contextlib.suppress(Exception):
-            key = self._staging.notify(self.rank, CloseNotice())
-            # Until the worker took it (a worker reads its notices every few
-            # ms): once the store is gone with the trainer, it could not.
-            with anyio.move_on_after(0.5):
-                while self._staging.store is not None and self._staging.store.check([key]):
-                    await anyio.sleep(0.002)
+        try:
+            if self._member is None or self._gone is not None or self._staging.store is None:
+                return
+            with contextlib.suppress(Exception):
+                key = self._staging.notify(self.rank, CloseNotice())
+                # Until the worker took it (a worker reads its notices every few
+                # ms): once the store is gone with the trainer, it could not.
+                with anyio.move_on_after(0.5):
+                    while self._staging.store is not None and self._staging.store.check([key]):
+                        await anyio.sleep(0.002)
+        finally:
+            # Its liveness connection is closed now, not with the trainer:
+            # a trainer that replaces workers keeps no descriptor per worker
+            # it let go of (one cut off never closes its end).
+            self._staging.forget(self.rank, None if self._member is None else self._member.nonce)
 
 
 # -- the worker's side -----------------------------------------------------------

@@ -64,7 +64,7 @@ import torch
 
 from ..._frames import CHUNK_BYTES
 from ..._memory._segment import Segment
-from .._chain._delta_base import DeltaBase, DeltaChoice, DeltaSetting
+from .._chain._delta_base import HISTORY, DeltaBase, DeltaChoice, DeltaSetting
 from .._chain._driver import ChainDriver, ChainMember, EncodedSend, Link, Report, Route
 from .._chain._gloo import connect_store
 from .._chain._gloo import seconds as _seconds
@@ -278,8 +278,8 @@ class RelayDelta:
     their buffer holds the base version. Used from the chain's thread only,
     but :meth:`settle`."""
 
-    def __init__(self, chunk: int, *, threads: int = 0, always: bool = False) -> None:
-        self.base = DeltaBase(chunk, threads=threads, always=always)
+    def __init__(self, chunk: int, *, threads: int = 0, always: bool = False, history: int = HISTORY) -> None:
+        self.base = DeltaBase(chunk, threads=threads, always=always, history=history)
         self._gathered: np.ndarray | None = None
         # The send gathered in it, and the trainer's word on a send: (version, every actor acked).
         self._kind: SendKind | None = None
@@ -290,13 +290,16 @@ class RelayDelta:
         targeted acked it (a whole relayed send can then be the base)."""
         self._settled = (version, acked)
 
-    def gather(self, sources: Sequence[torch.Tensor], kind: SendKind) -> torch.Tensor | None:
+    def gather(
+        self, sources: Sequence[torch.Tensor], kind: SendKind, held: Collection[int] = ()
+    ) -> torch.Tensor | None:
         """Gather a whole send's ``sources`` into one flat buffer (after
         adopting the last gathered send as the base, where it may be): the
         bytes every chain of this send carries, and that the frames are
         taken over. None for a partial send, which goes as it is and
-        leaves the base as it was. Blocks for one copy."""
-        self._adopt_last()
+        leaves the base as it was. ``held``: the versions the agents' buffers
+        hold (an older base is kept for them). Blocks for one copy."""
+        self._adopt_last(held)
         if not kind.whole:
             return None
         nbytes = sum(s.numel() for s in sources)
@@ -315,7 +318,7 @@ class RelayDelta:
             offset += source.numel()
         return torch.from_numpy(gathered)
 
-    def _adopt_last(self) -> None:
+    def _adopt_last(self, held: Collection[int]) -> None:
         """The last gathered send becomes the base if it is settled as acked
         by every actor; its buffer is then the base's, and the old base's
         memory gathers the next send."""
@@ -323,22 +326,23 @@ class RelayDelta:
         if last is None or gathered is None or not self.base.fits(gathered.nbytes):
             return
         if self._settled == (last.version, True):
-            self._gathered, self._kind = self.base.adopt(gathered, last.version), None
+            self._gathered, self._kind = self.base.adopt(gathered, last.version, held), None
 
-    def encoded(self, flat: torch.Tensor, holds: dict[str, int | None]) -> EncodedSend | None:
-        """The delta chain of the send gathered in ``flat``, for the agents
-        whose buffer ``holds`` the base version; None when there is no base,
-        the send is not whole, or a delta is not expected to pay
-        (:class:`~._delta_base.DeltaChoice`). Blocks to encode a sample."""
+    def encoded(self, flat: torch.Tensor, holds: dict[str, int | None]) -> list[EncodedSend]:
+        """The delta chains of the send gathered in ``flat``: for the agents
+        whose buffer ``holds`` the base version, and for those holding an
+        older one that was kept (see :meth:`DeltaBase.chains`); none when
+        there is no base, the send is not whole, or a delta is not expected
+        to pay (:class:`~._delta_base.DeltaChoice`). Blocks to encode samples."""
         kind, base = self._kind, self.base.version
         if kind is None or not kind.whole or base is None:
             choice = self.base.choice
-            choice.went, choice.guess = False, None
+            choice.went, choice.guess, choice.behind = False, None, {}
             choice.why = (
                 "full bytes: a partial send" if kind is None or not kind.whole else "full bytes: no base"
             )
-            return None
-        return self.base.chain(flat, {node for node, version in holds.items() if version == base})
+            return []
+        return self.base.chains(flat, holds)
 
 
 class HostRelay:
@@ -359,11 +363,16 @@ class HostRelay:
         *,
         delta: DeltaSetting = False,
         delta_threads: int = 0,
+        delta_history: int = HISTORY,
     ) -> None:
         self.model_id = model_id
         self.chunk = chunk
         #: ``delta=True``: the base and the encoder (see :class:`RelayDelta`).
-        self.delta = RelayDelta(chunk, threads=delta_threads, always=delta == "always") if delta else None
+        self.delta = (
+            RelayDelta(chunk, threads=delta_threads, always=delta == "always", history=delta_history)
+            if delta
+            else None
+        )
         self._agents: dict[str, Any] = {}
         self.address = ""
         self.port = 0
@@ -487,15 +496,16 @@ class HostRelay:
                 # the version, the base of the next send.
                 min_chain = 1 if self.delta is not None else 2
                 self._driver = ChainDriver(self._control, chunk=self.chunk, min_chain=min_chain)
-            encoded = None
+            encoded: list[EncodedSend] = []
             if self.delta is not None and kind is not None:
                 # The frames are taken over the arrays' concatenation, which
                 # every chain of the send then carries (and may become the base).
-                flat = self.delta.gather(sources, kind)
+                holds = self._control.holds
+                flat = self.delta.gather(sources, kind, {v for v in holds.values() if v is not None})
                 if flat is not None:
                     sources = [flat]
                     with contextlib.suppress(Exception):  # any doubt: the full bytes
-                        encoded = self.delta.encoded(flat, self._control.holds)
+                        encoded = self.delta.encoded(flat, holds)
             for node in nodes:
                 # In doubt until its agent answers for this send.
                 self._control.holds[node] = None

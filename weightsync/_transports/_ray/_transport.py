@@ -62,7 +62,7 @@ from ..._memory._views import LayoutViews
 from ..._offload import inline_allowed
 from ..._packet import Manifest, Packet, Signature
 from .._base import Applier, Outgoing, SenderTransport, worker_failed, worker_lost
-from .._chain._delta_base import DeltaSetting
+from .._chain._delta_base import HISTORY, DeltaSetting
 from ._host_copy import HostCopy, HostCopyError, HostReader, UnmappedError
 from ._relay import HostRelay, SendKind
 
@@ -124,11 +124,18 @@ class RayStaging:
     the trainer's) carries the bytes as ever."""
 
     def __init__(
-        self, model_id: str | None, relay: bool = True, *, delta: DeltaSetting = False, delta_threads: int = 0
+        self,
+        model_id: str | None,
+        relay: bool = True,
+        *,
+        delta: DeltaSetting = False,
+        delta_threads: int = 0,
+        delta_history: int = HISTORY,
     ) -> None:
         self.model_id = model_id
         self.delta = delta
         self.delta_threads = delta_threads
+        self.delta_history = delta_history
         self.ref: ray.ObjectRef | None = None
         self.header: tuple[Any, ...] = ()
         # Each actor's node (learned when it is connected: add_node), the
@@ -293,7 +300,12 @@ class RayStaging:
                 deadline = anyio.current_effective_deadline()
                 left = 3600.0 if deadline == float("inf") else deadline - anyio.current_time()
                 if self.relay is None:
-                    self.relay = HostRelay(self.model_id, delta=self.delta, delta_threads=self.delta_threads)
+                    self.relay = HostRelay(
+                        self.model_id,
+                        delta=self.delta,
+                        delta_threads=self.delta_threads,
+                        delta_history=self.delta_history,
+                    )
                 self._routes = self.relay.start(
                     self.ref, self.header, nodes, time.monotonic() + left, self._kind
                 )
