@@ -226,6 +226,9 @@ class _Trainer:
         record["wire"] = self.scheme.last_wire_bytes
         record["delta"] = list(self.scheme.last_delta)
         record["chains"] = [list(chain) for chain, _ in self.scheme.last_routes]
+        # The bytes each chain carried (with share_on_host, a host's worker is its chain member).
+        driver = getattr(self.scheme.staging, "driver", None)
+        record["chain_wire"] = [] if driver is None else [route.sent for route in driver.routes]
         if self.sends % 25 == 0:
             record.update(_resources())
         for wid, kind in (record.get("failures") or {}).items():
@@ -652,7 +655,12 @@ def _missed_versions(run: _Run) -> dict[str, Any]:
         for _ in range(k):
             one(others)
         after = one(everyone)
-        figures[f"missed_{k}"] = {"wire": after["wire"], "delta": after["delta"], "ok": after.get("ok")}
+        # What host 1's own chain carried (the others' delta is in "wire" too).
+        chains = zip(after["chains"], after["chain_wire"], strict=False)
+        own = [carried for chain, carried in chains if worker.rank in chain]
+        figures[f"missed_{k}"] = {
+            "wire": after["wire"], "host_wire": sum(own), "delta": after["delta"], "ok": after.get("ok"),
+        }  # fmt: skip
     return figures
 
 
