@@ -1,5 +1,5 @@
-"""A chaos soak across emulated hosts: the torch.distributed scheme under
-host kills and restarts, link cuts, stopped hosts, slowed links and Ctrl-C
+"""A chaos soak across emulated hosts: the torch.distributed scheme or Ray's
+relay (``--scheme ray``) under host kills and restarts, link cuts, stopped hosts, slowed links and Ctrl-C
 of the trainer, all from one seed (``weightsync.bench._chaos_hosts`` says
 what runs and what must hold).
 
@@ -12,7 +12,7 @@ schedule, every event).
 
 Needs root and iproute2 (network namespaces). Replay a run with its seed.
 
-Run: ``python benchmarks/chaos_soak.py --sends 1000 --seed 7 [--delta]``.
+Run: ``python benchmarks/chaos_soak.py --sends 1000 --seed 7 [--delta] [--scheme ray]``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ def main() -> int:
     parser.add_argument(
         "--delta", action="store_true", help='delta="always": a delta whenever a base is held'
     )
+    parser.add_argument(
+        "--scheme", choices=["distributed", "ray"], default="distributed",
+        help="torch.distributed's chain, or Ray's relay (actors on a Ray node per host)",
+    )  # fmt: skip
     parser.add_argument("--hosts", type=int, default=3, help="receiving hosts, one worker each")
     parser.add_argument("--size", type=float, default=64.0, metavar="MIB")
     parser.add_argument("--link-rate", default="1gbit")
@@ -47,7 +51,7 @@ def main() -> int:
         return 2
     config = ChaosConfig(
         hosts=args.hosts, rate=args.link_rate, mib=args.size, sends=args.sends, timeout=args.timeout,
-        seed=args.seed, gap=args.gap, delta=args.delta,
+        seed=args.seed, gap=args.gap, delta=args.delta, scheme=args.scheme,
     )  # fmt: skip
     # Ctrl-C stops the soak (and cleans up), even where it was started in
     # the background: a shell's "&" leaves SIGINT ignored.

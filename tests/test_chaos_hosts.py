@@ -1,8 +1,9 @@
-"""A short seeded chaos run across emulated hosts (the torch.distributed
-scheme): hosts killed and restarted, links cut and healed, hosts stopped,
-links slowed tenfold and the trainer interrupted, while the trainer sends
-back to back. ``weightsync.bench._chaos_hosts`` says what must hold; the
-long soak is ``python benchmarks/chaos_soak.py``.
+"""Short seeded chaos runs across emulated hosts (the torch.distributed
+scheme with and without deltas, Ray's relay with deltas): hosts killed
+and restarted, links cut and healed, hosts stopped, links slowed tenfold
+and the trainer interrupted, while the trainer sends back to back.
+``weightsync.bench._chaos_hosts`` says what must hold; the long soak is
+``python benchmarks/chaos_soak.py``.
 
 Replay a failure with its seed: ``WEIGHTSYNC_CHAOS_SEED=<seed> pytest -m
 cluster tests/test_chaos_hosts.py``.
@@ -43,11 +44,24 @@ def test_the_schedule_is_the_seeds() -> None:
         assert len(overlapping) < 2 and all(f.host != fault.host for f in overlapping)
 
 
-def test_sends_under_chaos_across_hosts() -> None:
-    """About two minutes: 16 MiB sends with a 6 s deadline, a fault every
-    4 s on average. Every rule of the soak holds; every kind of fault
-    happened; the workers that were never faulted kept up."""
-    config = ChaosConfig(hosts=3, mib=16, sends=220, calm=10, timeout=6.0, seed=SEED, gap=4.0, missed=(1, 5))
+@pytest.mark.parametrize(
+    ("scheme", "delta"),
+    [("distributed", False), ("distributed", True), ("ray", True)],
+    ids=["distributed", "distributed-delta", "ray-relay-delta"],
+)
+def test_sends_under_chaos_across_hosts(scheme: str, delta: bool) -> None:
+    """About two minutes each: 16 MiB sends with a 6 s deadline, a fault
+    every 4 s on average. Every rule of the soak holds; faults of several
+    kinds happened. A host that missed versions costs at most the full
+    bytes once more; with deltas, only a fraction of them."""
+    if scheme == "ray":
+        pytest.importorskip("ray")
+    if delta:
+        pytest.importorskip("blosc2")
+    config = ChaosConfig(
+        hosts=3, mib=16, sends=220 if scheme == "distributed" else 150, calm=10, timeout=6.0, seed=SEED,
+        gap=4.0, missed=(1, 5), delta=delta, scheme=scheme,
+    )  # fmt: skip
     result = run_chaos(config)
     figures = result["figures"]
     context = f"seed {SEED}: {figures}"
@@ -60,5 +74,8 @@ def test_sends_under_chaos_across_hosts() -> None:
     assert figures["worst_stage_s"] < 2.0, context
     missed = figures["missed_versions"]
     assert missed["kept_up"]["ok"] and missed["missed_5"]["ok"], context
-    # A host that missed versions costs at most the full bytes once more.
     assert missed["missed_5"]["wire"] <= 2 * figures["full_bytes"], context
+    if delta:
+        # Five versions of 1% of the elements each: a delta against the version it holds.
+        assert missed["missed_5"]["delta"] == [True, True], context
+        assert 0 < missed["missed_5"]["host_wire"] < 0.5 * figures["full_bytes"], context

@@ -57,9 +57,11 @@ import argparse
 import contextlib
 import faulthandler
 import json
+import logging
 import os
 import random
 import select
+import shutil
 import signal
 import statistics
 import subprocess
@@ -110,6 +112,10 @@ class ChaosConfig:
     seed: int = 1
     gap: float = 15.0
     delta: bool = False
+    #: ``"distributed"`` (DistributedWeightSyncScheme, a worker process per
+    #: host) or ``"ray"`` (RayWeightSyncScheme's relay, an actor per host's
+    #: Ray node; a killed host's node is started again, then a new actor).
+    scheme: str = "distributed"
     #: Sends to the others while one host misses them, for the bytes-on-the-wire figure.
     missed: tuple[int, ...] = (1, 5, 20)
 
@@ -187,15 +193,57 @@ def _resources() -> dict[str, int]:
 
 
 class _Trainer:
+    """The trainer of the torch.distributed scheme: its workers are
+    processes of their own (:func:`worker_main`), added by rank."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         torch.manual_seed(0)
         self.tensors = {n: torch.randn(s) for n, s in mlp_shapes(int(args.mib * MIB), 8).items()}
-        delta: Any = "always" if args.delta else False
-        self.scheme = ws.DistributedWeightSyncScheme(timeout=args.timeout, delta=delta, verify=True)
-        self.scheme.init_on_sender(MODEL_ID, num_workers=args.workers, model=self.tensors, host=args.host)
-        self.sender = self.scheme.get_sender()
+        self.delta: Any = "always" if args.delta else False
         self.timeout = args.timeout
         self.sends = 0
+        self.scheme: Any = self._scheme(args)
+        self.sender = self.scheme.get_sender()
+
+    def _scheme(self, args: argparse.Namespace) -> Any:
+        scheme = ws.DistributedWeightSyncScheme(timeout=args.timeout, delta=self.delta, verify=True)
+        scheme.init_on_sender(MODEL_ID, num_workers=args.workers, model=self.tensors, host=args.host)
+        return scheme
+
+    def start(self) -> None:
+        """Tell the orchestrator where workers find the trainer; wait for
+        them; the first send."""
+        info = self.scheme.get_store_info()
+        assert info is not None
+        _emit({"store": info})
+        self.scheme.wait_for_workers(timeout=START_WAIT)  # (each imports torch first)
+        self.scheme.connect()
+
+    def add(self, wid: int, host: int) -> None:
+        started = time.monotonic()
+        try:
+            wid = self.scheme.add_worker(worker_id=wid, timeout=START_WAIT)
+            _emit({"added": wid, "t0": started, "t1": time.monotonic()})
+        except Exception as exc:
+            _emit({"add_failed": f"{type(exc).__name__}: {exc}"[:400], "t1": time.monotonic()})
+
+    def _chains(self) -> tuple[list[list[int]], list[int]]:
+        """The last send's chains, each as its workers' ranks (worker id + 1)
+        in order, and the bytes the trainer put on each."""
+        # (With share_on_host, a host's one worker is its chain member.)
+        routes = self.scheme.staging.driver.routes
+        return [list(route.chain) for route in routes], [route.sent for route in routes]
+
+    def poll(self) -> None:
+        """Between two sends: nothing (a Ray trainer adds the actors that came up)."""
+
+    def removed(self, wid: int) -> None:
+        """Worker ``wid`` was removed after it was lost."""
+
+    def states(self) -> dict[str, Any]:
+        """What the trainer can tell of its workers' final states (a worker
+        process writes its own: nothing here)."""
+        return {}
 
     def send(self, worker_ids: list[int] | None = None) -> dict[str, Any]:
         """One send of the next version: send_async(), then wait()."""
@@ -225,16 +273,14 @@ class _Trainer:
         record["t1"] = time.monotonic()
         record["wire"] = self.scheme.last_wire_bytes
         record["delta"] = list(self.scheme.last_delta)
-        record["chains"] = [list(chain) for chain, _ in self.scheme.last_routes]
-        # The bytes each chain carried (with share_on_host, a host's worker is its chain member).
-        driver = getattr(self.scheme.staging, "driver", None)
-        record["chain_wire"] = [] if driver is None else [route.sent for route in driver.routes]
+        record["chains"], record["chain_wire"] = self._chains()
         if self.sends % 25 == 0:
             record.update(_resources())
         for wid, kind in (record.get("failures") or {}).items():
             if kind == "WorkerLostError":
                 with contextlib.suppress(Exception):
                     self.scheme.remove_worker(int(wid))
+                    self.removed(int(wid))
                     record.setdefault("removed", []).append(int(wid))
         return record
 
@@ -244,17 +290,18 @@ class _Trainer:
         if not words:
             return True
         if words[0] == "add":
-            started = time.monotonic()
-            try:
-                wid = self.scheme.add_worker(worker_id=int(words[1]), timeout=START_WAIT)
-                _emit({"added": wid, "t0": started, "t1": time.monotonic()})
-            except Exception as exc:
-                _emit({"add_failed": f"{type(exc).__name__}: {exc}"[:400], "t1": time.monotonic()})
+            self.add(int(words[1]), int(words[2]))
         elif words[0] == "send":
             ids = json.loads(words[1]) if len(words) > 1 else None
             _emit(self.send(ids))
         elif words[0] == "crc":
-            _emit({"crc": tensor_checksums(self.tensors), "version": self.sender.async_sender.version})
+            _emit(
+                {
+                    "crc": tensor_checksums(self.tensors),
+                    "version": self.sender.async_sender.version,
+                    "workers": self.states(),
+                }
+            )
         elif words[0] == "quit":
             return False
         return True
@@ -266,21 +313,17 @@ def trainer_main(args: argparse.Namespace) -> None:
     # Ctrl-C reaches the trainer as in a terminal, even where the orchestrator
     # was started in the background (a shell's "&" leaves SIGINT ignored).
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    trainer = _Trainer(args)
-    info = trainer.scheme.get_store_info()
-    assert info is not None
-    _emit({"store": info})
-    trainer.scheme.wait_for_workers(timeout=START_WAIT)  # (each imports torch first)
-    trainer.scheme.connect()
+    trainer = _RayTrainer(args) if args.ray_address else _Trainer(args)
+    trainer.start()
     _emit({"connected": time.monotonic(), **_resources()})
     soaking = True
+    commands = _Lines(sys.stdin.fileno())
     try:
         while True:
             try:
                 # Commands first (a restarted worker to add), then the next send.
-                ready = select.select([sys.stdin], [], [], 0 if soaking else None)[0]
-                if ready:
-                    line = sys.stdin.readline()
+                line = commands.next(0 if soaking else 0.2)
+                if line is not None:
                     if line.strip() == "done":
                         soaking = False
                         _emit({"soaked": trainer.sends})
@@ -288,6 +331,7 @@ def trainer_main(args: argparse.Namespace) -> None:
                     if not line or not trainer.command(line):
                         break
                     continue
+                trainer.poll()
                 if soaking:
                     _emit(trainer.send())
             except KeyboardInterrupt:
@@ -296,6 +340,125 @@ def trainer_main(args: argparse.Namespace) -> None:
     finally:
         trainer.scheme.shutdown()
         _emit({"bye": time.monotonic(), **_resources()})
+
+
+class _Lines:
+    """The lines coming on descriptor ``fd``, read without Python's buffer:
+    a buffered reader would keep lines that came together where select()
+    no longer sees them."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._buffer = b""
+        self._closed = False
+
+    def next(self, wait: float) -> str | None:
+        """The next whole line (``""`` once the descriptor closed), waiting
+        up to ``wait`` s for one; None when none came."""
+        while b"\n" not in self._buffer and not self._closed:
+            if not select.select([self.fd], [], [], wait)[0]:
+                return None
+            data = os.read(self.fd, 65536)
+            self._buffer += data
+            self._closed = not data
+        if b"\n" not in self._buffer:
+            return ""
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode() + "\n"
+
+
+class _RayActor:
+    """A worker of the Ray scheme: an actor on one receiving host (its
+    Ray node's resource ``host<i>``); updates are applied as they arrive."""
+
+    def __init__(self, scheme: Any, mib: float) -> None:
+        self.tensors = {n: torch.zeros(s) for n, s in mlp_shapes(int(mib * MIB), 8).items()}
+        self.scheme = scheme
+        scheme.init_on_worker(MODEL_ID, model=self.tensors)
+
+    def ready(self) -> bool:
+        return True
+
+    def state(self) -> dict[str, Any]:
+        return {"version": self.scheme.get_receiver().version, "crc": tensor_checksums(self.tensors)}
+
+
+class _RayTrainer(_Trainer):
+    """The trainer of Ray's relay (``RayWeightSyncScheme``): a Ray driver on
+    host 0; its workers are actors it starts on the other hosts' nodes.
+    An added worker is a new actor, added once it started (a node that was
+    restarted joins first)."""
+
+    def _scheme(self, args: argparse.Namespace) -> Any:
+        import ray
+
+        ray.init(address=args.ray_address, logging_level=logging.ERROR, log_to_driver=False)
+        self.actor_class = ray.remote(num_cpus=0)(_RayActor)
+        self.mib = args.mib
+        scheme = ws.RayWeightSyncScheme(timeout=args.timeout, delta=self.delta, verify=True)
+        self.actors = {h - 1: self._actor(scheme, h) for h in range(1, args.workers + 1)}
+        scheme.init_on_sender(MODEL_ID, remote_collectors=list(self.actors.values()), model=self.tensors)
+        # Actors being started: worker id -> (actor, its ready call, host, when asked).
+        self.starting: dict[int, tuple[Any, Any, int, float]] = {}
+        return scheme
+
+    def _actor(self, scheme: Any, host: int) -> Any:
+        return self.actor_class.options(resources={f"host{host}": 1}).remote(scheme, self.mib)
+
+    def start(self) -> None:
+        _emit({"store": {}})
+        self.scheme.connect(timeout=START_WAIT)  # (the actors and relay agents start)
+
+    def add(self, wid: int, host: int) -> None:
+        actor = self._actor(self.scheme, host)
+        self.starting[wid] = (actor, actor.ready.remote(), host, time.monotonic())
+
+    def poll(self) -> None:
+        import ray
+
+        for wid, (actor, ready, _host, asked) in list(self.starting.items()):
+            done, _ = ray.wait([ready], timeout=0)
+            if not done and time.monotonic() - asked < START_WAIT:
+                continue
+            del self.starting[wid]
+            try:
+                ray.get(ready, timeout=0)
+                self.scheme.add_worker(actor, worker_id=wid, timeout=START_WAIT)
+                self.actors[wid] = actor
+                _emit({"added": wid, "t0": asked, "t1": time.monotonic()})
+            except Exception as exc:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+                _emit(
+                    {"add_failed": f"{type(exc).__name__}: {exc}"[:400], "wid": wid, "t1": time.monotonic()}
+                )
+
+    def removed(self, wid: int) -> None:
+        self.actors.pop(wid, None)
+
+    def _chains(self) -> tuple[list[list[int]], list[int]]:
+        # The relay's chains are of nodes: each as the ranks of its actors.
+        staging = self.scheme.staging
+        driver = None if staging.relay is None else staging.relay._driver
+        if driver is None or not self.scheme.last_delta:  # (this send did not use the relay)
+            return [], []
+        where = sorted(staging.node_of.items())
+        ranks = [
+            [wid + 1 for node in route.chain for wid, at in where if at == node and wid in self.actors]
+            for route in driver.routes
+        ]
+        return ranks, [route.sent for route in driver.routes]
+
+    def states(self) -> dict[str, Any]:
+        import ray
+
+        out: dict[str, Any] = {}
+        for wid, actor in self.actors.items():
+            try:
+                out[str(wid)] = ray.get(actor.state.remote(), timeout=30)
+            except Exception as exc:
+                out[str(wid)] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+        return out
 
 
 # -- a worker (one per receiving host) --------------------------------------------
@@ -363,6 +526,9 @@ class _Run:
                 "--mib", str(self.config.mib), "--timeout", str(self.config.timeout)]  # fmt: skip
         if self.config.delta:
             argv.append("--delta")
+        if self.ray:
+            assert self.cluster.ray_address is not None
+            argv += ["--ray-address", self.cluster.ray_address]
         with open(os.path.join(self.tmp, "trainer.err"), "wb") as err:
             self.trainer = self.cluster.popen(
                 0, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1
@@ -383,9 +549,24 @@ class _Run:
                     (self.records if "send" in record else self.events).append(record)
                     self.arrived.notify_all()
 
-    def start_worker(self, host: int) -> _Worker:
+    @property
+    def ray(self) -> bool:
+        return self.config.scheme == "ray"
+
+    def start_worker(self, host: int, first: bool = False) -> _Worker:
+        """A worker on ``host``: a process of its own; with Ray, the host's
+        node (the trainer starts its actor: at once for the ``first``
+        workers, else when told to add it)."""
         with self.lock:
             rank, self.next_rank = self.next_rank, self.next_rank + 1
+        if self.ray:
+            node = self.cluster.ray_nodes[host]
+            if not first and node.poll() is not None:
+                node = self.cluster.start_ray_node(host)  # (else a new actor on the node that runs)
+            worker = _Worker(rank, host, node, "", time.monotonic())
+            with self.lock:
+                self.workers.append(worker)
+            return worker
         out = os.path.join(self.tmp, f"rank{rank}.json")
         argv = [sys.executable, "-m", "weightsync.bench._chaos_hosts", "worker",
                 "--store-host", str(self.store["host"]), "--store-port", str(self.store["port"]),
@@ -453,10 +634,11 @@ class _Run:
             waiting = [
                 w for w in self.workers if w.rank > self.config.hosts and not w.added and w.ended is None
             ]
-        ready = [w for w in waiting if os.path.exists(w.out + ".up")]
+        # (A Ray trainer adds an actor once it started: it is told at once.)
+        ready = [w for w in waiting if self.ray or os.path.exists(w.out + ".up")]
         for worker in ready:
             worker.added = True
-            self.command(f"add {worker.rank - 1}")
+            self.command(f"add {worker.rank - 1} {worker.host}")
 
     def pending_adds(self) -> int:
         with self.lock:
@@ -504,10 +686,24 @@ class _Run:
         fault.healed = time.monotonic()
 
     def supervise(self, faulted: set[int]) -> None:
-        """A worker whose process ended on its own is started again, once
-        its host is healthy."""
+        """A worker whose process ended on its own, or that the trainer
+        removed, is started again (a new one, under a new rank), once its
+        host is healthy."""
+        # (The trainer removed those it lost: a process may outlive that.)
+        removed = {wid for record in self.records for wid in record.get("removed", ())}
         with self.lock:
-            ended = [w for w in self.workers if w.ended is None and w.proc.poll() is not None]
+            ended = [
+                w
+                for w in self.workers
+                if w.ended is None and (w.proc.poll() is not None or w.rank - 1 in removed)
+            ]
+            if self.ray:  # (one that also exited is in once)
+                # An actor that died before it was added (its node was cut
+                # off meanwhile) is no worker: another is started.
+                failed = {e["wid"] for e in self.events if "add_failed" in e and "wid" in e}
+                ended += [
+                    w for w in self.workers if w.ended is None and w.rank - 1 in failed and w not in ended
+                ]
         for worker in ended:
             worker.ended = time.monotonic()
             self.events.append({"exited": worker.rank, "host": worker.host, "t": worker.ended})
@@ -677,9 +873,12 @@ def run_chaos(config: ChaosConfig, progress: Callable[[str], None] | None = None
         run = _Run(config, cluster, tmp)
         problems: list[str] = []
         try:
+            if run.ray:
+                say("starting a Ray node on every host")
+                cluster.start_ray(cpus=2, object_store_mib=512)
             run.start_trainer()
             for host in range(1, config.hosts + 1):
-                run.start_worker(host)
+                run.start_worker(host, first=True)
             if not run.wait_for(lambda: any("connected" in e for e in run.events), START_WAIT):
                 raise RuntimeError(
                     f"the chaos trainer's workers did not connect: {run.stderr('trainer')} "
@@ -728,17 +927,24 @@ def run_chaos(config: ChaosConfig, progress: Callable[[str], None] | None = None
             assert run.trainer is not None
             run.trainer.wait(timeout=60)
             for worker in run.workers:
-                if worker.ended is None:
+                if worker.ended is None and not run.ray:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         worker.proc.wait(timeout=30)
             for worker in run.workers:
                 if worker.ended is not None:
                     continue
                 try:
-                    with open(worker.out) as handle:
-                        state = json.load(handle)
+                    if run.ray:  # (the trainer asked its actors)
+                        state = crc["workers"].get(str(worker.rank - 1), {})
+                    else:
+                        with open(worker.out) as handle:
+                            state = json.load(handle)
                 except (OSError, json.JSONDecodeError):
-                    problems.append(f"worker {worker.rank - 1} (host {worker.host}) left no final state")
+                    state = {}
+                if "version" not in state:
+                    problems.append(
+                        f"worker {worker.rank - 1} (host {worker.host}) left no final state: {state}"
+                    )
                     continue
                 if state["version"] != crc["version"] or state["crc"] != crc["crc"]:
                     problems.append(
@@ -761,6 +967,13 @@ def run_chaos(config: ChaosConfig, progress: Callable[[str], None] | None = None
                     problems.append(
                         f"the trainer's memory grew from {rss_early / MIB:.0f} to {rss_late / MIB:.0f} MiB"
                     )
+        except Exception as exc:
+            # The processes' stderr outlives the run, for the error's reader.
+            kept = shutil.copytree(tmp, tempfile.mkdtemp(prefix="ws-chaos-failed-"), dirs_exist_ok=True)
+            with open(os.path.join(kept, "record.json"), "w") as record:
+                applied = [asdict(f) for f in run.faults]
+                json.dump({"events": run.events, "sends": run.records, "schedule": applied}, record)
+            raise RuntimeError(f"{exc} (every process's stderr is kept in {kept})") from exc
         finally:
             if run.trainer is not None and run.trainer.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -788,6 +1001,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer.add_argument("--mib", type=float, required=True)
     trainer.add_argument("--timeout", type=float, required=True)
     trainer.add_argument("--delta", action="store_true")
+    trainer.add_argument("--ray-address", help="Ray's relay (RayWeightSyncScheme), workers as actors")
     worker = sub.add_parser("worker")
     worker.add_argument("--store-host", required=True)
     worker.add_argument("--store-port", type=int, required=True)

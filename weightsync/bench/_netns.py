@@ -234,6 +234,9 @@ class EmulatedCluster:
         self._made: list[str] = []
         self._procs: list[subprocess.Popen[Any]] = []
         self.ray_address: str | None = None
+        #: Each host's Ray node process (``ray start --block``), the latest started.
+        self.ray_nodes: dict[int, subprocess.Popen[Any]] = {}
+        self._ray_node_options = (4, 1024)
         self._tmp: str | None = None
 
     # -- the network ---------------------------------------------------------
@@ -313,27 +316,39 @@ class EmulatedCluster:
         resource ``host<i>`` (for placing actors on host ``i``)."""
         self._tmp = tempfile.mkdtemp(prefix=self.switch, dir="/tmp")
         head = f"{self.addresses[0]}:{RAY_PORT}"
-        ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+        self._ray_node_options = (cpus, object_store_mib)
         for i in range(self.hosts):
-            argv = [
-                ray_bin, "start", "--block", "--disable-usage-stats",
-                f"--node-ip-address={self.addresses[i]}",
-                f"--num-cpus={cpus}", f"--resources={{\"host{i}\": 1000}}",
-                f"--object-store-memory={object_store_mib * 1024 * 1024}",
-                f"--temp-dir={self._tmp}/h{i}",
-            ]  # fmt: skip
-            if i == 0:
-                argv += ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"]
-            else:
-                argv += [f"--address={head}"]
-            log = open(os.path.join(self._tmp, f"ray-h{i}.log"), "wb")  # noqa: SIM115
-            self.popen(i, argv, stdout=log, stderr=subprocess.STDOUT)
-            log.close()
+            self.start_ray_node(i, head)
             if i == 0:
                 self._wait_head(head, timeout)
         self.ray_address = head
         self._wait_nodes(timeout)
         return head
+
+    def start_ray_node(self, host: int, head: str | None = None) -> subprocess.Popen[Any]:
+        """Start host ``host``'s Ray node (``ray start --block``: its process
+        ends when the node does), joining the head at ``head`` (default:
+        the cluster's, after :meth:`start_ray`; the head itself on host 0).
+        Never waits for it to join. Also restarts a node that was killed."""
+        assert self._tmp is not None, "start_ray() comes first"
+        cpus, object_store_mib = self._ray_node_options
+        head = head or self.ray_address
+        ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+        argv = [
+            ray_bin, "start", "--block", "--disable-usage-stats",
+            f"--node-ip-address={self.addresses[host]}",
+            f"--num-cpus={cpus}", f"--resources={{\"host{host}\": 1000}}",
+            f"--object-store-memory={object_store_mib * 1024 * 1024}",
+            f"--temp-dir={self._tmp}/h{host}",
+        ]  # fmt: skip
+        if host == 0:
+            argv += ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"]
+        else:
+            argv += [f"--address={head}"]
+        with open(os.path.join(self._tmp, f"ray-h{host}.log"), "ab") as log:
+            node = self.popen(host, argv, stdout=log, stderr=subprocess.STDOUT)
+        self.ray_nodes[host] = node
+        return node
 
     def run_python(self, host: int, code: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         """Run ``python -c code`` on host ``host`` and wait for it."""

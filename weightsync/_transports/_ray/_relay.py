@@ -39,15 +39,18 @@ their acks miss the deadline, exactly as without the relay.
 
 Deltas (``delta=True``, :class:`RelayDelta`). The chain can carry what
 changed instead of the bytes (``_delta``): the trainer keeps the
-concatenation of a send's arrays as its base once every actor of that send
-acked it, and each agent keeps its receive buffer holding the last version
-it relayed completely, which it says in its result. A send's first chain
-carries delta frames, encoded on the chain's thread as they are sent, to
-the agents whose buffer holds the base version; each rebuilds the version
-in place and checks every chunk against the trainer's digest before its
-actors are told. The other agents (a new one, one that missed a
-send or whose rebuild failed, any doubt) get the bytes themselves in a
-later chain of the same send.
+concatenation of a send's arrays as its base once a relayed actor of that
+send acked it (the hosts that missed it go on holding an older version,
+which is kept for them: ``delta_history``), and each agent keeps its
+receive buffer holding the last version it relayed completely, which it
+says in its result. A send's first chain carries delta frames, encoded on
+the chain's thread as they are sent, to the agents whose buffer holds the
+base version; each rebuilds the version in place and checks every chunk
+against the trainer's digest before its actors are told. An agent that
+holds a kept older version gets a delta against it in a chain of its own.
+The other agents (a new one, one whose last relay failed or whose rebuild
+failed, any doubt) get the bytes themselves in a later chain of the same
+send.
 """
 
 from __future__ import annotations
@@ -271,7 +274,7 @@ class RelayDelta:
     gathered into (the concatenation of its arrays: what the chain carries).
 
     A send's gathered buffer becomes the base, kept instead of copied, at
-    the next relayed send, once the trainer said that every actor of the
+    the next relayed send, once the trainer said that an actor of the
     send acked it (:meth:`settle`); the old base's memory then gathers the
     next send. So the trainer holds two buffers of the model's size, the
     base and the send in flight. Eligible for a delta: the agents that said
@@ -281,13 +284,14 @@ class RelayDelta:
     def __init__(self, chunk: int, *, threads: int = 0, always: bool = False, history: int = HISTORY) -> None:
         self.base = DeltaBase(chunk, threads=threads, always=always, history=history)
         self._gathered: np.ndarray | None = None
-        # The send gathered in it, and the trainer's word on a send: (version, every actor acked).
+        # The send gathered in it, and the trainer's word on a send: (version, a relayed actor acked).
         self._kind: SendKind | None = None
         self._settled: tuple[int, bool] | None = None
 
     def settle(self, version: int, acked: bool) -> None:
-        """The trainer is done with send ``version``: whether every actor it
-        targeted acked it (a whole relayed send can then be the base)."""
+        """The trainer is done with send ``version``: whether an actor it
+        relayed to acked it (its host's agent then holds it whole: a whole
+        relayed send can be the base)."""
         self._settled = (version, acked)
 
     def gather(
@@ -320,8 +324,9 @@ class RelayDelta:
 
     def _adopt_last(self, held: Collection[int]) -> None:
         """The last gathered send becomes the base if it is settled as acked
-        by every actor; its buffer is then the base's, and the old base's
-        memory gathers the next send."""
+        (by a relayed actor); its buffer is then the base's, and the old
+        base's memory gathers the next send, unless it is kept for the
+        agents that hold its version (``held``: the versions they hold)."""
         last, gathered = self._kind, self._gathered
         if last is None or gathered is None or not self.base.fits(gathered.nbytes):
             return
@@ -463,8 +468,8 @@ class HostRelay:
         return futures
 
     def settle(self, version: int, acked: bool) -> None:
-        """The trainer is done with send ``version``, which every actor it
-        targeted acked or not (see :meth:`RelayDelta.settle`)."""
+        """The trainer is done with send ``version``, which an actor it
+        relayed to acked or not (see :meth:`RelayDelta.settle`)."""
         if self.delta is not None:
             self.delta.settle(version, acked)
 
@@ -510,6 +515,7 @@ class HostRelay:
                 # In doubt until its agent answers for this send.
                 self._control.holds[node] = None
             self._control.begin(header, sizes, futures)
+            self._driver.forget()  # (an end_send() of the previous send)
             self._driver.run(sources, nodes, deadline, encoded)
             if self.delta is not None:
                 self.delta.base.observe(self._driver.routes, list(self._driver.rebuilds.values()))
@@ -518,6 +524,11 @@ class HostRelay:
         finally:
             for future in futures.values():
                 _resolve(future, ref)
+
+    def end_send(self) -> None:
+        """The trainer is done with the running send (see :meth:`ChainDriver.end_send`)."""
+        if self._driver is not None:
+            self._driver.end_send()
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the chain of the previous send to end."""

@@ -119,7 +119,7 @@ class RayStaging:
     object, as with one node.
 
     ``delta=True``: the relay's chain carries what changed since the last
-    whole relayed send that every actor of its send acked (see
+    whole relayed send that its actors acked (see
     ``_ray_relay.RelayDelta``); the object store's own path (one node, or
     the trainer's) carries the bytes as ever."""
 
@@ -185,11 +185,12 @@ class RayStaging:
         return self.relay.last_wire_bytes if self.relay is not None and self._routes else 0
 
     def _settle(self) -> None:
-        """Before the next send: tell the relay whether every actor of the
-        current one acked it (a whole relayed send then becomes its base)."""
+        """Before the next send: tell the relay whether an actor it fed in
+        the current one acked it (a whole relayed send then becomes its
+        base, held by the agents that say so; the others, which missed it,
+        go on holding what they held)."""
         if self.relay is not None and self.version:
-            targets = self.calls.keys() | self.deferred
-            acked = bool(targets) and self._outgoing is not None and targets <= self._outgoing.acked
+            acked = self._outgoing is not None and bool(self.deferred & self._outgoing.acked)
             self.relay.settle(self.version, acked)
 
     def _on_host(self, packet: Packet) -> Sequence[torch.Tensor]:
@@ -357,10 +358,16 @@ class RayStaging:
             finally:
                 self.released(wid, version)
 
-        async with anyio.create_task_group() as group:
-            for wid, link in links.items():
-                if wid not in failed:
-                    group.start_soon(answer, wid, link)
+        try:
+            async with anyio.create_task_group() as group:
+                for wid, link in links.items():
+                    if wid not in failed:
+                        group.start_soon(answer, wid, link)
+        finally:
+            # Every actor answered (or the deadline passed): the relay's chain
+            # has nothing left to do for this send, and stops at its next step.
+            if self.relay is not None:
+                self.relay.end_send()
 
     def why(self, worker_id: int) -> str | None:
         """Why the relay did not bring worker ``worker_id``'s node its copy
