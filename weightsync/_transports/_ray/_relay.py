@@ -242,6 +242,9 @@ class _RelayControl:
                 result = ray.get(ref)
             except ray.exceptions.RayError as exc:
                 self.holds[node] = None
+                # Its handle is let go (Ray then closes what it kept for it);
+                # a later send to the node starts another.
+                self._relay.forget_agent(node)
                 came.append(
                     (node, Report(False, f"its relay agent is gone ({type(exc).__name__})", gone=True))
                 )
@@ -415,6 +418,10 @@ class HostRelay:
         return None if self._driver is None else self._driver.why(node)
 
     # -- setup -----------------------------------------------------------------
+    def forget_agent(self, node: str) -> None:
+        """``node``'s agent is gone (its process, or its node, died)."""
+        self._agents.pop(node, None)
+
     def agent(self, node: str) -> Any:
         """The agent of ``node``, started on first use."""
         agent = self._agents.get(node)
