@@ -998,7 +998,8 @@ def run_chaos(config: ChaosConfig, progress: Callable[[str], None] | None = None
                 early = statistics.median(r["fds"] - r.get("ray_grpc", 0) for r in resources[:half])
                 late = statistics.median(r["fds"] - r.get("ray_grpc", 0) for r in resources[half:])
                 if late > early + 8:
-                    problems.append(f"the trainer's descriptors (Ray's gRPC apart) grew from {early} to {late}")
+                    grew = f"grew from {early} to {late}"
+                    problems.append(f"the trainer's descriptors (Ray's gRPC apart) {grew}")
                 rss_early = statistics.median(r["rss"] for r in resources[:half])
                 rss_late = statistics.median(r["rss"] for r in resources[half:])
                 if rss_late > rss_early + 4 * nbytes:
