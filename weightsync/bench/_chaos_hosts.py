@@ -1,19 +1,24 @@
-"""A chaos soak across emulated hosts: the torch.distributed scheme under
-faults that arrive together and keep arriving.
+"""A chaos soak across emulated hosts: the torch.distributed scheme, or
+Ray's relay (``ChaosConfig(scheme="ray")``), under faults that arrive
+together and keep arriving.
 
 A trainer on host 0 of an :class:`~weightsync.bench._netns.EmulatedCluster`
 sends a model (8 float32 tensors, 1% of its elements changed per version,
 ``verify=True``: every worker checks the digests before it applies) to one
 worker per receiving host, back to back: ``send_async()``, then
-``wait_async()``, each send with the same deadline. Workers take each update
-at their safe point (``receive(timeout=0.2)`` in a loop), as collectors do.
+``wait_async()``, each send with the same deadline. Workers of the
+torch.distributed scheme are processes that take each update at their
+safe point (``receive(timeout=0.2)`` in a loop), as collectors do; with
+Ray, each host runs a Ray node (``ray start``) and the worker is an actor
+there, which applies updates as they arrive.
 
 Meanwhile a seeded schedule (``random.Random(seed)``: the same seed gives
 the same faults at the same moments of the run) injects, one host at a time
 and at most two hosts at once:
 
 - ``kill``: every process of the host is killed (SIGKILL); after a while a
-  new worker starts there under a new rank, and the trainer adds it
+  new worker starts there under a new rank (with Ray: the host's node is
+  started again, then a new actor), and the trainer adds it
   (``scheme.add_worker()``), as a supervisor restarting a collector would;
 - ``cut``: the host's link goes down for 2 to 20 s, then comes back;
 - ``stop``: the host's processes are stopped (SIGSTOP), then continued;
@@ -22,7 +27,8 @@ and at most two hosts at once:
   again.
 
 The trainer removes a worker it lost (``WorkerLostError``) and goes on. A
-worker whose process ended on its own (its sender lost for it) is started
+worker whose process ended on its own (its sender lost for it; with Ray,
+a node that Ray declared dead while it was cut off or stopped) is started
 again under a new rank once its host is healthy.
 
 What must hold, judged after the run from the trainer's record of every send
@@ -38,8 +44,9 @@ and the schedule's record of every fault (:func:`judge`):
 - once every fault is healed, a send reaches every live worker, and each
   worker ends holding exactly the trainer's last version (CRC32 of every
   tensor);
-- the trainer's descriptors and memory stay flat, and the cluster leaves no
-  namespace or process behind.
+- the trainer's descriptors (a Ray driver's own gRPC connections apart)
+  and memory stay flat, and the cluster leaves no namespace, process or
+  ``/dev/shm`` entry behind.
 
 Run it with ``python benchmarks/chaos_soak.py`` (needs root and iproute2);
 ``tests/test_chaos_hosts.py`` runs a short seeded one in ``pytest -m
@@ -902,6 +909,7 @@ def run_chaos(config: ChaosConfig, progress: Callable[[str], None] | None = None
     (``judge``) and its schedule. Needs root and iproute2 (an emulated
     cluster)."""
     say = progress or (lambda text: None)
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     nbytes = sum(int(torch.Size(s).numel()) * 4 for s in mlp_shapes(int(config.mib * MIB), 8).values())
     with (
         tempfile.TemporaryDirectory(prefix="ws-chaos-") as tmp,
@@ -1021,6 +1029,11 @@ def run_chaos(config: ChaosConfig, progress: Callable[[str], None] | None = None
         left = cluster.namespaces_left()
         if left:
             problems.append(f"namespaces left behind: {left}")
+    # (Every host shares this machine's /dev/shm: weightsync's segments are
+    # memfds, never named there; Ray's object stores go with their nodes.)
+    shm_left = sorted(set(os.listdir("/dev/shm")) - shm_before) if os.path.isdir("/dev/shm") else []
+    if shm_left:
+        problems.append(f"shared memory left behind in /dev/shm: {shm_left[:10]}")
     return {
         "config": asdict(config),
         "figures": figures,
