@@ -265,10 +265,17 @@ class _Trainer:
     def add(self, wid: int, host: int) -> None:
         started = time.monotonic()
         try:
-            wid = self.scheme.add_worker(worker_id=wid, timeout=START_WAIT)
+            self.scheme.add_worker(worker_id=wid, timeout=START_WAIT)
             _emit({"added": wid, "t0": started, "t1": time.monotonic()})
-        except Exception as exc:
-            _emit({"add_failed": f"{type(exc).__name__}: {exc}"[:400], "t1": time.monotonic()})
+        except BaseException as exc:  # (Ctrl-C too: the orchestrator hears of every add)
+            self._add_failed(wid, exc)
+
+    def _add_failed(self, wid: int, exc: BaseException) -> None:
+        """Say the add of ``wid`` failed, and whether the scheme knows it
+        (not: the orchestrator starts another worker in its place)."""
+        known = wid in self.scheme.sender_transports
+        failure = f"{type(exc).__name__}: {exc}"[:400]
+        _emit({"add_failed": failure, "wid": wid, "known": known, "t1": time.monotonic()})
 
     def _chains(self) -> tuple[list[list[int]], list[int]]:
         """The last send's chains, each as its workers' ranks (worker id + 1)
@@ -453,8 +460,11 @@ class _RayTrainer(_Trainer):
         self.scheme.connect(timeout=START_WAIT)  # (the actors and relay agents start)
 
     def add(self, wid: int, host: int) -> None:
-        actor = self._actor(self.scheme, host)
-        self.starting[wid] = (actor, actor.ready.remote(), host, time.monotonic())
+        try:
+            actor = self._actor(self.scheme, host)
+            self.starting[wid] = (actor, actor.ready.remote(), host, time.monotonic())
+        except BaseException as exc:  # (Ctrl-C too: the orchestrator hears of every add)
+            self._add_failed(wid, exc)
 
     def poll(self) -> None:
         import ray
@@ -469,12 +479,13 @@ class _RayTrainer(_Trainer):
                 self.scheme.add_worker(actor, worker_id=wid, timeout=START_WAIT)
                 self.actors[wid] = actor
                 _emit({"added": wid, "t0": asked, "t1": time.monotonic()})
-            except Exception as exc:
-                with contextlib.suppress(Exception):
-                    ray.kill(actor)
-                _emit(
-                    {"add_failed": f"{type(exc).__name__}: {exc}"[:400], "wid": wid, "t1": time.monotonic()}
-                )
+            except BaseException as exc:  # (Ctrl-C too: the orchestrator hears of every add)
+                if wid in self.scheme.sender_transports:
+                    self.actors[wid] = actor  # (a worker still: later sends go to it)
+                else:
+                    with contextlib.suppress(Exception):
+                        ray.kill(actor)
+                self._add_failed(wid, exc)
 
     def removed(self, wid: int) -> None:
         self.actors.pop(wid, None)
@@ -740,10 +751,11 @@ class _Run:
                 for w in self.workers
                 if w.ended is None and (w.proc.poll() is not None or w.rank - 1 in removed)
             ]
-            if self.ray:  # (one that also exited is in once)
-                # An actor that died before it was added (its node was cut
-                # off meanwhile) is no worker: another is started.
-                failed = {e["wid"] for e in self.events if "add_failed" in e and "wid" in e}
+            # One whose add failed before the scheme knew it (an actor that
+            # died first, its node cut off meanwhile; an add interrupted by
+            # Ctrl-C) is no worker: another is started. (Once each.)
+            failed = {e["wid"] for e in self.events if "add_failed" in e and not e.get("known", True)}
+            if failed:
                 ended += [
                     w for w in self.workers if w.ended is None and w.rank - 1 in failed and w not in ended
                 ]
