@@ -324,6 +324,9 @@ class _Trainer:
         record["wire"] = self.scheme.last_wire_bytes
         record["delta"] = list(self.scheme.last_delta)
         record["chains"], record["chain_wire"] = self._chains()
+        if self.delta:  # (why the send went as it did, and what hosts behind were sent)
+            choice = self.scheme.last_delta_choice
+            record["why"] = {"base": choice.get("why"), "behind": choice.get("behind")}
         if self.sends % 25 == 0:
             record.update(_resources())
         for wid, kind in (record.get("failures") or {}).items():
