@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "weightsync"
 # lower layers only: not its own layer (so no transport leans on another),
 # not a higher one.
 LAYERS: list[set[str]] = [
-    {"_exceptions", "_frames", "_transports._peer"},
+    {"_exceptions", "_frames", "_transports._peer", "_exit"},
     {"_packet"},
     {"_memory._views"},
     {

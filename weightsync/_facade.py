@@ -38,6 +38,9 @@ __all__ = ["SendHandle", "WeightReceiver", "WeightSender"]
 _log = logging.getLogger("weightsync")
 # How often the applier thread looks at its stop flag while no update comes.
 _APPLIER_POLL = 0.1
+# At exit, how long a send still gathering its acks on the loop thread is
+# given to stop once cancelled.
+_ABANDON_WAIT = 2.0
 
 
 class WeightSender:
@@ -280,6 +283,27 @@ class WeightSender:
             RUNTIME.release()
 
 
+    def close_at_exit(self) -> None:
+        """:meth:`shutdown` as the interpreter exits with this sender open:
+        a send still gathering its acks is abandoned, not waited for (nobody
+        is left to read its outcome), then the channels close, so every
+        worker hears the trainer closed and its process can end before
+        Python waits for it. Never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                pending.abandon(timeout=_ABANDON_WAIT)
+            if not self._sender.closed:
+                RUNTIME.call(self._sender.aclose)
+        except BaseException as exc:
+            _log.warning("weightsync: closing the sender of model %r at exit: %r", self._sender.model_id, exc)
+        finally:
+            RUNTIME.release()
+
+
 class SendHandle:
     """A send started by :meth:`WeightSender.send_async`: staged, its acks to come.
 
@@ -383,6 +407,16 @@ class SendHandle:
         self._unstarted = None
         with contextlib.suppress(BaseException):
             self._future.result()
+        self._over()
+
+    def abandon(self, timeout: float) -> None:
+        """Stop the send where it is, its outcome unread (the interpreter is
+        exiting): the loop thread stops gathering its acks, waiting up to
+        ``timeout`` seconds for that."""
+        unstarted, self._unstarted = self._unstarted, None
+        RUNTIME.cancel(self._future, timeout)
+        if unstarted is not None and self._future.cancelled():
+            unstarted.close()  # never handed to the loop thread: it held the sender
         self._over()
 
     def _over(self) -> None:

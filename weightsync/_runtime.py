@@ -205,9 +205,12 @@ class _Job:
     future: concurrent.futures.Future[Any]
 
 
-async def _run_job(job: _Job) -> None:
+async def _run_job(job: _Job, running: dict[concurrent.futures.Future[Any], asyncio.Task[Any]]) -> None:
     if not job.future.set_running_or_notify_cancel():
         return
+    task = asyncio.current_task()
+    assert task is not None
+    running[job.future] = task
     try:
         result = await job.func(*job.args)
     except BaseException as exc:
@@ -216,6 +219,8 @@ async def _run_job(job: _Job) -> None:
             raise  # a cancellation goes on
     else:
         job.future.set_result(result)
+    finally:
+        running.pop(job.future, None)
 
 
 class Runtime:
@@ -229,6 +234,9 @@ class Runtime:
         self._users = 0
         self._local = threading.local()
         self._private: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+        # The background jobs the loop thread runs now, by their future.
+        self._running: dict[concurrent.futures.Future[Any], asyncio.Task[Any]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- the loop thread ---------------------------------------------------
     def _start(self) -> BlockingPortal:
@@ -241,13 +249,13 @@ class Runtime:
             # spawned the task, and on a machine with few cores that thread,
             # once awake, runs the task (and wakes the workers it notifies)
             # before the caller gets its core back.
-            loop = asyncio.get_running_loop()
+            loop = self._loop = asyncio.get_running_loop()
             queue: asyncio.Queue[_Job | None] = asyncio.Queue()
             async with BlockingPortal() as portal, anyio.create_task_group() as group:
 
                 async def spawn() -> None:
                     while (job := await queue.get()) is not None:
-                        group.start_soon(_run_job, job)
+                        group.start_soon(_run_job, job, self._running)
 
                 group.start_soon(spawn)
 
@@ -319,6 +327,20 @@ class Runtime:
         assert submit is not None
         submit(_Job(func, args, future))
         return future
+
+    def cancel(self, future: concurrent.futures.Future[Any], timeout: float) -> None:
+        """Cancel the background job of ``future`` (:meth:`start`): at once if
+        the loop thread has not started it, else by cancelling its task
+        there, then wait up to ``timeout`` seconds for it to stop (its
+        cancellation runs its cleanup first). Its future ends cancelled or
+        with the job's own outcome."""
+        if future.cancel() or future.done():
+            return
+        task, loop = self._running.get(future), self._loop
+        if task is not None and loop is not None:
+            with contextlib.suppress(RuntimeError):  # (the loop just ended)
+                loop.call_soon_threadsafe(task.cancel)
+        concurrent.futures.wait([future], timeout)
 
     # -- blocking calls ----------------------------------------------------
     def _private_loop(self) -> asyncio.AbstractEventLoop:
@@ -455,6 +477,8 @@ class Runtime:
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
+        self._running = {}
+        self._loop = None
         self._portal = None
         self._submit = None
         self._thread = None

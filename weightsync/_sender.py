@@ -125,8 +125,10 @@ class PendingSend:
             self._action = None
             self.machine.close()
         elif self._task.get_loop() is not asyncio.get_running_loop():
-            # Gathered on another loop (closed from another thread): stop it there.
-            self._task.get_loop().call_soon_threadsafe(self._task.cancel)
+            # Gathered on another loop (closed from another thread): stop it
+            # there, unless that loop has ended (the interpreter exiting).
+            with contextlib.suppress(RuntimeError):
+                self._task.get_loop().call_soon_threadsafe(self._task.cancel)
         else:
             self._task.cancel()
             with anyio.CancelScope(shield=True):

@@ -21,6 +21,7 @@ import torch
 from .._copy import WireCast
 from .._digest import require_xxh3
 from .._exceptions import WeightSyncStateError
+from .._exit import close_at_exit
 from .._facade import WeightReceiver, WeightSender
 from .._receiver import AsyncWeightReceiver
 from .._sender import DEFAULT_TIMEOUT, AsyncWeightSender, Keys, SendReport
@@ -497,6 +498,14 @@ class _SenderSide(_SchemeState):
             per_worker_weights=self.per_worker_weights,
             wire_dtype=self.wire_dtype,
         )
+        # A trainer that ends without shutdown() still frees its workers.
+        close_at_exit(self)
+
+    def _close_at_exit(self) -> None:
+        """As the interpreter exits: close the sender, not waiting for a send
+        under way (see ``WeightSender.close_at_exit``)."""
+        if self._async_sender is not None:
+            self.get_sender().close_at_exit()
 
     def _holds_a_model(self) -> bool:
         """Whether ``send(None)`` has a model to read now: a context whose
@@ -804,9 +813,21 @@ class WeightSyncScheme(_SenderSide, _WorkerSide):
                 receiver.start_applier()
         return None
 
+    def __enter__(self) -> WeightSyncScheme:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Leaving ``with scheme:`` (by an exception too) calls :meth:`shutdown`."""
+        self.shutdown()
+
     def shutdown(self) -> None:
         """Close this side's channels and release shared memory and the loop
         thread. Idempotent; safe on a scheme never initialised.
+
+        A trainer that exits without calling it (an exception escaped,
+        Ctrl-C) has its sender closed as the interpreter exits, before
+        Python waits for child processes: its workers hear
+        :class:`SenderClosedError` and can end.
 
         An async trainer may ``await get_async_sender().aclose()`` instead."""
         try:
