@@ -338,7 +338,7 @@ async def test_an_async_wait_that_times_out_leaves_the_send_going(trainer: Train
     with pytest.raises(TimeoutError, match=r"is still waiting for acks after 0\.2 s; the send goes on"):
         await sender.wait_async(timeout=0.2)
     assert sender.pending is pending and not pending.done()
-    with pytest.raises(ws.AckTimeoutError, match="within the send's timeout of 3 s"):
+    with pytest.raises(ws.AckTimeoutError, match=r"within send_async\(\)'s timeout of 3 s"):
         await pending
     assert sender.pending is None
 
@@ -401,6 +401,6 @@ def test_a_send_timeout_bounds_a_blocking_handles_wait(trainer: Trainer) -> None
     trainer.pause()
     started = time.monotonic()
     handle = trainer.sender.send_async(timeout=1.0)
-    with pytest.raises(ws.AckTimeoutError, match="within the send's timeout of 1 s"):
+    with pytest.raises(ws.AckTimeoutError, match=r"within send_async\(\)'s timeout of 1 s"):
         handle.wait()
     assert time.monotonic() - started < 3.0

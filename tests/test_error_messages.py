@@ -118,7 +118,7 @@ def test_workers_never_announced_are_told_the_likely_causes() -> None:
             limit = (
                 "wait_for_workers()'s timeout of 1 s"
                 if name == "wait_for_workers"
-                else ("the send's timeout of 1 s")
+                else ("send()'s timeout of 1 s")
             )
             assert message.count(f"within {limit}") == 2
             assert message.count("likely causes") == 1
@@ -273,6 +273,9 @@ def misuses() -> dict[str, Any]:
         "sparse weights": with_a_worker(
             lambda s: s.send({k: v.to_sparse() for k, v in build_model("net").state_dict().items()})
         ),
+        "an unknown key": with_a_worker(lambda s: s.send(keys=["nope"])),
+        "delta on a send": with_a_worker(lambda s: s.send(delta=True)),
+        "an unknown send_async() option": with_a_worker(lambda s: s.get_sender().send_async(retries=3)),
     }
 
 
@@ -301,3 +304,33 @@ def test_no_error_for_a_users_mistake_names_a_private_thing() -> None:
         in (messages["delta on a pipe scheme"])
     )
     assert "BlockingCallError" in messages["send() in a coroutine"]
+    # keys= lists what the weights hold; an unknown option, what a send takes.
+    assert (
+        "keys= names 'nope', which the weights of model 'policy' do not hold; they hold: "
+        in (messages["an unknown key"])
+    )
+    assert "out.weight" in messages["an unknown key"]
+    takes = "it takes weights, worker_ids, timeout, keys, partial, verify"
+    assert f"send() got an unexpected keyword argument 'delta'; {takes}" in messages["delta on a send"]
+    assert "DistributedWeightSyncScheme(delta=True)" in messages["delta on a send"]
+    assert takes in messages["an unknown send_async() option"]
+
+
+def test_errors_are_shown_by_their_public_names() -> None:
+    """A traceback names ``weightsync.WorkerLostError``, not the private
+    module that defines it; a pickled error comes back as the same class."""
+    import pickle
+    import traceback
+
+    for name in ws.__all__:
+        cls = getattr(ws, name)
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            assert cls.__module__ == "weightsync", name
+    try:
+        raise ws.WeightMismatchError("weights do not match", model_id="policy")
+    except ws.WeightMismatchError as exc:
+        shown = "".join(traceback.format_exception(exc))
+        again = pickle.loads(pickle.dumps(exc))
+    assert "weightsync.WeightMismatchError: weights do not match" in shown, shown
+    assert "_exceptions" not in shown
+    assert type(again) is ws.WeightMismatchError

@@ -66,6 +66,8 @@ LAYERS: list[set[str]] = [
     {"_facade"},
     {"schemes._base"},
     {"schemes._pipes", "schemes._ray", "schemes._none", "schemes._distributed"},
+    # A scheme built on another family's.
+    {"schemes._ray_transform"},
     {"schemes"},
     {""},  # the package itself: re-exports the public names
 ]

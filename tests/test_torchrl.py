@@ -237,6 +237,7 @@ TORCHRL_CLASSES = [
     ws.SharedMemWeightSyncScheme,
     ws.NoWeightSyncScheme,
     ws.RayWeightSyncScheme,
+    ws.RayModuleTransformScheme,
 ]
 
 
@@ -363,6 +364,48 @@ def test_ray_collector_keeps_every_remote_policy_equal_to_the_trainers(local_ray
             collector.shutdown()
             scheme.shutdown()
     assert not [w for w in caught if "experimental" in str(w.message)]
+
+
+def test_ray_module_transform_holds_each_version_sent_through_a_collector(local_ray: Any) -> None:
+    """torchrl's ``RayModuleTransform`` given weightsync's
+    ``RayModuleTransformScheme`` (which it initialises and connects), in the
+    environment of a ``Collector`` that gets the scheme as
+    ``weight_sync_schemes={"transform_module": scheme}``: each
+    ``update_policy_weights_(weights, model_id="transform_module")`` returns
+    once the transform's actor applied them, so every step of the next
+    batch ran the transform with exactly that version."""
+    from torchrl.collectors import Collector
+    from torchrl.envs import TransformedEnv
+    from torchrl.envs.transforms.module import RayModuleTransform
+
+    scheme = ws.RayModuleTransformScheme(timeout=60)
+    assert isinstance(scheme, TorchRLScheme)
+    transform = RayModuleTransform(
+        module=parts.make_transform_module(1.0), no_grad=True, weight_sync_scheme=scheme
+    )
+    assert scheme.initialized_on_sender and scheme.synchronized_on_sender
+    trainer_module = parts.make_transform_module(1.0)
+    env = TransformedEnv(parts.make_env(), transform)
+    collector = Collector(
+        env,
+        parts.make_policy(0.0),
+        frames_per_batch=20,
+        total_frames=-1,
+        weight_sync_schemes={"transform_module": scheme},
+    )
+    seen = []
+    try:
+        for i, batch in enumerate(_collect(collector, 4)):
+            seen.append(parts.versions_in(batch["next", "observation"]))
+            parts.set_version(trainer_module, i + 2.0)
+            collector.update_policy_weights_(trainer_module, model_id="transform_module")
+            assert scheme.get_sender().worker_versions == {0: i + 1}
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+        local_ray.kill(transform._actor)
+    # The first batch ran on the transform's own weights; each later one on the version sent.
+    assert seen == [{1.0}, {2.0}, {3.0}, {4.0}]
 
 
 def _free_port() -> int:

@@ -12,6 +12,7 @@ import logging
 import time
 
 import pytest
+import torch
 from harness import make_scheme, schemes, start_pipe_worker, stop_pipe_workers
 from harness.workers import build_model, late_worker
 
@@ -24,12 +25,15 @@ pytestmark = pytest.mark.parametrize("scheme_name", schemes(pipes=True))
 class LateWorkers:
     """Pipe workers that call ``init_on_worker`` only after ``delay`` seconds."""
 
-    def __init__(self, scheme_name: str, count: int, delay: float, timeout: float = 30.0) -> None:
+    def __init__(
+        self, scheme_name: str, count: int, delay: float | list[float], timeout: float = 30.0
+    ) -> None:
         self.scheme = make_scheme(scheme_name, timeout)
         self.procs, self.ctrls, pipes = [], [], []
-        for _ in range(count):
+        delays = delay if isinstance(delay, list) else [delay] * count
+        for delay in delays:
             proc, ours, ctrl = start_pipe_worker(
-                late_worker, lambda pipe, ctrl: (self.scheme, "policy", pipe, ctrl, "net", delay)
+                late_worker, lambda pipe, ctrl, delay=delay: (self.scheme, "policy", pipe, ctrl, "net", delay)
             )
             self.procs.append(proc)
             self.ctrls.append(ctrl)
@@ -48,7 +52,7 @@ class LateWorkers:
 def late(request: pytest.FixtureRequest, scheme_name: str):
     made: list[LateWorkers] = []
 
-    def make(count: int, delay: float, timeout: float = 30.0) -> LateWorkers:
+    def make(count: int, delay: float | list[float], timeout: float = 30.0) -> LateWorkers:
         made.append(LateWorkers(scheme_name, count, delay, timeout))
         return made[-1]
 
@@ -113,7 +117,7 @@ def test_a_send_timeout_bounds_the_wait_for_workers_still_starting(
     for wid in (0, 1):
         assert (
             f"worker {wid} (model 'policy') did not announce itself (start, then call init_on_worker() "
-            "for this model) within the send's timeout of 1.5 s"
+            "for this model) within send()'s timeout of 1.5 s"
         ) in message
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
@@ -146,3 +150,66 @@ def test_wait_for_workers_is_the_senders(scheme_name: str) -> None:
     scheme = make_scheme(scheme_name)
     with pytest.raises(RuntimeError, match="wait_for_workers"):
         scheme.wait_for_workers()
+
+
+def _weights(c: LateWorkers, i: int) -> dict:
+    c.ctrls[i].send("state")
+    while True:  # (after its "ready")
+        assert c.ctrls[i].poll(30)
+        reply = c.ctrls[i].recv()
+        if isinstance(reply, dict):
+            return reply
+
+
+def test_a_worker_that_never_started_holds_no_other_back(late) -> None:
+    """Two workers running, a third never announces itself: the send
+    updates the two at once and names only the third, at the deadline."""
+    c = late(3, delay=[0.0, 0.0, 60.0])
+    c.scheme.wait_for_workers([0, 1], timeout=30)
+    sender = c.scheme.get_sender()
+    started = time.monotonic()
+    with pytest.raises(ws.AckTimeoutError) as info:
+        sender.send(timeout=2.0)
+    assert time.monotonic() - started < 3.5
+    assert info.value.worker_ids == (2,), info.value
+    message = str(info.value)
+    assert "worker 2 (model 'policy') did not announce itself" in message
+    assert "worker 0" not in message and "worker 1" not in message
+    assert sender.worker_versions == {0: 1, 1: 1, 2: None}
+    model = c.scheme.model
+    for i in (0, 1):
+        state = _weights(c, i)
+        assert state["applied"] == [1]
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(state["weights"][name], tensor), name
+    # The next send to the two that run takes no wait.
+    assert sender.send(worker_ids=[0, 1], timeout=5).version == 2
+
+
+def test_a_worker_that_announces_itself_during_a_send_joins_it(late) -> None:
+    c = late(3, delay=[0.0, 0.0, 1.5])
+    c.scheme.wait_for_workers([0, 1], timeout=30)
+    report = c.scheme.get_sender().send(timeout=30)
+    assert report.worker_ids == (0, 1, 2) and report.version == 1
+    assert c.scheme.get_sender().worker_versions == {0: 1, 1: 1, 2: 1}
+    assert _weights(c, 2)["applied"] == [1]
+
+
+def test_a_failed_add_worker_leaves_no_member_behind(late) -> None:
+    c = late(1, delay=0.0)
+    sender = c.scheme.get_sender()
+    assert sender.send(timeout=30).version == 1
+    proc, ours, ctrl = start_pipe_worker(
+        late_worker, lambda pipe, ctrl: (c.scheme, "policy", pipe, ctrl, "net", 60.0)
+    )
+    c.procs.append(proc)
+    c.ctrls.append(ctrl)
+    c.pipes.append(ours)
+    with pytest.raises(ws.AckTimeoutError) as info:
+        c.scheme.add_worker(ours, timeout=1.0)
+    assert "worker 1 (model 'policy') did not announce itself" in str(info.value)
+    assert "within add_worker()'s timeout of 1 s" in str(info.value)
+    assert sorted(c.scheme.sender_transports) == [0]
+    started = time.monotonic()
+    assert sender.send(timeout=5).worker_ids == (0,)
+    assert time.monotonic() - started < 1.0

@@ -60,27 +60,37 @@ class Announcements:
         failures: dict[int, WorkerError],
         version: int | None,
         limit: str,
+        first: bool = False,
+        name: bool = True,
     ) -> None:
         """Run ``step(transport)`` for every target concurrently, all under
         ``deadline`` (the loop's clock); each failure goes to ``failures``,
-        and an AckTimeoutError to each target that neither finished nor failed."""
+        and (``name``) an AckTimeoutError to each target that neither
+        finished nor failed by then. ``first``: return as soon as one
+        target finished or failed (the others' steps are cancelled, not
+        failed)."""
         done: set[int] = set()
 
-        async def one(wid: int) -> None:
-            try:
-                await step(self.transports[wid])
-                done.add(wid)
-            except WorkerError as exc:
-                failures[wid] = exc
-
         # One cancel scope for all: the deadline is the same for every worker.
-        with anyio.move_on_after(max(deadline - anyio.current_time(), 0)):
+        with anyio.move_on_after(max(deadline - anyio.current_time(), 0)) as scope:
+
+            async def one(wid: int) -> None:
+                try:
+                    await step(self.transports[wid])
+                    done.add(wid)
+                except WorkerError as exc:
+                    failures[wid] = exc
+                if first:
+                    scope.cancel()
+
             if len(targets) == 1:
                 await one(targets[0])
             else:
                 async with anyio.create_task_group() as group:
                     for wid in targets:
                         group.start_soon(one, wid)
+        if not name or (first and (done or any(w in failures for w in targets))):
+            return
         for wid in targets:
             if wid not in done and wid not in failures:
                 failures[wid] = AckTimeoutError(
@@ -98,12 +108,19 @@ class Announcements:
         version: int | None = None,
         *,
         limit: str | None = None,
-        warn: bool = False,
+        warn: str | None = None,
+        first: bool = False,
+        name: bool = True,
     ) -> dict[int, float]:
         """Wait for every target's announcement (up to ``timeout`` seconds); their times (see
         :meth:`AsyncWeightSender.wait_for_workers`), logging who is still awaited every
-        _PROGRESS_EVERY seconds (``warn``: once at WARNING first, after _WARN_AFTER).
+        _PROGRESS_EVERY seconds (``warn``: once at WARNING first, after _WARN_AFTER, ending
+        with that advice).
         ``limit`` names the timeout in the error (default: wait_for_workers()'s).
+        ``first``: return once one of them has announced itself or failed (a
+        send goes on with those there, the others joining it as they come).
+        ``name=False``: name none of those that did not announce themselves
+        in time (with ``timeout=0``: take the announcements that came).
 
         :raises WorkerError: naming every target that died or was late.
         """
@@ -123,7 +140,7 @@ class Announcements:
         deadline = anyio.current_time() + timeout
         async with anyio.create_task_group() as group:
             group.start_soon(self._log_progress, targets, times, limit, started, warn)
-            await self._each(waiting, announce, deadline, failures, version, limit)
+            await self._each(waiting, announce, deadline, failures, version, limit, first, name)
             group.cancel_scope.cancel()
         if failures:
             for err in failures.values():
@@ -133,22 +150,22 @@ class Announcements:
         return times
 
     async def _log_progress(
-        self, targets: list[int], times: dict[int, float], limit: str, started: float, warn: bool
+        self, targets: list[int], times: dict[int, float], limit: str, started: float, warn: str | None
     ) -> None:
         """Every _PROGRESS_EVERY seconds, until cancelled: which of
         ``targets`` announced themselves (``times``) and which not yet; with
-        ``warn``, once at WARNING first (a send waiting for them)."""
-        if warn:
+        ``warn`` (advice), once at WARNING first (a send waiting for them)."""
+        if warn is not None:
             await anyio.sleep(_WARN_AFTER)
             missing = [w for w in targets if w not in times]
             _log.warning(
                 "weightsync: a send of model %r has waited %.0f s for worker(s) %s to announce "
-                "themselves (it waits at most %s); call scheme.wait_for_workers() once the "
-                "workers are started, before the first send",
+                "themselves (it waits at most %s)%s",
                 self.model_id,
                 time.perf_counter() - started,
                 ", ".join(map(str, missing)),
                 limit,
+                f"; {warn}" if warn else "",
             )
         while True:
             await anyio.sleep(_PROGRESS_EVERY)

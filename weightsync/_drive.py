@@ -120,7 +120,13 @@ class SendIO:
     async def announce(self, action: Announce) -> dict[int, WorkerError]:
         try:
             await self.announcements.announced(
-                action.targets, action.timeout, action.version, limit=action.limit, warn=True
+                action.targets,
+                action.timeout,
+                action.version,
+                limit=action.limit,
+                warn=action.advice,
+                first=action.first,
+                name=action.name,
             )
         except WorkerError as exc:
             return dict(exc.failures)

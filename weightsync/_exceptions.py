@@ -340,3 +340,11 @@ def import_extra(module: str, *, extra: str, needed_by: str, model_id: str | Non
             module=module,
             model_id=model_id,
         ) from exc
+
+
+# Every error here is public (re-exported by the package): tracebacks and
+# reprs name it as users import it, ``weightsync.WorkerLostError``, and a
+# pickled one (a worker's error crossing a pipe) is found there too.
+for _name in __all__:
+    globals()[_name].__module__ = "weightsync"
+del _name

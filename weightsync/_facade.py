@@ -29,7 +29,7 @@ from ._loops import NEEDS_LOOP
 from ._packet import DEFAULT_TIMEOUT
 from ._receiver import AsyncWeightReceiver
 from ._runtime import RUNTIME
-from ._send import STAGED, Action, SendMachine
+from ._send import STAGED, Action, SendMachine, refuse_options
 from ._sender import AsyncWeightSender, Keys, SendOptions, SendReport
 from ._stepguard import StepGuard
 
@@ -124,6 +124,7 @@ class WeightSender:
         keys: Keys | None = None,
         partial: bool = False,
         verify: bool | None = None,
+        **unknown: Any,
     ) -> SendReport:
         """Send and block until every targeted worker applied and acked.
 
@@ -134,6 +135,7 @@ class WeightSender:
         :raises BlockingCallError: called inside a coroutine, before
             anything is staged (await :meth:`AsyncWeightSender.send` there).
         """
+        refuse_options(unknown, "send()")
         self._refuse_in_coroutine("send()", "send(...)")
         self._check("send()")
         machine = self._sender.machine(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
@@ -171,6 +173,7 @@ class WeightSender:
         keys: Keys | None = None,
         partial: bool = False,
         verify: bool | None = None,
+        **unknown: Any,
     ) -> SendHandle:
         """Start a send and return once the weights are staged; :meth:`wait_async`
         (or the handle returned) gathers the acks. Arguments as :meth:`send`.
@@ -192,10 +195,13 @@ class WeightSender:
         :raises BlockingCallError: called inside a coroutine, before
             anything is staged (await :meth:`AsyncWeightSender.send_async` there).
         """
+        refuse_options(unknown, "send_async()")
         self._refuse_in_coroutine("send_async()", "send_async(...) (it returns once staged)")
         self._check("send_async()")
         try:
-            machine = self._sender.machine(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
+            machine = self._sender.machine(
+                weights, worker_ids, SendOptions(timeout, keys, partial, verify, "send_async()")
+            )
             self._drive(machine, None, until_staged=True)
         except Exception as exc:
             # As torchrl's send_async: the send's errors come from wait_async().
@@ -241,13 +247,39 @@ class WeightSender:
             )
         return self._pending.wait(timeout)
 
-    def add_worker(self, worker_id: int, transport: Any) -> None:
-        """See :meth:`AsyncWeightSender.add_worker` (schemes call it).
+    def add_worker(
+        self,
+        worker_id: int,
+        transport: Any,
+        *,
+        send: bool = False,
+        weights: Any = None,
+        timeout: float | None = None,
+    ) -> SendReport | None:
+        """See :meth:`AsyncWeightSender.add_worker` (schemes call it). With
+        ``send``, the new worker alone then gets ``weights`` (None: the
+        model), and this blocks until it applied them (its report). A
+        worker that does not (it never announced itself, died, or cannot
+        take them) is removed again before the error is raised: no member
+        is left behind to hold back later sends.
 
+        :raises WorkerError: the new worker did not apply the weights in ``timeout``.
         :raises BlockingCallError: called inside a coroutine."""
         self._refuse_in_coroutine("add_worker()", "add_worker(...)")
         self._check("add_worker()")
         RUNTIME.call(self._sender.add_worker, worker_id, transport)
+        if not send:
+            return None
+        try:
+            machine = self._sender.machine(
+                weights, [worker_id], SendOptions(timeout=timeout, call="add_worker()")
+            )
+            report: SendReport = self._drive(machine, None)
+            return report
+        except BaseException:
+            with contextlib.suppress(Exception):
+                RUNTIME.call(self._sender.remove_worker, worker_id)
+            raise
 
     def remove_worker(self, worker_id: int) -> None:
         """Stop sending to ``worker_id``; see :meth:`AsyncWeightSender.remove_worker`.
@@ -281,7 +313,6 @@ class WeightSender:
                 RUNTIME.call(self._sender.aclose)
         finally:
             RUNTIME.release()
-
 
     def close_at_exit(self) -> None:
         """:meth:`shutdown` as the interpreter exits with this sender open:

@@ -19,7 +19,7 @@ from ._copy import WireCast, usable_cores
 from ._digest import digests
 from ._exceptions import WeightMismatchError
 from ._memory._placement import Placement, devices_of, on_gpu
-from ._packet import Manifest, Packet, describe_mismatch, signature_of
+from ._packet import Manifest, Packet, signature_of
 from ._strategy import ModuleReads
 from ._transports._base import Staging
 
@@ -92,8 +92,11 @@ class Packer:
             names = [keys] if isinstance(keys, str) else list(keys)
             unknown = [n for n in names if n not in tensors]
             if unknown:
+                valid = list(tensors)
+                shown = ", ".join(valid[:20]) + (f", ... ({len(valid)} in all)" if len(valid) > 20 else "")
                 raise WeightMismatchError(
-                    describe_mismatch([], unknown, [], where="the weights sent (keys=)"),
+                    f"keys= names {', '.join(map(repr, unknown))}, which the weights of model "
+                    f"{self.model_id!r} do not hold; they hold: {shown}",
                     model_id=self.model_id,
                 )
             chosen = {name: tensors[name] for name in names}

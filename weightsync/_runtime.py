@@ -119,7 +119,20 @@ def _blocked_coroutine() -> str | None:
             module = frame.f_globals.get("__name__", "")
             if code.co_name == "<module>" or module.partition(".")[0] in _NOTEBOOK_PACKAGES:
                 return None
-            return getattr(code, "co_qualname", code.co_name)
+            qualname: str | None = getattr(code, "co_qualname", None)  # Python 3.11+
+            if qualname is not None:
+                return qualname
+            # Python 3.10: only the coroutine (or async generator) object has the
+            # qualified name; it is on the task's await chain, whose link is its frame.
+            awaited: Any = task.get_coro()
+            for _ in range(1000):  # bounded: an await chain never loops, but stay safe
+                if awaited is None:
+                    break
+                if frame in (getattr(awaited, a, None) for a in ("cr_frame", "ag_frame", "gi_frame")):
+                    return str(awaited.__qualname__)
+                links = (getattr(awaited, a, None) for a in ("cr_await", "ag_await", "gi_yieldfrom"))
+                awaited = next((link for link in links if link is not None), None)
+            return code.co_name
         frame = frame.f_back
     coro = task.get_coro()
     return getattr(coro, "__qualname__", None) or task.get_name()
@@ -205,22 +218,22 @@ class _Job:
     future: concurrent.futures.Future[Any]
 
 
-async def _run_job(job: _Job, running: dict[concurrent.futures.Future[Any], asyncio.Task[Any]]) -> None:
+async def _run_job(job: _Job, running: dict[concurrent.futures.Future[Any], anyio.CancelScope]) -> None:
     if not job.future.set_running_or_notify_cancel():
         return
-    task = asyncio.current_task()
-    assert task is not None
-    running[job.future] = task
-    try:
-        result = await job.func(*job.args)
-    except BaseException as exc:
-        job.future.set_exception(exc)
-        if not isinstance(exc, Exception):
-            raise  # a cancellation goes on
-    else:
-        job.future.set_result(result)
-    finally:
-        running.pop(job.future, None)
+    # A scope of its own: Runtime.cancel stops this job, not the loop thread.
+    with anyio.CancelScope() as scope:
+        running[job.future] = scope
+        try:
+            result = await job.func(*job.args)
+        except BaseException as exc:
+            job.future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise  # a cancellation goes on (to this job's scope, or the thread's)
+        else:
+            job.future.set_result(result)
+        finally:
+            running.pop(job.future, None)
 
 
 class Runtime:
@@ -235,7 +248,7 @@ class Runtime:
         self._local = threading.local()
         self._private: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
         # The background jobs the loop thread runs now, by their future.
-        self._running: dict[concurrent.futures.Future[Any], asyncio.Task[Any]] = {}
+        self._running: dict[concurrent.futures.Future[Any], anyio.CancelScope] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- the loop thread ---------------------------------------------------
@@ -336,10 +349,10 @@ class Runtime:
         with the job's own outcome."""
         if future.cancel() or future.done():
             return
-        task, loop = self._running.get(future), self._loop
-        if task is not None and loop is not None:
+        scope, loop = self._running.get(future), self._loop
+        if scope is not None and loop is not None:
             with contextlib.suppress(RuntimeError):  # (the loop just ended)
-                loop.call_soon_threadsafe(task.cancel)
+                loop.call_soon_threadsafe(scope.cancel)
         concurrent.futures.wait([future], timeout)
 
     # -- blocking calls ----------------------------------------------------

@@ -25,7 +25,14 @@ from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ._exceptions import AckTimeoutError, WeightSyncStateError, WorkerError, combine_worker_errors
+from ._exceptions import (
+    AckTimeoutError,
+    WeightMismatchError,
+    WeightSyncStateError,
+    WorkerApplyError,
+    WorkerError,
+    combine_worker_errors,
+)
 from ._memory._placement import Placement, caller_stream, route
 from ._packet import Packet
 from ._packing import Keys, Packer
@@ -33,6 +40,7 @@ from ._targets import Workers
 
 __all__ = [
     "STAGED",
+    "refuse_options",
     "Action",
     "Announce",
     "Deliver",
@@ -60,10 +68,35 @@ class SendOptions:
     keys: Keys | None = None
     partial: bool = False
     verify: bool | None = None
+    #: The public call that made the send, as its errors name it.
+    call: str = "send()"
 
 
 #: The options of a send that gives none.
 DEFAULTS = SendOptions()
+
+# What a scheme takes when it is made, not per send.
+_SCHEME_OPTIONS = {
+    "delta": "delta sends are chosen when the scheme is made, for the cross-host schemes: "
+    "DistributedWeightSyncScheme(delta=True) or RayWeightSyncScheme(delta=True)",
+    "wire_dtype": "the wire dtype is chosen when the scheme is made: e.g. "
+    "MultiProcessWeightSyncScheme(wire_dtype=torch.bfloat16)",
+}
+
+
+def refuse_options(unknown: Mapping[str, Any], call: str) -> None:
+    """A ``TypeError`` for keyword arguments a send does not take, naming
+    those it takes (and, for a scheme's option, where it goes).
+
+    :raises TypeError: ``unknown`` is not empty.
+    """
+    if not unknown:
+        return
+    name = next(iter(unknown))
+    taken = "weights, worker_ids, timeout, keys, partial, verify"
+    where = _SCHEME_OPTIONS.get(name)
+    message = f"{call} got an unexpected keyword argument {name!r}; it takes {taken}"
+    raise TypeError(message + (f". {where}" if where else ""))
 
 
 @dataclass(frozen=True)
@@ -104,14 +137,22 @@ class SendReport:
 
 class Announce(NamedTuple):
     """Wait (up to ``timeout`` seconds: what is left of the send's deadline)
-    until every one of ``targets`` has announced itself. Feed back {worker:
-    its WorkerError} for those that died or were late (empty: all did);
-    ``limit`` names the timeout that applied, for the error."""
+    until one of ``targets`` has announced itself or failed, or the
+    deadline passed. Feed back {worker: its WorkerError} for those that
+    died, or, at the deadline, did not announce themselves; ``limit``
+    names the timeout that applied, and ``advice`` what to do, for the
+    log and the error."""
 
     targets: list[int]
     timeout: float
     version: int
     limit: str
+    advice: str
+    #: Return once one target announced itself (or failed), not all.
+    first: bool = True
+    #: Name those that did not announce themselves by the deadline (False:
+    #: only take the announcements that came).
+    name: bool = True
 
 
 class Write(NamedTuple):
@@ -353,21 +394,27 @@ class SendMachine:
             self._release()
 
     def _leg(self, weights: Any, targets: list[int], *, last: bool) -> Generator[Action, Any, None]:
-        """Send ``weights`` to ``targets``: announce, read, stage, tell, gather."""
+        """Send ``weights`` to ``targets``: read, announce, stage, tell, gather.
+
+        Every worker's layout must be known before it is sent anything, so
+        a mismatch is refused with no worker touched. The leg goes on with
+        the targets that announced themselves; if none has, it waits for
+        the first. Those still starting join it as they announce
+        themselves, within the send's one deadline, from the bytes already
+        staged: one that never does is named at the deadline, and holds no
+        other back."""
         sends, workers = self._sends, self._workers
         transports = workers.transports
         started = time.perf_counter()
-        # Every target's layout must be known before anything is staged, so a
-        # mismatch is refused with no worker touched. Workers still starting
-        # are waited for first, within the send's one deadline.
-        for wid in targets:
-            if transports[wid].layout is None:
-                left = max(self.deadline - self._clock(), 0.0)
-                limit = f"the send's timeout of {self.timeout:g} s"
-                self.failures.update((yield Announce(targets, left, sends.version + 1, limit)))
-                self.announce_seconds += time.perf_counter() - started
-                break
-        staging_started = time.perf_counter()
+
+        def there() -> list[int]:
+            return [w for w in targets if w not in self.failures and transports[w].layout is not None]
+
+        def starting() -> list[int]:
+            return [w for w in targets if w not in self.failures and transports[w].layout is None]
+
+        # The weights are read first: weights that cannot be sent are
+        # refused at once, not once the workers are there.
         options = self.options
         packet = sends.packer.packet(
             sends.version + 1,
@@ -377,18 +424,25 @@ class SendMachine:
             partial=options.partial,
             stream=self._stream,
         )
+        read_seconds = time.perf_counter() - started
+        waited = bool(starting())
+        if waited:
+            # Announcements that came already are read first: each worker
+            # known before the staging is checked before anything moves.
+            yield from self._announced(starting(), share=0.0)
+        while starting() and not there():
+            yield from self._announced(starting())
+        if starting() and sends.handler:
+            # A chain carries a send once: wait for the rest too, but for
+            # half what is left at most, so those there are still updated.
+            yield from self._announced(starting(), share=0.5)
+        if waited:
+            self.announce_seconds += time.perf_counter() - started - read_seconds
+        staging_started = time.perf_counter() - read_seconds
         self.version = packet.version
-        reachable = workers.check_layouts(packet, [w for w in targets if w not in self.failures])
+        reachable = workers.check_layouts(packet, there())
         # How each one is reached: decided here, once, for the staging and the report.
-        placements = {
-            w: route(
-                packet.devices,
-                transports[w].devices,
-                transports[w].reach,
-                device_staging=sends.on_device and not self.verify,
-            )
-            for w in reachable
-        }
+        placements = {w: self._route(packet, w) for w in reachable}
         if reachable:
             packet = yield Write(packet, self.verify, placements)
             sends.version = packet.version  # bytes moved: the version is used
@@ -396,12 +450,93 @@ class SendMachine:
         if last:
             self.staged_seconds = time.perf_counter() - (staging_started if self._each is None else started)
             yield STAGED
-        if not reachable:
-            return
-        yield from (self._hand_over if sends.handler else self._gather)(packet, reachable)
+        if reachable:
+            yield from self._carry(packet, reachable, placements)
+        # Those still starting: each joins as it announces itself.
+        late = starting()
+        while late:
+            late = yield from self._join(packet, late, placements)
+
+    def _announced(self, waiting: list[int], share: float | None = None) -> Generator[Action, Any, None]:
+        """Wait until one of ``waiting`` has announced itself (or failed),
+        or, at the deadline, name each that did not. ``share``: wait for
+        all of them, for that share of what is left of the deadline (0:
+        only take the announcements that came; none is named)."""
+        left = max(self.deadline - self._clock(), 0.0)
+        call = self.options.call
+        limit = f"{call}'s timeout of {self.timeout:g} s"
+        if share is not None:
+            left *= share
+            limit = f"{left:.3g} s, the share of {limit} left to wait for workers still starting"
+        advice = (
+            "call scheme.wait_for_workers() once the workers are started, before the first send"
+            if call == "send()"
+            else ""
+        )
+        action = Announce(
+            waiting, left, self._sends.version + 1, limit, advice, first=share is None, name=share != 0.0
+        )
+        self.failures.update((yield action))
+
+    def _route(self, packet: Packet, worker_id: int) -> Placement:
+        transport = self._workers.transports[worker_id]
+        return route(
+            packet.devices,
+            transport.devices,
+            transport.reach,
+            device_staging=self._sends.on_device and not self.verify,
+        )
+
+    def _carry(
+        self, packet: Packet, reachable: list[int], placements: Mapping[int, Placement]
+    ) -> Generator[Action, Any, None]:
+        """Carry the staged ``packet`` to ``reachable`` and record who acked."""
+        yield from (self._hand_over if self._sends.handler else self._gather)(packet, reachable)
         self._late(packet, reachable)
-        workers.record(packet, reachable, [w for w in reachable if w in self.failures])
-        self.placements.update((w, p.value) for w, p in placements.items())
+        self._workers.record(packet, reachable, [w for w in reachable if w in self.failures])
+        self.placements.update((w, placements[w].value) for w in reachable)
+
+    def _join(
+        self, packet: Packet, late: list[int], placements: dict[int, Placement]
+    ) -> Generator[Action, Any, list[int]]:
+        """Wait for one of ``late`` to announce itself and send it ``packet``
+        as staged; those still awaited. A chain carries one send once: there,
+        a worker that announced itself once the chain had left gets the next
+        send, and is named now."""
+        yield from self._announced(late)
+        transports = self._workers.transports
+        joined = [w for w in late if w not in self.failures and transports[w].layout is not None]
+        written = {p for p in placements.values()}
+        fits: list[int] = []
+        for wid in joined:
+            why = None
+            try:
+                self._workers.check_layouts(packet, [wid])
+            except (WeightMismatchError, WeightSyncStateError) as exc:
+                why = str(exc)
+            else:
+                placement = self._route(packet, wid)
+                if self._sends.handler:
+                    why = "it announced itself once the send's chain had left; it gets the next send"
+                elif placement not in written:
+                    why = (
+                        f"it announced itself once the weights were staged for other workers, and is "
+                        f"reached another way ({placement.value}); it gets the next send"
+                    )
+                else:
+                    placements[wid] = placement
+                    fits.append(wid)
+            if why is not None:
+                self.failures[wid] = WorkerApplyError(
+                    f"worker {wid} (model {self.model_id!r}) was not sent version {packet.version}: {why}",
+                    worker_id=wid,
+                    model_id=self.model_id,
+                    version=packet.version,
+                    worker_message=why,
+                )
+        if fits:
+            yield from self._carry(packet, fits, placements)
+        return [w for w in late if w not in self.failures and w not in placements]
 
     def _gather(self, packet: Packet, reachable: list[int]) -> Generator[Action, Any, None]:
         """Tell every reachable worker, then gather their acks: by
@@ -456,7 +591,8 @@ class SendMachine:
                 why = self._workers.transports[wid].why_late()
                 self.failures[wid] = AckTimeoutError(
                     f"worker {wid} (model {self.model_id!r}) did not ack version {packet.version} "
-                    f"within the send's timeout of {self.timeout:g} s" + (f": {why}" if why else ""),
+                    f"within {self.options.call}'s timeout of {self.timeout:g} s"
+                    + (f": {why}" if why else ""),
                     worker_id=wid,
                     model_id=self.model_id,
                     version=packet.version,

@@ -24,7 +24,7 @@ from ._exceptions import WeightSyncStateError
 from ._loops import require_asyncio
 from ._packet import DEFAULT_TIMEOUT
 from ._packing import Keys, Packer
-from ._send import STAGED, Action, SendMachine, SendOptions, SendReport, Sends
+from ._send import STAGED, Action, SendMachine, SendOptions, SendReport, Sends, refuse_options
 from ._strategy import WeightStrategy
 from ._targets import Workers
 from ._transports._base import EVERY_VERSION, DeviceAwareStaging, SenderTransport, SendHandler, Staging
@@ -298,6 +298,7 @@ class AsyncWeightSender:
         keys: Keys | None = None,
         partial: bool = False,
         verify: bool | None = None,
+        **unknown: Any,
     ) -> SendReport:
         """Send weights and return once every targeted worker applied and acked them.
 
@@ -339,6 +340,7 @@ class AsyncWeightSender:
             or a partial update targets a worker that has not
             applied a whole one (or missed a send since; nothing was sent).
         """
+        refuse_options(unknown, "send()")
         require_asyncio(self.model_id)
         self._refuse_while_pending("send()")
         machine = self.machine(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
@@ -355,6 +357,7 @@ class AsyncWeightSender:
         keys: Keys | None = None,
         partial: bool = False,
         verify: bool | None = None,
+        **unknown: Any,
     ) -> PendingSend:
         """Start a send and return once the weights are staged: copied out
         of ``weights`` into the staging (a shared segment or slot, Ray's
@@ -373,9 +376,12 @@ class AsyncWeightSender:
 
         :raises WeightSyncStateError: a send_async() is pending (nothing was staged).
         """
+        refuse_options(unknown, "send_async()")
         require_asyncio(self.model_id)
         self._refuse_while_pending("send_async()")
-        machine = self.machine(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
+        machine = self.machine(
+            weights, worker_ids, SendOptions(timeout, keys, partial, verify, "send_async()")
+        )
         await drive(machine, self.io, until_staged=True)
         self._pending = PendingSend(self, machine, self.io, STAGED)
         return self._pending

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ModuleReads",
+    "is_dtensor",
+    "refuse_sharded",
     "WeightStrategy",
     "flat_weights",
     "is_tensordict",
@@ -93,6 +95,62 @@ def _resolve_source(source: Any, context: Any, model_id: str | None) -> Any:
     return model
 
 
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (one rank's
+    shard of a tensor sharded over a device mesh: FSDP2's ``fully_shard``,
+    tensor parallelism). Never imports torch.distributed: where it is not
+    imported, no DTensor exists."""
+    if type(value) is torch.Tensor or type(value) is nn.Parameter:
+        return False  # (the common case, in two pointer compares)
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None) if module is not None else None
+    return dtensor is not None and isinstance(value, dtensor)
+
+
+def _values(source: Any, prefix: str = "") -> dict[str, Any]:
+    """The values of a module's state dict, a TensorDict or a nested
+    mapping, by dotted name, as they are (nothing checked)."""
+    if isinstance(source, nn.Module):
+        return dict(source.state_dict(keep_vars=True))
+    if is_tensordict(source):
+        return {str(k): v for k, v in source.flatten_keys(".").items()}
+    out: dict[str, Any] = {}
+    if isinstance(source, Mapping):
+        for key, value in source.items():
+            if not isinstance(value, torch.Tensor) and (isinstance(value, Mapping) or is_tensordict(value)):
+                out.update(_values(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+    return out
+
+
+def refuse_sharded(source: Any, model_id: str | None, *, side: str, flat: bool = False) -> None:
+    """Refuse weights (a module, a TensorDict, a mapping of tensors; anything
+    else passes) that hold DTensors, naming them: a DTensor's storage holds
+    one rank's shard, never the global tensor its shape describes, so
+    reading it as a whole one would copy out of bounds. ``side`` says whose
+    they are ("the trainer's" or "the worker's"); ``flat``: ``source`` is
+    a flat dict of tensors already (a read of the weights).
+
+    :raises InvalidWeightsError: a value is a DTensor.
+    """
+    tensors = source if flat else _values(source)
+    sharded = [name for name, value in tensors.items() if is_dtensor(value)]
+    if not sharded:
+        return
+    first = tensors[sharded[0]]
+    shown = ", ".join(sharded[:3]) + (f", ... ({len(sharded)} in all)" if len(sharded) > 3 else "")
+    raise InvalidWeightsError(
+        f"{side} weights of model {model_id!r} are sharded: {shown} are DTensors (FSDP2's fully_shard or "
+        f"tensor parallelism; {sharded[0]!r} is {tuple(first.shape)} over placements "
+        f"{tuple(first.placements)}), and this rank holds only its shard of each. weightsync's "
+        "schemes send from one process and apply to whole tensors: gather the weights first, on every "
+        "rank of the mesh (full = {name: t.full_tensor() for name, t in model.state_dict().items()}), "
+        "and send them from one rank (send(full)); a worker gets a model of whole tensors",
+        model_id=model_id,
+    )
+
+
 def _check_tensor(name: str, value: Any, model_id: str | None) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise InvalidWeightsError(
@@ -144,8 +202,8 @@ def flat_weights(source: Any, *, context: Any = None, model_id: str | None = Non
     source = _resolve_source(source, context, model_id)
     out: dict[str, torch.Tensor] = {}
     if isinstance(source, nn.Module):
-        return _checked(source.state_dict(keep_vars=True), model_id)
-    if is_tensordict(source):
+        out = _checked(source.state_dict(keep_vars=True), model_id)
+    elif is_tensordict(source):
         for name, value in source.flatten_keys(".").items():
             out[name] = _check_tensor(str(name), value, model_id)
     elif isinstance(source, Mapping):
@@ -156,6 +214,7 @@ def flat_weights(source: Any, *, context: Any = None, model_id: str | None = Non
             "expected None, nn.Module, TensorDict or a dict of tensors",
             model_id=model_id,
         )
+    refuse_sharded(out, model_id, side="the trainer's", flat=True)
     return out
 
 
@@ -210,6 +269,7 @@ class ModuleReads:
         ):
             return last[3]
         out = _checked(live, model_id)
+        refuse_sharded(out, model_id, side="the trainer's", flat=True)
         self._last = None if where is None else (source, names, where, out)
         return out
 

@@ -55,7 +55,7 @@ def main(mode: str) -> None:
     pipes, procs = [], []
     for _ in range(2):
         ours, theirs = ctx.Pipe()
-        nap = 2.0 if mode == "pending" else 0.0
+        nap = 1.0 if mode == "pending" else 0.0
         procs.append(ctx.Process(target=collector, args=(scheme, theirs, nap)))
         procs[-1].start()
         pipes.append(ours)

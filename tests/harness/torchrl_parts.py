@@ -99,3 +99,12 @@ def perturb(policy: nn.Module, generator: torch.Generator) -> None:
     with torch.no_grad():
         for param in policy.parameters():
             param.add_(torch.randn(param.shape, generator=generator))
+
+
+def make_transform_module(version: float = 0.0) -> TensorDictModule:
+    """The module of a ``RayModuleTransform``: it replaces each observation
+    with its version, so ``batch["next", "observation"]`` names the version
+    of the transform's weights that produced it."""
+    module = TensorDictModule(nn.Linear(SIZE, SIZE), in_keys=["observation"], out_keys=["observation"])
+    set_version(module, version)
+    return module

@@ -2,7 +2,8 @@
 entry point that builds each side. One module per scheme family, laid out
 like the transports: ``_base`` (``WeightSyncScheme``, the whole public
 surface), ``_pipes`` (multiprocess, shared memory, in-process), ``_ray``,
-``_distributed`` (torch.distributed) and ``_none``.
+``_distributed`` (torch.distributed) and ``_none``; ``_ray_transform``
+(the module of a torchrl ``RayModuleTransform``) builds on ``_ray``.
 """
 
 from ._base import WeightSyncScheme, register_with_torchrl
@@ -10,12 +11,14 @@ from ._distributed import DistributedWeightSyncScheme
 from ._none import NoWeightSyncScheme
 from ._pipes import InProcessWeightSyncScheme, MultiProcessWeightSyncScheme, SharedMemWeightSyncScheme
 from ._ray import RayWeightSyncMixin, RayWeightSyncScheme
+from ._ray_transform import RayModuleTransformScheme
 
 __all__ = [
     "DistributedWeightSyncScheme",
     "InProcessWeightSyncScheme",
     "MultiProcessWeightSyncScheme",
     "NoWeightSyncScheme",
+    "RayModuleTransformScheme",
     "RayWeightSyncMixin",
     "RayWeightSyncScheme",
     "SharedMemWeightSyncScheme",

@@ -24,8 +24,9 @@ from .._exceptions import WeightSyncStateError
 from .._exit import close_at_exit
 from .._facade import WeightReceiver, WeightSender
 from .._receiver import AsyncWeightReceiver
+from .._send import refuse_options
 from .._sender import DEFAULT_TIMEOUT, AsyncWeightSender, Keys, SendReport
-from .._strategy import WeightStrategy, model_of, model_tensors
+from .._strategy import WeightStrategy, model_of, model_tensors, refuse_sharded
 from .._torchrl import is_torchrl_collector
 from .._torchrl import register_with_torchrl as _register
 from .._transports._base import Applier, SenderTransport, Staging, WorkerEndpoint
@@ -387,6 +388,14 @@ class _SchemeState:
         """How to build this worker's endpoint, given its receiver."""
         raise NotImplementedError
 
+    def _refuse_sharded(self, model: Any, side: str) -> None:
+        """Refuse a sharded model (one that holds DTensors) before anything
+        is made: this scheme reads and writes whole tensors in one process.
+
+        :raises InvalidWeightsError: naming the sharded tensors and what to do.
+        """
+        refuse_sharded(model, self._model_id, side=side)
+
     def _initialised(self) -> bool:
         return self._async_sender is not None or self._async_receiver is not None
 
@@ -486,6 +495,11 @@ class _SenderSide(_SchemeState):
         if self._model is None and not self.per_worker_weights:
             self._model = _factory_model(context, self._model_id)
             self._model_given = self._model is not None
+        try:
+            self._refuse_sharded(self._model, "the trainer's")
+        except BaseException:
+            self._reset()  # nothing was made: the scheme may be initialised again
+            raise
         transports, staging = self._sender_side(context, kwargs)
         self._async_sender = AsyncWeightSender(
             model_id=self._model_id,
@@ -565,7 +579,8 @@ class _SenderSide(_SchemeState):
 
         :raises ValueError: a bad ``worker_id`` or channel.
         :raises WorkerError: the new worker did not apply the weights (it
-            stays a worker: later sends go to it).
+            never announced itself, died, or cannot take them): it is
+            removed again, and later sends do not wait for it.
         :raises RuntimeError: before ``init_on_sender``, or during a send.
         """
         sender = self.get_sender()
@@ -573,9 +588,9 @@ class _SenderSide(_SchemeState):
             raise ValueError(f"worker_id must be an int >= 0, not {worker_id!r}")
         known = self.sender_transports
         wid = worker_id if worker_id is not None else max(known, default=-1) + 1
-        sender.add_worker(wid, self._new_transport(wid, channel, replaces=wid in known))
-        if weights is not None or (sender.async_sender.version > 0 and self._holds_a_model()):
-            sender.send(weights, [wid], timeout=timeout)
+        initial = weights is not None or (sender.async_sender.version > 0 and self._holds_a_model())
+        transport = self._new_transport(wid, channel, replaces=wid in known)
+        sender.add_worker(wid, transport, send=initial, weights=weights, timeout=timeout)
         return wid
 
     def remove_worker(self, worker_id: int) -> None:
@@ -604,10 +619,12 @@ class _SenderSide(_SchemeState):
         keys: Keys | None = None,
         partial: bool = False,
         verify: bool | None = None,
+        **unknown: Any,
     ) -> SendReport | None:
         """Blocking send to ``worker_ids`` (default all), whole or partial
         (``keys=``, ``partial=True``), checked end to end with ``verify``;
         see :meth:`WeightSender.send`."""
+        refuse_options(unknown, "send()")
         return self.get_sender().send(
             weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
         )
@@ -642,6 +659,11 @@ class _WorkerSide(_SchemeState):
                 f"init_on_receiver needs the model to update: pass model=..., or a context with get_model(), "
                 f".model or an attribute {self._model_id!r}"
             )
+        try:
+            self._refuse_sharded(self._model, "the worker's")
+        except BaseException:
+            self._reset()
+            raise
         self._initial_pending = self._waits_for_initial_weights()
         endpoint = self._receiver_side(context, kwargs)
         device = kwargs.get("device", getattr(context, "policy_device", None))

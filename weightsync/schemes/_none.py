@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from .._send import refuse_options
 from .._sender import Keys
 from .._transports._base import SenderTransport, Staging
 from .._transports._none import NoEndpoint, NoTransport
@@ -20,6 +21,9 @@ class NoWeightSyncScheme(WeightSyncScheme):
     """
 
     _needs_model = False
+
+    def _refuse_sharded(self, model: Any, side: str) -> None:
+        """Nothing is read or written: a sharded model is as good as any."""
 
     def _sender_side(
         self, context: Any, kwargs: dict[str, Any]
@@ -56,8 +60,10 @@ class NoWeightSyncScheme(WeightSyncScheme):
         keys: Keys | None = None,
         partial: bool = False,
         verify: bool | None = None,
+        **unknown: Any,
     ) -> None:
         """No-op send: does nothing."""
+        refuse_options(unknown, "send()")
         return None
 
     def receive(self, timeout: float | None = None) -> None:

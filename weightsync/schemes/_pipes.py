@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .._send import refuse_options
 from .._sender import DEFAULT_TIMEOUT, Keys, SendReport
 from .._transports._base import SenderTransport, Staging
 from .._transports._pipes._copy_staging import CopyReader, SegmentStaging
@@ -99,6 +100,7 @@ class _PipeScheme(WeightSyncScheme):
         keys: Keys | None = None,
         partial: bool = False,
         verify: bool | None = None,
+        **unknown: Any,
     ) -> SendReport | None:
         """As :meth:`WeightSyncScheme.send`. Under ``sync=False`` it is
         ``get_sender().send_async(...)`` and returns None once the weights
@@ -106,6 +108,7 @@ class _PipeScheme(WeightSyncScheme):
         that send are gathered by the next ``send()`` (which raises them
         before sending anything), by ``get_sender().wait_async()``, or by
         ``shutdown()`` (which ignores them)."""
+        refuse_options(unknown, "send()")
         if self.sync:
             return super().send(
                 weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
