@@ -18,6 +18,7 @@ LAYERS: list[set[str]] = [
     {"_memory._views"},
     {
         "_copy",
+        "_plan",
         "_offload",
         "_loops",
         "_readiness",

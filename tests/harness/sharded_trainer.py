@@ -116,12 +116,35 @@ def cases(model: nn.Module) -> dict[str, Callable[[], Any]]:
     }
 
 
+def layout_mismatches(model: nn.Module, rank: int) -> list[str]:
+    """Where weightsync's reading of a DTensor's layout (its box of the
+    global tensor, from the mesh and placements alone) differs from the
+    shard torch holds on this rank: FSDP2's parameters, and a tensor
+    sharded along its columns (uneven)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from weightsync._plan import layout_of
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(1)
+    tensors = dict(model.state_dict())
+    tensors["columns"] = distribute_tensor(torch.randn(4, 5), mesh, [Shard(1)])
+    wrong = []
+    for name, tensor in tensors.items():
+        box = layout_of(tensor).box(rank)
+        whole = tensor.full_tensor()  # (the test's reference, outside weightsync)
+        piece = whole[tuple(slice(lo, hi) for lo, hi in box)]
+        if not torch.equal(piece, tensor.to_local()):
+            wrong.append(f"{name}: box {box}, local shape {tuple(tensor.to_local().shape)}")
+    return wrong
+
+
 def rank_main(rank: int, world: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         init_device_mesh("cpu", (world,))
         model = sharded_mlp()
-        results: dict[str, list[str]] = {}
+        results: dict[str, list[str]] = {"layouts": layout_mismatches(model, rank)}
         for name, case in cases(model).items():
             try:
                 case()
