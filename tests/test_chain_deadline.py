@@ -11,14 +11,14 @@ import time
 
 import pytest
 
-from weightsync._transports._chain._gloo import ChainBroken
+from weightsync._transports._chain._pipeline import ChainBroken
 
 
 def test_a_chain_starts_no_frame_once_its_send_is_over() -> None:
     """Once the trainer is done with a send (every worker answered, or it
     was interrupted), its chain starts no further frame: it ends within the
     frame in flight (a wait gloo cannot cut short but by its timeout)."""
-    from weightsync._transports._chain._gloo import _within
+    from weightsync._transports._chain._pipeline import _within
 
     assert _within(5.0, None, "sending frame 1 of 8") == 5.0
     assert 0 < _within(5.0, time.monotonic() + 1.0, "sending frame 1 of 8") <= 1.0

@@ -664,7 +664,7 @@ def test_the_first_frame_leaves_before_the_last_chunk_is_encoded() -> None:
     every frame is a batch of its own: this update's frames are smaller
     than one batch together)."""
     from weightsync._delta import HEADER_SIZE
-    from weightsync._transports._chain._gloo import send_frames
+    from weightsync._transports._chain._pipeline import send_frames
 
     events: list[str] = []
 
@@ -703,7 +703,8 @@ def test_frames_cross_a_real_gloo_chain_in_batches_bit_exact(batch_bytes: int) -
     import torch.distributed as dist
 
     from weightsync._delta import HEADER_SIZE, read_header
-    from weightsync._transports._chain._gloo import gloo_group, relay_frames, send_frames
+    from weightsync._transports._chain._gloo import gloo_group
+    from weightsync._transports._chain._pipeline import relay_frames, send_frames
 
     v0, v1 = _trajectory("bf16-lr1e-5", 1)
     encoder = DeltaEncoder(v0.nbytes, 2, chunk_bytes=CHUNK)
@@ -759,7 +760,8 @@ def test_a_damaged_batch_head_is_a_broken_hop_named_as_such() -> None:
     import torch.distributed as dist
 
     from weightsync._delta import HEADER_SIZE, read_header
-    from weightsync._transports._chain._gloo import gloo_group, relay_frames
+    from weightsync._transports._chain._gloo import gloo_group
+    from weightsync._transports._chain._pipeline import relay_frames
 
     store = dist.HashStore()
     results: dict[int, object] = {}

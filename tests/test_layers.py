@@ -30,6 +30,7 @@ LAYERS: list[set[str]] = [
     {"_digest", "_memory._pinned"},
     # The memory layer: segments, slabs, page-locked buffers, placement.
     {"_memory._segment", "_delta"},
+    {"_transports._chain._link", "_transports._chain._pipeline"},
     {"_transports._chain._gloo", "_memory._slab"},
     {"_memory"},
     # The chain the cross-host transports share, and what each family builds on it.

@@ -24,7 +24,7 @@ import weightsync._transports._distributed._transport as distributed
 from weightsync._memory._pinned import PageLocks, copy_to_host, host_buffer
 from weightsync._memory._segment import Segment
 from weightsync._packet import Manifest, Packet
-from weightsync._transports._chain._gloo import send_chain
+from weightsync._transports._chain._pipeline import send_chain
 from weightsync._transports._distributed._host_share import ReceiveBuffers
 
 HAS_CUDA = torch.cuda.is_available()

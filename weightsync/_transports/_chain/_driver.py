@@ -6,7 +6,8 @@ host).
 
 - :class:`ChainDriver` is the trainer's side of every send: it asks the
   transport (a :class:`ChainControl`) which members make the chain, forms a
-  gloo group of the trainer (rank 0) and the chain (a new *generation*, over
+  group of its link (``_link.ChainLink``: gloo's by default) of the trainer
+  (rank 0) and the chain (a new *generation*, over
   a new store prefix, whenever the chain's members change: a group with a
   dead member is dropped, never repaired), tells each member its place (a
   :class:`Link`: the generation, its neighbours, its stall limits and the
@@ -18,7 +19,7 @@ host).
 - :class:`ChainMember` is a member's side: it joins the group of a
   generation once (the trainer forms a new one only when members change),
   then receives the send frame by frame and passes each frame on
-  (``_gloo_chain.relay_chain``), and reports.
+  (``_pipeline.relay_chain``), and reports.
 
 The transport owns how members are told and how they answer (Ray calls, or
 notices and reports in a TCPStore), and who is in the chain; this module
@@ -38,9 +39,10 @@ from ..._copy import usable_cores
 from ..._delta import HEADER_SIZE, DeltaDecoder, read_header
 from ..._exceptions import DeltaFrameError
 from ..._frames import CHUNK_BYTES
-from ._gloo import (
+from ._gloo import GLOO
+from ._link import ChainLink, PeerGroup
+from ._pipeline import (
     ChainBroken,
-    gloo_group,
     relay_chain,
     relay_frames,
     send_chain,
@@ -230,8 +232,17 @@ class ChainDriver(Generic[M]):
     serves them another way).
     """
 
-    def __init__(self, control: ChainControl[M], *, chunk: int = CHUNK_BYTES, min_chain: int = 1) -> None:
+    def __init__(
+        self,
+        control: ChainControl[M],
+        *,
+        chunk: int = CHUNK_BYTES,
+        min_chain: int = 1,
+        link: ChainLink = GLOO,
+    ) -> None:
         self.control = control
+        #: What moves the frames between two ranks of a chain.
+        self.link = link
         self.chunk = chunk
         self.min_chain = min_chain
         self._group: Any = None
@@ -288,7 +299,7 @@ class ChainDriver(Generic[M]):
         that hold its base; every later chain (the others, and repairs)
         carries the bytes themselves. ``ready(n)``: returns once the first
         ``n`` bytes of the sources are there, before a frame of the bytes
-        leaves (see ``_gloo_chain.send_chain``). Blocks; never raises (a
+        leaves (see ``_pipeline.send_chain``). Blocks; never raises (a
         failure is an outcome)."""
         self.routes, self.outcome, self._broke_for, self._silent = [], {}, {}, (set(), 0.0)
         self.sent_bytes, self.rebuilds = 0, {}
@@ -412,7 +423,7 @@ class ChainDriver(Generic[M]):
         control, chain = self.control, route.chain
         prefix = f"{route.namespace}{route.generation}/"
         try:
-            self._group = gloo_group(
+            self._group = self.link.form(
                 control.group_store(route.stall), prefix, 0, len(chain) + 1, control.address, route.stall
             )
             self._group_members = chain
@@ -527,9 +538,11 @@ class ChainMember:
     relay of one send (:meth:`relay`). Its calls may come from several
     threads; one send at a time is relayed into a given buffer."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, link: ChainLink = GLOO) -> None:
         self.address = address
-        self._group: Any = None
+        #: What moves the frames (the trainer's driver uses the same kind).
+        self.link = link
+        self._group: PeerGroup | None = None
         self._generation: tuple[str, str] | None = None
 
     def relay(
@@ -561,7 +574,7 @@ class ChainMember:
             try:
                 client = store(link.stall)
                 client.set(joining_key(link.namespace, link.generation, link.rank), b"1")
-                group = gloo_group(
+                group = self.link.form(
                     client,
                     f"{link.namespace}{link.generation}/",
                     link.rank,

@@ -27,7 +27,7 @@ from ..._memory._pinned import PageLocks, host_buffer
 from ..._memory._segment import BROKEN, AttachedSegments, Segment
 from ..._readiness import ProcessWatch
 from .._chain._driver import Report
-from .._chain._gloo import short_message
+from .._chain._pipeline import short_message
 from ._protocol import FollowNotice, Lead, SessionKeys, decode, get_now
 
 __all__ = ["UNMAPPED", "ReceiveBuffers", "fill_segment", "follow", "plan_hosts"]

@@ -24,7 +24,7 @@ from ..._exceptions import SenderClosedError, SenderLostError
 from ..._memory._segment import AttachedSegments, Segment
 from ..._packet import Manifest, Signature
 from .._chain._driver import ChainMember, Report
-from .._chain._gloo import short_message
+from .._chain._pipeline import short_message
 from ._host_share import ReceiveBuffers, fill_segment, follow
 from ._liveness import TrainerLink
 from ._protocol import (

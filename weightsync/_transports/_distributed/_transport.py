@@ -44,7 +44,8 @@ from ..._readiness import wait_readable_any
 from .._base import Outgoing, SenderTransport, worker_failed, worker_lost
 from .._chain._delta_base import HISTORY, DeltaBase, DeltaChoice, DeltaSetting, element_size
 from .._chain._driver import ChainDriver, EncodedSend
-from .._chain._gloo import connect_store, short_message
+from .._chain._gloo import connect_store
+from .._chain._pipeline import short_message
 from .._peer import describe_exit, exit_status, started_here
 from ._chain_control import WorkerChain
 from ._liveness import Liveness, TrainerLink

@@ -70,7 +70,7 @@ from ..._memory._segment import Segment
 from .._chain._delta_base import HISTORY, DeltaBase, DeltaChoice, DeltaSetting
 from .._chain._driver import ChainDriver, ChainMember, EncodedSend, Link, Report, Route
 from .._chain._gloo import connect_store
-from .._chain._gloo import seconds as _seconds
+from .._chain._pipeline import seconds as _seconds
 from ._host_copy import HostBuffers, HostCopy
 
 if TYPE_CHECKING:
