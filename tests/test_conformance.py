@@ -346,3 +346,25 @@ def test_a_clean_shutdown_is_told_apart_from_a_lost_sender(make_cluster, scheme_
             assert time.monotonic() < deadline, "the worker was not told of the shutdown"
             time.sleep(0.02)
         assert c.state(i)["errors"][0].startswith("SenderClosedError"), c.state(i)["errors"]
+
+
+@pytest.mark.parametrize("path", ["send", "send_async"])
+def test_a_finished_send_holds_neither_itself_nor_the_callers_weights(cluster: Cluster, path: str) -> None:
+    """Weights made for one send are the caller's: once the send is over, no
+    staging, cache or record of it keeps their memory (or the send) alive."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    sender = cluster.sender
+    sender.send()  # (a first send: the layouts are known, the stagings made)
+    weights = {k: v.detach() + 1 for k, v in cluster.model.state_dict().items()}
+    memory = [StorageWeakRef(t.untyped_storage()) for t in weights.values()]
+    if path == "send":
+        sender.send(weights)
+    else:
+        sender.send_async(weights)
+        sender.wait_async()
+    del weights
+    gc.collect()
+    assert all(ref.expired() for ref in memory)

@@ -345,3 +345,22 @@ def test_the_liveness_connection_rings_an_idle_worker_and_still_tells_a_clean_sh
     finally:
         liveness.close()
         link.close()
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["whole", "delta"])
+def test_a_finished_send_holds_neither_itself_nor_the_callers_weights(delta: bool) -> None:
+    """The chain's staging keeps what the next send needs (who acked, a
+    delta's base: its own copies), never the finished send or the caller's
+    weights."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    with workers(2, delta=delta) as w:
+        w.scheme.connect()
+        weights = {k: v + 1 for k, v in w.trainer.items()}
+        memory = [StorageWeakRef(t.untyped_storage()) for t in weights.values()]
+        w.scheme.send(weights)
+        del weights
+        gc.collect()
+        assert all(ref.expired() for ref in memory)

@@ -273,6 +273,11 @@ class Packet:
     #: The caller's CUDA stream when the send was planned
     #: (``_placement.caller_stream``), for tensors on a GPU; else None.
     stream: Any = field(default=None, repr=False, compare=False)
+    #: Whether the next send reads these same tensors (the same list: a
+    #: module's, read again), so that a staging may keep what it derived
+    #: from them; else it lets go of them once staged (they are the
+    #: caller's, made for this send).
+    reused: bool = field(default=False, compare=False)
 
     def staged(self, digests: tuple[int, ...] | None) -> Packet:
         """This packet once staged: with ``digests``, without the caller's

@@ -69,10 +69,23 @@ class Packer:
         if derived is None or derived[0] is not tensors:
             manifest = self._manifest(tensors)
             ordered = manifest.ordered(tensors)
-            # (The same list, send after send, lets the staging keep its copy plan.)
-            derived = self._derived = (tensors, manifest, ordered, devices_of(ordered))
+            derived = (tensors, manifest, ordered, devices_of(ordered))
+            # The same list, send after send, lets the staging keep its copy
+            # plan: kept for a module's read (it aliases the module), never
+            # for weights the caller made for this send (kept, they would
+            # live until the next one).
+            self._derived = derived if self._reads.kept(tensors) else None
         stream = stream if stream is not None and on_gpu(derived[3]) else None
-        return Packet(version, derived[1], derived[2], fanout, partial, devices=derived[3], stream=stream)
+        return Packet(
+            version,
+            derived[1],
+            derived[2],
+            fanout,
+            partial,
+            devices=derived[3],
+            stream=stream,
+            reused=self._derived is derived,
+        )
 
     def _manifest(self, tensors: Mapping[str, torch.Tensor]) -> Manifest:
         key = signature = signature_of(tensors)

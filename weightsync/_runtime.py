@@ -217,6 +217,17 @@ class _Job:
     args: tuple[Any, ...]
     future: concurrent.futures.Future[Any]
 
+    def forget(self, future: concurrent.futures.Future[Any]) -> None:
+        """A job cancelled before it ran lets go of its work at once (what
+        it would have run may hold a caller's weights), not once the loop
+        thread gets to it."""
+        if future.cancelled():
+            self.func, self.args = _nothing, ()
+
+
+async def _nothing() -> None:
+    return None
+
 
 async def _run_job(job: _Job, running: dict[concurrent.futures.Future[Any], anyio.CancelScope]) -> None:
     if not job.future.set_running_or_notify_cancel():
@@ -338,7 +349,9 @@ class Runtime:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         submit = self._submit
         assert submit is not None
-        submit(_Job(func, args, future))
+        job = _Job(func, args, future)
+        future.add_done_callback(job.forget)
+        submit(job)
         return future
 
     def cancel(self, future: concurrent.futures.Future[Any], timeout: float) -> None:

@@ -260,26 +260,40 @@ class _Outgoing:
     workers to tell, the deadline, and where each answer goes. Implements
     ``_transports._base.Outgoing``; only the machine's own state changes."""
 
-    __slots__ = ("_machine", "deadline", "packet", "worker_ids")
+    __slots__ = ("_acked", "_machine", "deadline", "packet", "worker_ids")
 
     def __init__(self, machine: SendMachine, packet: Packet, worker_ids: list[int], deadline: float) -> None:
-        self._machine = machine
+        self._machine: SendMachine | None = machine
+        self._acked: frozenset[int] = frozenset()
         self.packet = packet
         self.worker_ids = worker_ids
         self.deadline = deadline
 
     def ack(self, worker_id: int) -> None:
-        """Worker ``worker_id`` acked this send's version."""
-        self._machine._answered(worker_id, True)
+        """Worker ``worker_id`` acked this send's version (ignored once the send is over)."""
+        if self._machine is not None:
+            self._machine._answered(worker_id, True)
 
     def fail(self, worker_id: int, error: WorkerError) -> None:
-        """Worker ``worker_id`` failed (died, or could not apply it)."""
-        self._machine._answered(worker_id, error)
+        """Worker ``worker_id`` failed (died, or could not apply it); ignored
+        once the send is over."""
+        if self._machine is not None:
+            self._machine._answered(worker_id, error)
 
     @property
     def acked(self) -> frozenset[int]:
         """The workers that acked this send so far (or in all, once it is over)."""
+        if self._machine is None:
+            return self._acked
         return frozenset(w for w in self.worker_ids if w in self._machine.acked)
+
+    def over(self) -> None:
+        """The send is over: keep who acked, and let go of the machine (and
+        with it the caller's weights), which a staging may hold this past
+        the send."""
+        if self._machine is not None:
+            self._acked = self.acked
+            self._machine = None
 
 
 class SendMachine:
@@ -572,7 +586,11 @@ class SendMachine:
     def _hand_over(self, packet: Packet, reachable: list[int]) -> Generator[Action, Any, None]:
         """The staging carries the send to all its workers at once (a chain)."""
         awaited = [w for w in reachable if w not in self.failures]
-        yield HandOver(_Outgoing(self, packet, awaited, self.deadline), self.deadline)
+        outgoing = _Outgoing(self, packet, awaited, self.deadline)
+        try:
+            yield HandOver(outgoing, self.deadline)
+        finally:
+            outgoing.over()
 
     def _answered(self, worker_id: int, got: bool | WorkerError) -> None:
         """Worker ``worker_id`` acked (True) or failed; its first answer counts."""

@@ -246,6 +246,13 @@ class ModuleReads:
         # (module, names, whereabouts, the read): the last full read of a module.
         self._last: tuple[nn.Module, list[str], list[tuple[Any, ...]], dict[str, torch.Tensor]] | None = None
 
+    def kept(self, read: dict[str, torch.Tensor]) -> bool:
+        """Whether ``read`` is the read kept for the next send (of a module,
+        whose tensors it aliases): what the caller derives from it is worth
+        keeping too. Any other read is the caller's own tensors, which
+        nothing should hold past the send."""
+        return self._last is not None and self._last[3] is read
+
     def read(
         self, source: Any, *, context: Any = None, model_id: str | None = None
     ) -> dict[str, torch.Tensor]:

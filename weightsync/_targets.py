@@ -11,7 +11,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ._exceptions import UnknownWorkerError, WeightSyncStateError
-from ._memory._placement import choose
 from ._packet import Packet
 from ._strategy import is_tensordict
 from ._transports._base import SenderTransport
@@ -40,11 +39,6 @@ class Workers:
         """The devices each worker's model is on, as it announced them
         (None: not yet, or its transport cannot tell), by worker id."""
         return {wid: t.devices for wid, t in self.transports.items()}
-
-    def placements(self, packet: Packet, workers: Iterable[int]) -> dict[int, str]:
-        """How ``packet`` reaches each of ``workers``, from where the
-        trainer's tensors and that worker's model are (``_placement``)."""
-        return {wid: choose(packet.devices, self.transports[wid].devices).value for wid in workers}
 
     @property
     def versions(self) -> dict[int, int | None]:

@@ -192,6 +192,8 @@ class Segment:
                 sums = copy_out(views, packet.tensors, True, usable_cores())
             else:
                 self._plans.plan(views, packet.tensors).run(usable_cores())
+                if not packet.reused:
+                    self._plans.clear()  # (the caller's tensors, not to be held past the send)
                 sums = None
         self.publish(packet.version)
         return sums
