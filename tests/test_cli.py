@@ -144,6 +144,41 @@ def test_bench_partial_and_verified_sends(tmp_path: Path, capsys: pytest.Capture
     assert cases[0]["packet_nbytes"] < cases[2]["packet_nbytes"] / 4
 
 
+def test_rows_of_one_size_and_worker_count_share_one_floor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The floor is the size's and worker count's, measured once: a busy
+    # moment during one case must not give its row a floor of its own.
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    args = ["--scheme", "multiprocess", "--compare", "bare-shm", "--size", "0.25", "0.5"]
+    args += ["--workers", "1", "2", "--verify", "--repeats", "2", "--warmup", "0"]
+    code = main(["bench", *args, "--json", str(out), "--plot", str(png)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    lines = printed.out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("scheme"))
+    assert lines[header].split()[-4:] == ["floor", "ms", "x", "floor"]
+    table: dict[tuple[str, str], set[str]] = {}
+    rows = [line.split() for line in lines[header + 2 :] if line.startswith(("multiprocess", "bare-shm"))]
+    assert len(rows) == 2 * (4 + 2)  # per size: 2 worker counts x (unchecked, verified) + bare-shm's 2
+    for row in rows:
+        table.setdefault((row[1], row[2]), set()).add(row[-2])  # (MiB, workers): floor ms
+    assert len(table) == 4 and all(len(cases) == 1 for cases in table.values()), table
+    note = " ".join(" ".join(lines).split())
+    assert "once per size and worker count" in note
+
+    cases = json.loads(out.read_text())["cases"]
+    floors: dict[tuple[int, int], list[dict]] = {}
+    for case in cases:
+        floors.setdefault((case["nbytes"], case["workers"]), []).append(case)
+    assert sorted(len(same) for same in floors.values()) == [3, 3, 3, 3]
+    for same in floors.values():
+        assert len({case["floor_ms"] for case in same}) == 1, [case["floor_ms"] for case in same]
+        assert len({json.dumps(case["samples"]["floor_split_s"]) for case in same}) == 1
+    assert png.read_bytes().startswith(_PNG_SIGNATURE)
+
+
 def test_bench_fails_when_a_worker_holds_other_weights() -> None:
     # Through ``python -m weightsync`` too: the hidden hook makes worker 0
     # change its model after applying, so the first verification must fail.

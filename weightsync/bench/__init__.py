@@ -43,7 +43,7 @@ from ._memcpy import floor_seconds, memcpy_floor_seconds, memcpy_seconds
 from ._model import GeneratedMLP, check_on_device, mlp_shapes, model_nbytes, tensor_checksums
 from ._netns import EmulatedCluster, emulated_namespaces, namespace_name, parse_rate
 from ._netns import unavailable_reason as emulation_unavailable_reason
-from ._plot import PlotUnavailableError, write_plot
+from ._plot import PlotUnavailableError, plot_figure, write_plot
 from ._run import run_bench
 from ._table import format_row, format_table, table_header
 from ._trajectories import TRAJECTORIES, Trajectory, update_trajectory
@@ -118,6 +118,7 @@ __all__ = [
     "namespace_name",
     "parse_rate",
     "placement_unavailable",
+    "plot_figure",
     "pool_of",
     "receiving_nodes",
     "resolve",

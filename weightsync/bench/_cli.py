@@ -206,7 +206,8 @@ def _parser() -> argparse.ArgumentParser:
         "--plot",
         metavar="PATH",
         help="also write a PNG of median latency against size to PATH, per scheme, one line per worker "
-        "count, the floor dashed (needs matplotlib: the plot extra)",
+        "count (and per kind of send with --verify or --partial, each named in the legend), the floor "
+        "dashed (needs matplotlib: the plot extra)",
     )
     bench.add_argument(
         "--progress",

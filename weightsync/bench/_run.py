@@ -30,13 +30,18 @@ For each case the trainer
    worker still applies a timed send);
 4. changes one tensor of its model, so every send carries different bytes;
 5. times, half before the sends and half after, a single-threaded memcpy of
-   the same bytes and the floor of the scheme's work: ``workers + 1`` memcpys
-   (one into staging, one out per worker) on one thread and on every core,
-   and two memcpys in sequence (the chain)
-   (:mod:`weightsync.bench._memcpy`); where a CUDA device is involved, also
-   one D2D, one page-locked D2H and one page-locked H2D copy of the same
-   bytes on that GPU, from which the floor of the placement is added up
-   (:attr:`~weightsync.bench.CaseResult.floor_median_s`).
+   the same bytes (:mod:`weightsync.bench._memcpy`).
+
+The floor of the scheme's work is measured once per size and worker count,
+not per case (:func:`measure_floors`): just before the first case of a size,
+for every worker count of that size, ``workers + 1`` memcpys (one into
+staging, one out per worker) on one thread and on every core, and two
+memcpys in sequence (the chain, once per size); where a CUDA device is
+involved, also one D2D, one page-locked D2H and one page-locked H2D copy of
+the same bytes on that GPU (once per size), from which the floor of the
+placement is added up (:attr:`~weightsync.bench.CaseResult.floor_median_s`).
+Every case of that size and worker count gets the same samples, so its rows
+show one floor, even where the machine's load changed between the cases.
 
 Alternatives to weightsync (``--compare``, :mod:`weightsync.bench._compare`)
 run in the same pools with the same model and sizes, timed and verified the
@@ -70,19 +75,72 @@ from ._types import (
     BenchRun,
     Case,
     CaseResult,
+    FloorSamples,
     WorkerStartup,
     itemsize,
     pool_of,
 )
 
-__all__ = ["run_bench", "run_case"]
+__all__ = ["floor_key", "measure_floors", "run_bench", "run_case"]
+
+FloorKey = tuple[int, int, str | None]
 
 
-def run_case(pool: Pool, index: int, config: BenchConfig) -> CaseResult:
+def _model_bytes(case: Case) -> int:
+    """Bytes of the model of ``case`` (what its row's MiB shows)."""
+    item = itemsize(case.dtype)
+    return model_nbytes(mlp_shapes(case.nbytes, case.tensors, item), item)
+
+
+def floor_key(case: Case) -> FloorKey:
+    """What a case's floor depends on: the model's bytes, the worker count
+    and the GPU its device copies are timed on (None: all on the CPU)."""
+    return _model_bytes(case), case.workers, case.gpu
+
+
+def floor_repeats(config: BenchConfig) -> int:
+    """Samples of each copy of a floor: measured once for a size's cases,
+    so more than a case's sends."""
+    return max(2 * config.repeats, 12)
+
+
+def measure_floors(cases: list[Case], repeats: int) -> dict[FloorKey, FloorSamples]:
+    """Time the floor of every distinct :func:`floor_key` of ``cases``, each
+    copy ``repeats`` times: the ``workers + 1`` memcpys per worker count, the
+    chain of two memcpys and (a GPU involved) the device copies once per
+    size, shared by its worker counts. Runs in this process; blocks for the
+    copies."""
+    keys = list(dict.fromkeys(floor_key(case) for case in cases))
+    chains: dict[int, tuple[list[float], list[float]]] = {}
+    devices: dict[tuple[int, str], dict[str, list[float]]] = {}
+    floors: dict[FloorKey, FloorSamples] = {}
+    for nbytes, workers, gpu in keys:
+        if nbytes not in chains:
+            chains[nbytes] = floor_seconds(nbytes, 2, repeats)
+        if gpu is not None and (nbytes, gpu) not in devices:
+            devices[nbytes, gpu] = device_copy_seconds(nbytes, gpu, repeats)
+        serial, split = floor_seconds(nbytes, workers + 1, repeats)
+        chain_serial, chain_split = chains[nbytes]
+        floors[nbytes, workers, gpu] = FloorSamples(
+            nbytes,
+            workers,
+            gpu,
+            serial,
+            split,
+            chain_serial,
+            chain_split,
+            {} if gpu is None else devices[nbytes, gpu],
+        )
+    return floors
+
+
+def run_case(pool: Pool, index: int, config: BenchConfig, floor: FloorSamples | None = None) -> CaseResult:
     """Run case ``index`` on ``pool``, the pool its scheme or alternative
     runs on (:func:`pool_of`; see the module docstring). Blocks for the whole
     case; the scheme is shut down and the workers' side closed before it
-    returns or raises.
+    returns or raises. ``floor``: the floor of the case's size and worker
+    count (:func:`measure_floors`); None: measured for this case alone,
+    before it.
 
     :raises VerificationError: a worker's weights differ from the trainer's.
     :raises BenchError: a send failed, or a worker failed, died or timed out.
@@ -91,6 +149,9 @@ def run_case(pool: Pool, index: int, config: BenchConfig) -> CaseResult:
     item = itemsize(case.dtype)
     shapes = mlp_shapes(case.nbytes, case.tensors, item)
     result = CaseResult(case, model_nbytes(shapes, item), 0)
+    if floor is None:
+        floor = measure_floors([case], floor_repeats(config))[floor_key(case)]
+    floor.apply(result)
     refs = max(config.repeats, 6)
     # Half the references before the case and half after, so a change in the
     # machine's load meanwhile hits sends and references alike; both halves
@@ -202,20 +263,12 @@ def _partial_keys(named: dict[str, Any], fraction: float) -> list[str] | None:
 
 
 def _measure_references(result: CaseResult, repeats: int) -> None:
-    """Add ``repeats`` samples of each memcpy reference of ``result``'s case.
-    They run in the trainer process while the workers wait for an update."""
+    """Add ``repeats`` samples of the single memcpy of ``result``'s bytes
+    (the floor is the size's: :func:`measure_floors`). They run in the
+    trainer process while the workers wait for an update."""
     if repeats <= 0:
         return
     result.memcpy_s += memcpy_seconds(result.nbytes, repeats)
-    serial, split = floor_seconds(result.nbytes, result.case.workers + 1, repeats)
-    result.floor_serial_s += serial
-    result.floor_split_s += split
-    serial, split = floor_seconds(result.nbytes, 2, repeats)
-    result.chain_serial_s += serial
-    result.chain_split_s += split
-    if result.case.gpu is not None:
-        for kind, samples in device_copy_seconds(result.nbytes, result.case.gpu, repeats).items():
-            result.device_copy_s.setdefault(kind, []).extend(samples)
 
 
 def run_bench(
@@ -259,10 +312,16 @@ def run_bench(
         if on_startup is not None:
             for startup in run.startup:
                 on_startup(startup)
-        for index in range(len(cases)):
+        floors: dict[FloorKey, FloorSamples] = {}
+        for index, case in enumerate(cases):
+            if floor_key(case) not in floors:
+                # The first case of its size: the floors of all its worker
+                # counts now, in one machine state, for every case of the size.
+                size = [c for c in cases if c.size_mib == case.size_mib and floor_key(c) not in floors]
+                floors.update(measure_floors(size, floor_repeats(config)))
             if on_start is not None:
-                on_start(index, cases[index])
-            result = run_case(pools[pool_of(cases[index].scheme)], index, config)
+                on_start(index, case)
+            result = run_case(pools[pool_of(case.scheme)], index, config, floors[floor_key(case)])
             run.results.append(result)
             if on_result is not None:
                 on_result(result)

@@ -14,7 +14,7 @@ import statistics
 import textwrap
 from collections.abc import Sequence
 
-from ._types import MIB, CaseResult, PeakMemory, WorkerStartup, labels, pool_of
+from ._types import FLOOR_METHOD, MIB, CaseResult, PeakMemory, WorkerStartup, labels, pool_of
 
 __all__ = [
     "ALL_COLUMNS",
@@ -100,8 +100,8 @@ _MEANING = {
     "memcpy ms": "one single-threaded memcpy of the same bytes, measured in the same run",
     "x memcpy": "median / memcpy ms",
     "floor ms": "the floor: (workers + 1) memcpys of the same bytes in the trainer's process, at its "
-    "memory bandwidth or as a chain of two, whichever is larger, measured in the same run (see the "
-    "note above)",
+    "memory bandwidth or as a chain of two, whichever is larger, measured once per size and worker "
+    "count in the same run (see the note above)",
     "x floor": "median / floor ms (the shared scheme can go below 1: see the note above)",
     "d2d ms": "one device-to-device copy of the same bytes on the GPU, measured in the same run",
     "d2h ms": "one page-locked device-to-host copy of the same bytes, measured in the same run",
@@ -116,8 +116,8 @@ FLOOR_NOTE = (
     "private copy (the trainer's copy into the staging, each worker's copy out of it), bounded two "
     "ways, the larger taken: all their bytes at this machine's memory bandwidth (the copies timed on "
     "one thread and split across every core, the faster), and the chain of two copies that must "
-    "follow one another (into the staging, then out of it), each as fast. Timed in the trainer's "
-    "process in the same run. The shared scheme can beat it (x floor below 1): its workers view the "
+    "follow one another (into the staging, then out of it), each as fast. Timed in the same run "
+    f"{FLOOR_METHOD}. The shared scheme can beat it (x floor below 1): its workers view the "
     "staged bytes in shared memory instead of copying them."
 )
 
@@ -125,7 +125,7 @@ FLOOR_NOTE = (
 #: What the floor is where a CUDA device is involved, printed under the table instead.
 DEVICE_FLOOR_NOTE = (
     "floor (a CUDA device involved): the copies of a send whose every worker keeps a private copy, "
-    "each at the median of the same bytes copied in the trainer's process in the same run: GPU to "
+    f"each at the median of the same bytes copied in the same run {FLOOR_METHOD}: GPU to "
     "GPU, (workers + 1) D2D copies; GPU trainer to CPU workers, one page-locked D2H, then the "
     "workers' memcpys, which run in parallel, at this machine's memory bandwidth (at least one "
     "memcpy); CPU trainer to GPU workers, one memcpy and one page-locked H2D per worker. The "
@@ -164,7 +164,8 @@ def legend(columns: Sequence[str] = DEFAULT_COLUMNS, cuda: bool = False) -> str:
     if cuda:
         meaning["floor ms"] = (
             "the floor of the placement: the copies of a send that gives each worker a private copy, "
-            "each timed on the same bytes in the same run (see the note above)"
+            "each timed on the same bytes once per size and worker count in the same run (see the note "
+            "above)"
         )
     return "\n".join(
         textwrap.fill(meaning[name], WIDTH, initial_indent=f"  {name:<{width}}  ", subsequent_indent=indent)

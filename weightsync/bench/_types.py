@@ -36,12 +36,14 @@ __all__ = [
     "SCHEMES",
     "STARTUP_TIMEOUT",
     "DEVICE_COPIES",
+    "FLOOR_METHOD",
     "AlternativeInfo",
     "BenchConfig",
     "BenchError",
     "BenchRun",
     "Case",
     "CaseResult",
+    "FloorSamples",
     "PeakMemory",
     "SchemeInfo",
     "VerificationError",
@@ -65,6 +67,12 @@ RECEIVE_POLL = 1.0
 STARTUP_TIMEOUT = 120.0
 # How the peak extra memory of a case is measured (:mod:`weightsync.bench._memory`).
 MEMORY_METHOD = "VmHWM after the case minus VmRSS before it, peak reset via /proc/<pid>/clear_refs"
+# When the floor is measured (weightsync.bench._run): every row of one size
+# and worker count shows the same floor, whatever the machine did meanwhile.
+FLOOR_METHOD = (
+    "once per size and worker count, in the trainer's process just before the first case of that "
+    "size (every row of one size and worker count shows that one floor)"
+)
 
 
 # -- devices ------------------------------------------------------------------
@@ -632,6 +640,35 @@ def pool_of(name: str) -> str:
 
 
 @dataclass
+class FloorSamples:
+    """The copies a floor is made of, timed once for every case of one size
+    (``nbytes``, the model's bytes) and worker count
+    (:func:`weightsync.bench._run.measure_floors`): ``workers + 1`` memcpys
+    on one thread (``serial_s``) and split across every core (``split_s``);
+    the chain of two memcpys, each way; and where a CUDA device is involved,
+    one copy of each kind of :data:`DEVICE_COPIES` on ``gpu``. Shared by the
+    size's worker counts but for ``serial_s`` / ``split_s``."""
+
+    nbytes: int
+    workers: int
+    gpu: str | None
+    serial_s: list[float] = field(default_factory=list)
+    split_s: list[float] = field(default_factory=list)
+    chain_serial_s: list[float] = field(default_factory=list)
+    chain_split_s: list[float] = field(default_factory=list)
+    device_copy_s: dict[str, list[float]] = field(default_factory=dict)
+
+    def apply(self, result: CaseResult) -> None:
+        """Give ``result`` these samples (copies of the lists), so that its
+        floor is this one."""
+        result.floor_serial_s = list(self.serial_s)
+        result.floor_split_s = list(self.split_s)
+        result.chain_serial_s = list(self.chain_serial_s)
+        result.chain_split_s = list(self.chain_split_s)
+        result.device_copy_s = {kind: list(samples) for kind, samples in self.device_copy_s.items()}
+
+
+@dataclass
 class CaseResult:
     """The raw samples of one case, in seconds, and what they mean."""
 
@@ -652,6 +689,8 @@ class CaseResult:
     # stall's reference there, as memcpy is elsewhere.
     put_s: list[float] = field(default_factory=list)
     memcpy_s: list[float] = field(default_factory=list)
+    # The floor's copies (and the GPU's) are those of the case's size and
+    # worker count, measured once for all its cases (FloorSamples).
     floor_serial_s: list[float] = field(default_factory=list)  # workers + 1 copies, one thread
     floor_split_s: list[float] = field(default_factory=list)  # the same, split across every core
     chain_serial_s: list[float] = field(default_factory=list)  # 2 copies one after the other, one thread
@@ -880,6 +919,7 @@ class BenchRun:
             "skipped": self.skipped,
             "worker_startup": [asdict(s) for s in self.startup],
             "peak_memory_method": MEMORY_METHOD,
+            "floor_measured": FLOOR_METHOD,
             "cases": [
                 {**asdict(r.case), "nbytes": r.nbytes, "packet_nbytes": r.packet_nbytes}
                 | r.summary()
