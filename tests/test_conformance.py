@@ -356,9 +356,12 @@ def test_a_finished_send_holds_neither_itself_nor_the_callers_weights(cluster: C
 
     from torch.multiprocessing.reductions import StorageWeakRef
 
+    from harness.workers import build_model
+
     sender = cluster.sender
-    sender.send()  # (a first send: the layouts are known, the stagings made)
-    weights = {k: v.detach() + 1 for k, v in cluster.model.state_dict().items()}
+    # (Weights of the workers' layout, whatever the trainer's model holds now.)
+    sender.send(build_model("net", seed=3))  # the layouts known, the stagings made
+    weights = {k: v.detach() + 1 for k, v in build_model("net", seed=4).state_dict().items()}
     memory = [StorageWeakRef(t.untyped_storage()) for t in weights.values()]
     if path == "send":
         sender.send(weights)
