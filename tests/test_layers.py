@@ -43,7 +43,11 @@ LAYERS: list[set[str]] = [
         "_transports._ray._relay",
         "_transports._distributed._protocol",
     },
-    {"_transports._distributed._host_share", "_transports._pipes._slot_ledger"},
+    {
+        "_transports._distributed._host_share",
+        "_transports._pipes._slot_ledger",
+        "_transports._rpc._endpoint",
+    },
     {
         "_transports._distributed._relay",
         "_transports._distributed._chain_control",
@@ -58,8 +62,15 @@ LAYERS: list[set[str]] = [
         "_transports._ray._transport",
         "_transports._none",
         "_transports._distributed._transport",
+        "_transports._rpc._transport",
     },
-    {"_transports", "_transports._pipes", "_transports._ray", "_transports._distributed"},
+    {
+        "_transports",
+        "_transports._pipes",
+        "_transports._ray",
+        "_transports._distributed",
+        "_transports._rpc",
+    },
     {"_announce", "_targets", "_packing", "_model_targets"},
     {"_send"},
     {"_drive"},
@@ -67,7 +78,7 @@ LAYERS: list[set[str]] = [
     {"_runtime"},
     {"_facade"},
     {"schemes._base"},
-    {"schemes._pipes", "schemes._ray", "schemes._none", "schemes._distributed"},
+    {"schemes._pipes", "schemes._ray", "schemes._none", "schemes._distributed", "schemes._rpc"},
     # A scheme built on another family's.
     {"schemes._ray_transform"},
     {"schemes"},

@@ -23,6 +23,7 @@ import torch
 
 torchrl = pytest.importorskip("torchrl")
 
+from harness import TESTS_DIR, program  # noqa: E402
 from harness import torchrl_parts as parts  # noqa: E402
 from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector  # noqa: E402
 from torchrl.weight_update import WeightSyncScheme as TorchRLScheme  # noqa: E402
@@ -447,3 +448,21 @@ def test_distributed_collector_applies_every_update_without_receive() -> None:
     finally:
         collector.shutdown()
         scheme.shutdown()
+
+
+@pytest.mark.parametrize("slot", ["weight_sync_schemes", "default"])
+def test_rpc_collector_applies_every_update_bit_for_bit(slot: str) -> None:
+    """torchrl's ``RPCCollector`` (``launcher="mp"``: real worker processes
+    joined by ``torch.distributed.rpc``) with weightsync's
+    ``RPCWeightSyncScheme``, given as ``weight_sync_schemes={"policy":
+    scheme}`` or in the collector's default slot (torchrl's
+    ``RPCWeightSyncScheme``, replaced by weightsync's). torchrl initialises
+    the scheme on each worker twice, inside ``rpc.remote``, before the
+    trainer's ``init_on_sender``; the workers' loop never calls
+    ``receive()``. Every step of each batch after ``update_policy_weights_()``
+    ran with the trainer's new weights, bit for bit, and every worker acked
+    each version (see ``harness.rpc_collector_trainer``, a program of its
+    own: torchrl cannot build two ``RPCCollector`` in one process)."""
+    argv = program("rpc_collector_trainer", slot, str(_free_port()))
+    result = subprocess.run(argv, cwd=TESTS_DIR, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-4000:]
