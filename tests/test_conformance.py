@@ -354,9 +354,8 @@ def test_a_finished_send_holds_neither_itself_nor_the_callers_weights(cluster: C
     staging, cache or record of it keeps their memory (or the send) alive."""
     import gc
 
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     from harness.workers import build_model
+    from torch.multiprocessing.reductions import StorageWeakRef
 
     sender = cluster.sender
     # (Weights of the workers' layout, whatever the trainer's model holds now.)
