@@ -559,7 +559,9 @@ def test_the_delta_base_samples_the_send_and_reuses_the_sample() -> None:
         assert base is not None
         base.fit(v0.nbytes, 2)
         base.adopt(v0.copy(), 1)
-        base.choice.wholes = [1 / 125e6 if slow_link else 1 / 1e12] * 2
+        # A slow link: 200 Mbit/s, far below any codec (a 1 Gbit/s one is
+        # within reach of a slow machine's codec at this small size).
+        base.choice.wholes = [1 / 25e6 if slow_link else 1 / 1e12] * 2
         send = base.chain(current, {7})
         assert (send is not None) == goes, (setting, base.choice.why)
         assert base.choice.went == goes

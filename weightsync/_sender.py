@@ -21,6 +21,8 @@ from ._announce import Announcements
 from ._copy import WireCast
 from ._drive import SendIO, drive, resume
 from ._exceptions import WeightSyncStateError
+from ._exit import close_at_exit
+from ._exit import closed as exit_closed
 from ._loops import require_asyncio
 from ._packet import DEFAULT_TIMEOUT
 from ._packing import Keys, Packer
@@ -194,6 +196,8 @@ class AsyncWeightSender:
         self._closed = False
         # The send_async() not waited for yet; it clears itself once over.
         self._pending: PendingSend | None = None
+        # Closed at the interpreter's exit if still open (see _exit).
+        close_at_exit(self)
 
     @property
     def closed(self) -> bool:
@@ -510,3 +514,16 @@ class AsyncWeightSender:
             if self.staging is not None:
                 await self.staging.aclose()
             self.io.close()
+        exit_closed(self)
+
+    def _close_at_exit(self) -> None:
+        """As the interpreter exits with this sender open and nothing else
+        to close it (its scheme is gone): :meth:`aclose` on a loop of its
+        own. Never raises."""
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(self.aclose())
+        except BaseException:
+            pass  # (exit goes on)
+        finally:
+            loop.close()

@@ -85,8 +85,11 @@ def pipe_worker(
     (a process of another user cannot map the trainer's or its host
     leader's memory)."""
     if uid is not None:
-        # Imported on first use, which that user may not be allowed to read.
+        # Imported on first use, which that user may not be allowed to read
+        # (Python's own library under /root, mode 700, on some machines).
         import encodings.idna  # noqa: F401
+
+        import anyio._backends._asyncio  # noqa: F401
 
         os.setgid(uid)
         os.setuid(uid)

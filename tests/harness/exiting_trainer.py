@@ -8,7 +8,10 @@
 - ``pending``: a ``send_async()`` is still gathering acks (its worker
   sleeps before its next ``receive()``) when an exception escapes;
 - ``async``: an asyncio trainer awaits ``get_async_sender().send()`` and
-  returns from ``asyncio.run`` without closing its sender.
+  returns from ``asyncio.run`` without closing its sender;
+- ``dropped``: a function makes the scheme, sends, and returns: nothing
+  refers to the scheme any more when the interpreter exits (its channels
+  may still be held by a reference cycle).
 
 Two collector processes run the quickstart's ``receive()`` loop and end on
 ``SenderClosedError``. Once the trainer is where it ends, it prints
@@ -61,6 +64,15 @@ def main(mode: str) -> None:
         pipes.append(ours)
     policy = make_policy()
     scheme.init_on_sender("policy", pipes=pipes, model=policy)
+    if mode == "dropped":
+
+        def train(scheme: ws.MultiProcessWeightSyncScheme) -> None:
+            scheme.get_sender().send()
+
+        train(scheme)
+        del scheme, pipes, policy
+        _ending(procs)
+        return
     if mode == "async":
 
         async def train() -> None:

@@ -21,7 +21,7 @@ import torch
 from .._copy import WireCast
 from .._digest import require_xxh3
 from .._exceptions import WeightSyncStateError
-from .._exit import close_at_exit
+from .._exit import front_of
 from .._facade import WeightReceiver, WeightSender
 from .._receiver import AsyncWeightReceiver
 from .._send import refuse_options
@@ -512,8 +512,9 @@ class _SenderSide(_SchemeState):
             per_worker_weights=self.per_worker_weights,
             wire_dtype=self.wire_dtype,
         )
-        # A trainer that ends without shutdown() still frees its workers.
-        close_at_exit(self)
+        # A trainer that ends without shutdown() still frees its workers:
+        # at exit the scheme closes its sender (see _exit), if still here.
+        front_of(self._async_sender, self)
 
     def _close_at_exit(self) -> None:
         """As the interpreter exits: close the sender, not waiting for a send
