@@ -92,6 +92,9 @@ def test_the_quickstart_with_a_line_that_raises_exits_within_seconds_with_its_wo
     _check(seconds, pids, stderr)
 
 
+# (Each mode starts three interpreters: in the extended run, beside the
+# quickstart and Ctrl-C cases of the default one.)
+@pytest.mark.extended
 @pytest.mark.parametrize("mode", ["raise", "pending", "async", "dropped"])
 def test_a_trainer_that_ends_without_shutdown_frees_its_workers(mode: str) -> None:
     seconds, status, stderr, pids = _run_until_ending(program("exiting_trainer", mode), TESTS_DIR)
