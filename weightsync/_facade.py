@@ -14,7 +14,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
 from ._drive import drive_blocking, resume
@@ -304,15 +304,7 @@ class WeightSender:
             return
         if not self._sender.closed or self._pending is not None:
             self._refuse_in_coroutine("shutdown()", "aclose() (or leave its async with)")
-        self._closed = True
-        if self._pending is not None:
-            self._pending.finish()
-            self._pending = None
-        try:
-            if not self._sender.closed:
-                RUNTIME.call(self._sender.aclose)
-        finally:
-            RUNTIME.release()
+        self._close(SendHandle.finish)
 
     def close_at_exit(self) -> None:
         """:meth:`shutdown` as the interpreter exits with this sender open:
@@ -320,17 +312,22 @@ class WeightSender:
         is left to read its outcome), then the channels close, so every
         worker hears the trainer closed and its process can end before
         Python waits for it. Never raises."""
+        try:
+            self._close(lambda pending: pending.abandon(_ABANDON_WAIT))
+        except BaseException as exc:
+            _log.warning("weightsync: closing the sender of model %r at exit: %r", self._sender.model_id, exc)
+
+    def _close(self, end: Callable[[SendHandle], None]) -> None:
+        """End the pending send (``end``), close the channels, let go of the runtime."""
         if self._closed:
             return
         self._closed = True
+        pending, self._pending = self._pending, None
         try:
-            pending, self._pending = self._pending, None
             if pending is not None:
-                pending.abandon(timeout=_ABANDON_WAIT)
+                end(pending)
             if not self._sender.closed:
                 RUNTIME.call(self._sender.aclose)
-        except BaseException as exc:
-            _log.warning("weightsync: closing the sender of model %r at exit: %r", self._sender.model_id, exc)
         finally:
             RUNTIME.release()
 

@@ -420,13 +420,6 @@ class SendMachine:
         sends, workers = self._sends, self._workers
         transports = workers.transports
         started = time.perf_counter()
-
-        def there() -> list[int]:
-            return [w for w in targets if w not in self.failures and transports[w].layout is not None]
-
-        def starting() -> list[int]:
-            return [w for w in targets if w not in self.failures and transports[w].layout is None]
-
         # The weights are read first: weights that cannot be sent are
         # refused at once, not once the workers are there.
         options = self.options
@@ -438,23 +431,16 @@ class SendMachine:
             partial=options.partial,
             stream=self._stream,
         )
-        read_seconds = time.perf_counter() - started
-        waited = bool(starting())
-        if waited:
-            # Announcements that came already are read first: each worker
-            # known before the staging is checked before anything moves.
-            yield from self._announced(starting(), share=0.0)
-        while starting() and not there():
-            yield from self._announced(starting())
-        if starting() and sends.handler:
-            # A chain carries a send once: wait for the rest too, but for
-            # half what is left at most, so those there are still updated.
-            yield from self._announced(starting(), share=0.5)
-        if waited:
-            self.announce_seconds += time.perf_counter() - started - read_seconds
-        staging_started = time.perf_counter() - read_seconds
+        late: list[int] = []
+        waited = 0.0
+        if any(transports[w].layout is None for w in targets):
+            announcing = time.perf_counter()
+            late = yield from self._await_starting(targets)
+            waited = time.perf_counter() - announcing
+            self.announce_seconds += waited
         self.version = packet.version
-        reachable = workers.check_layouts(packet, there())
+        there = [w for w in targets if w not in self.failures and w not in late]
+        reachable = workers.check_layouts(packet, there)
         # How each one is reached: decided here, once, for the staging and the report.
         placements = {w: self._route(packet, w) for w in reachable}
         if reachable:
@@ -462,14 +448,34 @@ class SendMachine:
             sends.version = packet.version  # bytes moved: the version is used
             self.nbytes += packet.nbytes
         if last:
-            self.staged_seconds = time.perf_counter() - (staging_started if self._each is None else started)
+            # (Reading and staging the weights, not the wait for workers.)
+            self.staged_seconds = time.perf_counter() - started - (waited if self._each is None else 0.0)
             yield STAGED
         if reachable:
             yield from self._carry(packet, reachable, placements)
         # Those still starting: each joins as it announces itself.
-        late = starting()
         while late:
             late = yield from self._join(packet, late, placements)
+
+    def _await_starting(self, targets: list[int]) -> Generator[Action, Any, list[int]]:
+        """Before the staging, where some of ``targets`` have not announced
+        themselves: take the announcements that came already (each worker
+        known before the staging is checked before anything moves); if none
+        of them is there, wait for the first. Returns those still starting
+        (to join the send later), the ones that failed meanwhile left out."""
+        transports = self._workers.transports
+
+        def starting() -> list[int]:
+            return [w for w in targets if w not in self.failures and transports[w].layout is None]
+
+        yield from self._announced(starting(), share=0.0)
+        while (waiting := starting()) and len(waiting) == sum(w not in self.failures for w in targets):
+            yield from self._announced(waiting)
+        if starting() and self._sends.handler:
+            # A chain carries a send once: wait for the rest too, but for
+            # half what is left at most, so those there are still updated.
+            yield from self._announced(starting(), share=0.5)
+        return starting()
 
     def _announced(self, waiting: list[int], share: float | None = None) -> Generator[Action, Any, None]:
         """Wait until one of ``waiting`` has announced itself (or failed),
@@ -520,7 +526,7 @@ class SendMachine:
         yield from self._announced(late)
         transports = self._workers.transports
         joined = [w for w in late if w not in self.failures and transports[w].layout is not None]
-        written = {p for p in placements.values()}
+        written = set(placements.values())
         fits: list[int] = []
         for wid in joined:
             why = None

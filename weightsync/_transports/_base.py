@@ -24,10 +24,12 @@ cancellable.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .._copy import copy_tensors
 from .._exceptions import WorkerApplyError, WorkerError, WorkerLostError
 from .._memory._placement import Placement
 from .._packet import Manifest, Packet, Signature
@@ -282,6 +284,36 @@ class Incoming(Protocol):
         """Write the update into ``targets`` (the model's tensors in
         ``manifest`` order, already checked against the update's layout).
         Blocks until done."""
+
+
+@dataclass(eq=False)
+class BufferUpdate:
+    """An :class:`Incoming` whose bytes are one flat buffer of the worker's
+    own (a chain's receive buffer, an RPC call's tensor), which nothing
+    writes while the receiver holds it: the worker copies out of it."""
+
+    version: int
+    layout_id: str
+    subset: Signature | None
+    digests: tuple[int, ...] | None
+    threads: int
+    buffer: torch.Tensor
+
+    #: Each worker digests a verified update's bytes itself.
+    checked_on_host = False
+
+    def check_mapping(self, manifest: Manifest) -> str | None:
+        return None
+
+    def is_current(self) -> bool:
+        # Its buffer is never rewritten while the receiver holds it.
+        return True
+
+    def sources(self, manifest: Manifest) -> list[torch.Tensor]:
+        return manifest.views(self.buffer)
+
+    def apply(self, model: Any, targets: list[torch.Tensor], manifest: Manifest) -> None:
+        copy_tensors(targets, manifest.views(self.buffer), threads=self.threads)
 
 
 class Applier(Protocol):

@@ -8,12 +8,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from .._exceptions import WeightSyncStateError
-from .._sender import DEFAULT_TIMEOUT, SendReport
+from .._sender import SendReport
 from .._transports._base import SenderTransport, Staging
-from ._base import EndpointFactory, StrategyName, WeightSyncScheme, _from
+from ._base import EndpointFactory, WeightSyncScheme, _from
 
 __all__ = ["RPCWeightSyncScheme"]
 
@@ -62,26 +60,6 @@ class RPCWeightSyncScheme(WeightSyncScheme):
     (while RPC still runs), :class:`SenderLostError` once a trainer on its
     host exited.
     """
-
-    def __init__(
-        self,
-        strategy: StrategyName | None = None,
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-        verify: bool = False,
-        per_worker_weights: bool = False,
-        wire_dtype: torch.dtype | None = None,
-    ) -> None:
-        """:raises ValueError: ``wire_dtype`` is not a floating dtype narrower than float32.
-        :raises MissingExtraError: ``verify=True`` without the ``verify`` extra
-            installed (the message names it)."""
-        self._configure(
-            strategy,
-            timeout=timeout,
-            verify=verify,
-            per_worker_weights=per_worker_weights,
-            wire_dtype=wire_dtype,
-        )
 
     def _sender_side(
         self, context: Any, kwargs: dict[str, Any]

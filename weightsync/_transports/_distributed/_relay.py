@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 
-from ..._copy import copy_tensors
 from ..._exceptions import SenderClosedError, SenderLostError
 from ..._memory._segment import AttachedSegments, Segment
-from ..._packet import Manifest, Signature
+from .._base import BufferUpdate
 from .._chain._driver import ChainMember, Report
 from .._chain._pipeline import short_message
 from ._host_share import ReceiveBuffers, fill_segment, follow
@@ -55,34 +54,12 @@ _IDLE_LOOK = 1.0
 
 
 @dataclasses.dataclass(eq=False)
-class ChainUpdate:
+class ChainUpdate(BufferUpdate):
     """An update whose bytes are in one of the worker's receive buffers
     (``slot``), which the relay thread does not write while the receiver
     holds it."""
 
-    version: int
-    layout_id: str
-    subset: Signature | None
-    digests: tuple[int, ...] | None
-    threads: int
-    buffer: torch.Tensor
     slot: int
-
-    #: Each worker digests a verified update's bytes itself.
-    checked_on_host = False
-
-    def check_mapping(self, manifest: Manifest) -> str | None:
-        return None
-
-    def is_current(self) -> bool:
-        # Its buffer is never rewritten while the receiver holds it.
-        return True
-
-    def sources(self, manifest: Manifest) -> list[torch.Tensor]:
-        return manifest.views(self.buffer)
-
-    def apply(self, model: Any, targets: list[torch.Tensor], manifest: Manifest) -> None:
-        copy_tensors(targets, manifest.views(self.buffer), threads=self.threads)
 
 
 class WorkerRelay:

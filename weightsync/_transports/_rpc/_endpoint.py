@@ -31,14 +31,13 @@ import anyio
 import torch
 import torch.distributed.rpc as rpc
 
-from ..._copy import copy_tensors
 from ..._exceptions import SenderClosedError, SenderLostError
 from ..._packet import Manifest, Signature
 from ..._readiness import ProcessWatch
+from .._base import BufferUpdate
 
 __all__ = [
     "RPCEndpoint",
-    "RPCUpdate",
     "UpdateHeader",
     "describe_worker",
     "notice_closed",
@@ -63,34 +62,6 @@ class UpdateHeader:
     #: The sender's host and pid: a worker on its host watches it.
     host: str
     pid: int
-
-
-@dataclass(eq=False)
-class RPCUpdate:
-    """An update that came with a call: its bytes are the call's own tensor,
-    which nothing else writes."""
-
-    version: int
-    layout_id: str
-    threads: int
-    subset: Signature | None
-    digests: tuple[int, ...] | None
-    buffer: torch.Tensor
-
-    #: Each worker digests a verified update's bytes itself.
-    checked_on_host = False
-
-    def check_mapping(self, manifest: Manifest) -> str | None:
-        return None
-
-    def is_current(self) -> bool:
-        return True
-
-    def sources(self, manifest: Manifest) -> list[torch.Tensor]:
-        return manifest.views(self.buffer)
-
-    def apply(self, model: Any, targets: list[torch.Tensor], manifest: Manifest) -> None:
-        copy_tensors(targets, manifest.views(self.buffer), threads=self.threads)
 
 
 # The endpoints of this process, by model id.
@@ -152,7 +123,7 @@ class RPCEndpoint:
         self._lock = threading.Lock()
         # Set while an update is pending, or the sender is gone.
         self._ready = threading.Event()
-        self._pending: tuple[RPCUpdate, torch.futures.Future[Reply]] | None = None
+        self._pending: tuple[BufferUpdate, torch.futures.Future[Reply]] | None = None
         # The calls of updates taken but not replied to yet, by version.
         self._taken: dict[int, torch.futures.Future[Reply]] = {}
         self._closed = False
@@ -173,8 +144,9 @@ class RPCEndpoint:
         reply. An update still pending is superseded (its sender gave up on
         it already)."""
         future: torch.futures.Future[Reply] = torch.futures.Future()
-        update = RPCUpdate(
-            header.version, header.layout_id, header.threads, header.subset, header.digests, buffer
+        # The call's own tensor, which nothing else writes.
+        update = BufferUpdate(
+            header.version, header.layout_id, header.subset, header.digests, header.threads, buffer
         )
         with self._lock:
             if self._closed:
@@ -220,7 +192,7 @@ class RPCEndpoint:
         with _ENDPOINTS_LOCK:
             _ENDPOINTS[self.model_id] = self
 
-    def take_ready(self) -> RPCUpdate | None:
+    def take_ready(self) -> BufferUpdate | None:
         """The pending update, if any. Never blocks.
 
         :raises SenderLostError: the sender died or shut down, and nothing is pending.
@@ -244,7 +216,7 @@ class RPCEndpoint:
             self._gone = self._lost(f"its process ({self._sender.pid}) exited")
             self._ready.set()
 
-    async def next_update(self, timeout: float) -> RPCUpdate | None:
+    async def next_update(self, timeout: float) -> BufferUpdate | None:
         got = self.take_ready()
         if got is not None or timeout <= 0:
             return got
