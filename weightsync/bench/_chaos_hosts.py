@@ -845,10 +845,35 @@ def judge(run: _Run) -> list[str]:
                     continue
                 problems.append(
                     f"send {record['send']} named worker {wid} ({kind}) on host {worker.host}, which was "
-                    f"neither faulted nor gone during it: {record.get('message')}"
+                    f"neither faulted nor gone during it: {record.get('message')}; {_context(run, record)}"
                 )
     run.held_back = held_back
     return problems
+
+
+def _context(run: _Run, record: dict[str, Any]) -> str:
+    """What happened around ``record``'s send, for a problem's message: the
+    send before it and the faults within :data:`RECOVERY` s of it (times
+    from the send's start)."""
+    t0, t1 = record["t0"], record["t1"]
+    before = [r for r in run.records if r["send"] == record["send"] - 1]
+    previous = "none"
+    if before:
+        r = before[0]
+        failed = r.get("failures") or r.get("unexpected")
+        outcome = f"ok in {r['t1'] - r['t0']:.2f} s" if r.get("ok") else str(failed)
+        previous = f"{outcome}, ended {t0 - r['t1']:.2f} s before"
+    faults = [
+        f"{f.kind} host {f.host} at {f.applied - t0:+.2f} s"
+        + (f" healed {f.healed - t0:+.2f} s" if f.healed is not None else "")
+        for f in run.faults
+        if f.applied is not None
+        and f.applied <= t1 + RECOVERY
+        and (f.healed is None or f.healed >= t0 - RECOVERY or f.kind == "interrupt")
+        and f.applied >= t0 - 60
+    ]
+    chains = record.get("chains")
+    return f"took {t1 - t0:.2f} s; chains {chains}; the send before: {previous}; faults near: {faults}"
 
 
 def _figures(run: _Run, calm_end: float, chaos_end: float, resources: list[dict[str, Any]]) -> dict[str, Any]:
