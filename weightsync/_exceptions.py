@@ -16,6 +16,8 @@ The tree::
     │   ├── InvalidWeightsError (ValueError) weights that cannot be sent (sparse, meta, not tensors)
     │   ├── UnknownWorkerError (ValueError)  a worker id that the sender does not know
     │   ├── ResourceExhaustedError           out of open files or memory (``resource`` says which)
+    │   ├── SenderGroupError                 (a sender group's trainer ranks) a rank did not
+    │   │                                    finish the send: it died, stopped or raised
     │   ├── SenderLostError                  (worker side) the sender died or shut down
     │   │   └── SenderClosedError            the sender shut down cleanly (shutdown())
     │   ├── WaitTimeoutError (TimeoutError)  (worker side) an awaited update did not come
@@ -43,6 +45,7 @@ import errno
 import importlib
 from collections.abc import Iterator, Mapping
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -54,6 +57,7 @@ __all__ = [
     "MissingExtraError",
     "ResourceExhaustedError",
     "SenderClosedError",
+    "SenderGroupError",
     "SenderLostError",
     "UnknownWorkerError",
     "WaitTimeoutError",
@@ -132,6 +136,51 @@ class ResourceExhaustedError(WeightSyncError):
 
 class SenderLostError(WeightSyncError):
     """Raised on a worker when the sender died or shut down its side."""
+
+
+class SenderGroupError(WeightSyncError):
+    """Raised on every trainer rank of a sender group (a sharded trainer,
+    each rank sending its own part) when a rank did not finish a send
+    within its deadline (it died, was stopped, or raised: ``ranks`` names
+    them, and ``reasons`` says what each raised, where known). A worker
+    applies a version only once every part of it came: each worker holds
+    the version before or this one, never a mix. ``failures`` maps each
+    worker the others know failed to its error."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        ranks: tuple[int, ...] = (),
+        reasons: Mapping[int, str] | None = None,
+        failures: Mapping[int, WorkerError] | None = None,
+        version: int | None = None,
+        model_id: str | None = None,
+    ) -> None:
+        super().__init__(message, model_id=model_id)
+        self.ranks = ranks
+        self.reasons = dict(reasons or {})
+        self.failures = dict(failures or {})
+        self.version = version
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_group_error,
+            (str(self), self.ranks, self.reasons, self.failures, self.version, self.model_id),
+        )
+
+
+def _rebuild_group_error(
+    message: str,
+    ranks: tuple[int, ...],
+    reasons: Mapping[int, str],
+    failures: Mapping[int, WorkerError],
+    version: int | None,
+    model_id: str | None,
+) -> SenderGroupError:
+    return SenderGroupError(
+        message, ranks=ranks, reasons=reasons, failures=failures, version=version, model_id=model_id
+    )
 
 
 class DeltaFrameError(WeightSyncError, ValueError):

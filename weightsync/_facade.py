@@ -141,6 +141,15 @@ class WeightSender:
         machine = self._sender.machine(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
         return self._drive(machine, None)
 
+    def send_as(self, version: int, weights: Any, *, timeout: float | None = None) -> SendReport:
+        """:meth:`send` of all of ``weights`` to every worker as ``version``
+        (at least the next one): a sender group's rank, whose ranks number
+        each version alike. Raises as :meth:`send`."""
+        self._refuse_in_coroutine("send()", "send(...)")
+        self._check("send()")
+        machine = self._sender.machine(weights, None, SendOptions(timeout, version=version))
+        return self._drive(machine, None)
+
     def _drive(self, machine: SendMachine, action: Action | None, *, until_staged: bool = False) -> Any:
         """Drive ``machine`` (from ``action``, or its start) blocking: on
         this thread with no event loop where it runs none (the one choice

@@ -70,6 +70,9 @@ class SendOptions:
     verify: bool | None = None
     #: The public call that made the send, as its errors name it.
     call: str = "send()"
+    #: The version to send as (None: the next one): a sender group's ranks
+    #: send each version under one number, whatever any rank skipped.
+    version: int | None = None
 
 
 #: The options of a send that gives none.
@@ -424,7 +427,7 @@ class SendMachine:
         # refused at once, not once the workers are there.
         options = self.options
         packet = sends.packer.packet(
-            sends.version + 1,
+            sends.version + 1 if options.version is None else max(options.version, sends.version + 1),
             weights,
             fanout=len(targets),
             keys=options.keys,

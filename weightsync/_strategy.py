@@ -32,6 +32,7 @@ __all__ = [
     "materialize",
     "model_of",
     "model_tensors",
+    "values_of",
 ]
 
 StrategyName = Literal["state_dict", "tensordict"]
@@ -105,6 +106,12 @@ def is_dtensor(value: Any) -> bool:
     module = sys.modules.get("torch.distributed.tensor")
     dtensor = getattr(module, "DTensor", None) if module is not None else None
     return dtensor is not None and isinstance(value, dtensor)
+
+
+def values_of(source: Any) -> dict[str, Any]:
+    """The values of a module's state dict, a TensorDict or a nested
+    mapping, by dotted name, as they are (DTensors too; nothing checked)."""
+    return _values(source)
 
 
 def _values(source: Any, prefix: str = "") -> dict[str, Any]:

@@ -3,21 +3,41 @@ hosts, started by ``torchrun``, SLURM or any launcher."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
 import socket
-from typing import Any, Literal
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from .._delta import check_delta, require_codec
+from .._exceptions import WorkerError
+from .._packing import Keys
+from .._send import refuse_options
 from .._sender import DEFAULT_TIMEOUT, SendReport
+from .._strategy import is_dtensor, values_of
 from .._transports._base import SenderTransport, Staging
 from .._transports._chain._delta_base import HISTORY
 from ._base import EndpointFactory, SchemeConfig, StrategyName, WeightSyncScheme, _num_workers
 
+if TYPE_CHECKING:
+    from .._transports._distributed._group import SenderGroup
+
 __all__ = ["DistributedSchemeConfig", "DistributedWeightSyncScheme"]
+
+
+def _holds_dtensors(model: Any) -> bool:
+    """Whether ``model`` (a module, a TensorDict, a mapping) holds a DTensor."""
+    if model is None:
+        return False
+    try:
+        return any(is_dtensor(value) for value in values_of(model).values())
+    except Exception:
+        return False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -226,12 +246,26 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         super()._reset()
         # Where the trainer's store is, once init_on_sender made or found it.
         self._store_info: dict[str, Any] | None = None
+        # A sharded trainer's rank: its part of the sender group.
+        self._group: SenderGroup | None = None
 
     # Where the trainer's store is travels with the scheme, to the workers.
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["store_info"] = self._store_info
         return state
+
+    # -- a sharded trainer: a sender group ------------------------------------------
+    def _refuse_sharded(self, model: Any, side: str) -> None:
+        """A trainer's DTensors are sent by every rank (a sender group); a
+        worker's must be whole tensors."""
+        if side != "the trainer's":
+            super()._refuse_sharded(model, side)
+
+    @property
+    def group_rank(self) -> int | None:
+        """This trainer rank's place in its sender group (None: not a sharded trainer)."""
+        return None if self._group is None else self._group.rank
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -344,6 +378,9 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             session_prefix,
         )
 
+        group = kwargs.get("group")
+        if group is not None or _holds_dtensors(self._model):
+            return self._group_side(kwargs, group)
         if (
             "num_workers" not in kwargs
             and context is None
@@ -393,8 +430,172 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         }
         return transports, staging
 
+    def _group_side(
+        self, kwargs: dict[str, Any], group: Any
+    ) -> tuple[dict[int, SenderTransport], Staging | None]:
+        """One rank of a sharded trainer: its store client, session, chain
+        and part (see :class:`~.._transports._distributed._group.SenderGroup`).
+        Collective over the trainer's ranks (``group``, default the world)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        from .._shards import parts_of
+        from .._strategy import values_of
+        from .._transports._chain._gloo import connect_store
+        from .._transports._distributed._group import SenderGroup, new_gid
+        from .._transports._distributed._transport import (
+            ChainStaging,
+            DistributedSenderTransport,
+            Liveness,
+            session_prefix,
+        )
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                f"{type(self).__name__}: the trainer's weights are sharded (DTensors), so every trainer rank "
+                "sends its own part: init_on_sender must be called on every rank of the trainer's process "
+                "group (torch.distributed.init_process_group first, as torchrun's ranks do)"
+            )
+        if self._model is None or self.per_worker_weights:
+            raise ValueError(
+                f"{type(self).__name__}: a sharded trainer gives its model (model=...) to init_on_sender on "
+                "every rank; per_worker_weights does not apply"
+            )
+        num_workers = kwargs.get("num_workers")
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(
+                f"{type(self).__name__}.init_on_sender of a sharded trainer needs num_workers=N (N >= 1): "
+                "its workers are not ranks of the trainer's group"
+            )
+        group = group if group is not None else dist.group.WORLD
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        parts = parts_of(values_of(self._model), size, model_id=self._model_id)
+        store: Any = kwargs.get("store")
+        if store is None and "host" not in kwargs and "port" not in kwargs and (found := _torchrun_store()):
+            store = connect_store(*found, timeout=self.timeout)
+        # Rank 0 makes the store unless one is shared, and a group id; every
+        # rank learns both (one collective call).
+        shared: list[Any] = [None]
+        if rank == 0:
+            if store is None:
+                host = kwargs.get("host") or _default_host()
+                store = dist.TCPStore(
+                    host,
+                    int(kwargs.get("port", 0)),
+                    is_master=True,
+                    wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=self.timeout),
+                )
+            shared = [(str(store.host), int(store.port), new_gid())]
+        dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
+        store_host, port, gid = shared[0]
+        if store is None:
+            store = connect_store(store_host, port, timeout=self.timeout)
+        host = _address_towards(store_host, port) if rank != 0 or "host" not in kwargs else kwargs["host"]
+        session = os.urandom(8).hex()
+        prefix = session_prefix(self._model_id, session)
+        liveness = Liveness(host)
+        store.set(f"{prefix}live", pickle.dumps(liveness.address))
+        self._store_info = {"host": store_host, "port": port}
+        staging = ChainStaging(
+            self._model_id,
+            store,
+            (store_host, port),
+            prefix,
+            liveness,
+            share_on_host=self.share_on_host,
+            delta=self.delta,
+            delta_threads=self.delta_threads,
+            delta_history=self.delta_history,
+            # Each rank's chain starts at another host: no NIC carries every part.
+            rotate=rank,
+        )
+        transports: dict[int, SenderTransport] = {
+            i: DistributedSenderTransport(i + 1, i, staging, self._model_id) for i in range(num_workers)
+        }
+        sessions: list[Any] = [None] * size
+        dist.all_gather_object(sessions, session, group=group)
+        self._group = SenderGroup(self._model_id, (store_host, port), gid, rank, size, parts, self.timeout)
+        if rank == 0:
+            self._group.publish(sessions)
+        return transports, staging
+
+    def send(
+        self,
+        weights: Any = None,
+        worker_ids: int | Iterable[int] | None = None,
+        *,
+        timeout: float | None = None,
+        keys: Keys | None = None,
+        partial: bool = False,
+        verify: bool | None = None,
+        **unknown: Any,
+    ) -> SendReport | None:
+        """As :meth:`WeightSyncScheme.send`. On a sharded trainer (a sender
+        group) it is collective: every rank calls it, each sends its own
+        part of the weights (``weights``: this rank's state dict, DTensors
+        as they are; None: the model given at init) to every worker, and
+        every rank returns the same report or raises the same error, once
+        every rank's send ended (within ``timeout`` and 3 s more). A worker
+        applies the version only once every rank's part came (checked,
+        with ``verify``): none holds a mix of two versions.
+
+        :raises SenderGroupError: (sender group) a rank did not finish the
+            send in time (it died, was stopped or interrupted), or raised;
+            on every other rank, naming it.
+        :raises WorkerError: as every send; in a sender group, the same on
+            every rank.
+        """
+        if self._group is None:
+            return super().send(
+                weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify, **unknown
+            )
+        refuse_options(unknown, "send()")
+        if worker_ids is not None or keys is not None or partial or verify is not None:
+            raise ValueError(
+                f"{type(self).__name__}: a sharded trainer's send() sends whole versions to every worker, "
+                "checked as the scheme says (verify=...): it takes no worker_ids, keys, partial or verify"
+            )
+        return self._group_send(weights, timeout)
+
+    def _group_send(self, weights: Any, timeout: float | None) -> SendReport:
+        from .._shards import local_tensors
+        from .._strategy import values_of
+        from .._transports._distributed._group import GRACE, Outcome, merge
+
+        group = self._group
+        assert group is not None
+        group.seq += 1
+        seq = group.seq
+        wait = self.timeout if timeout is None else timeout
+        until = time.monotonic() + wait + GRACE
+        try:
+            local = local_tensors(values_of(self._model if weights is None else weights), group.part)
+            report = self.get_sender().send_as(seq, local, timeout=wait)
+            outcome = Outcome(group.rank, seq, report=report, version=report.version)
+        except WorkerError as exc:
+            failures = dict(exc.failures) or dict.fromkeys(exc.worker_ids, exc)
+            outcome = Outcome(group.rank, seq, failures=failures, version=exc.version)
+        except Exception as exc:
+            outcome = Outcome(group.rank, seq, error=f"{type(exc).__name__}: {exc}")
+        except BaseException as exc:
+            # (Ctrl-C on this rank: the others hear of it now, not at the deadline.)
+            with contextlib.suppress(Exception):
+                group.exchange(Outcome(group.rank, seq, error=type(exc).__name__), time.monotonic())
+            raise
+        outcomes = group.exchange(outcome, until)
+        # A rank that skipped versions brings every rank's count up to it.
+        group.seq = max([group.seq] + [o.version for o in outcomes.values() if o.version is not None])
+        return merge(outcomes, group.size, seq, self._model_id)
+
     def _new_transport(self, worker_id: int, channel: Any, *, replaces: bool) -> SenderTransport:
         """No channel: the new worker is rank ``worker_id + 1`` of the store."""
+        if self._group is not None:
+            raise ValueError(
+                f"{type(self).__name__}.add_worker: a sharded trainer's workers are given at init_on_sender "
+                "(num_workers=N), on every rank"
+            )
         from .._transports._distributed._transport import ChainStaging, DistributedSenderTransport
 
         staging = self.staging
@@ -411,7 +612,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> EndpointFactory:
         # The transport is imported here, where it is used: most programs
         # that import weightsync never use torch.distributed.
-        from .._transports._distributed._transport import ChainEndpoint
+        from .._transports._distributed._group import worker_endpoint
 
         rank = kwargs.get("rank", self._worker_idx)
         if rank is None and os.environ.get("RANK"):
@@ -437,7 +638,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             )
         address = None if info is None else (str(info["host"]), int(info["port"]))
         model_id, timeout = self._model_id, self.timeout
-        endpoint = ChainEndpoint(model_id, rank, address, store, timeout)
+        endpoint = worker_endpoint(model_id, rank, address, store, timeout)
         return lambda receiver: endpoint
 
     def connect(
@@ -462,6 +663,13 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         ``worker_idx`` on the sender is a worker id (rank - 1), as in
         ``send(worker_ids=...)``; on a worker it is ignored (the rank was
         given at init)."""
+        if self._group is not None:
+            # Every rank: its workers, then the first version, collectively.
+            wait = self.timeout if timeout is None else timeout
+            self.get_sender().connect(worker_idx, timeout=wait)
+            report = self.send(weights, timeout=wait)
+            self._synchronized_on_sender = True
+            return report
         if self._async_receiver is not None:
             worker_idx = None
         if background is None:

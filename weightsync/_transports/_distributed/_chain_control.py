@@ -39,9 +39,17 @@ class WorkerChain:
     :attr:`info` is what the workers of the current send are told of it."""
 
     def __init__(
-        self, keys: SessionKeys, store_address: tuple[str, int], liveness: Liveness, share_on_host: bool
+        self,
+        keys: SessionKeys,
+        store_address: tuple[str, int],
+        liveness: Liveness,
+        share_on_host: bool,
+        rotate: int = 0,
     ) -> None:
         self.keys = keys
+        #: The other hosts' order in the chain turns by this many: the ranks
+        #: of a sender group each start their chain at another host.
+        self.rotate = rotate
         self.namespace = keys.prefix
         self.liveness = liveness
         self.address = liveness.address[0]
@@ -89,14 +97,24 @@ class WorkerChain:
         trainer's host first, then host by host, by rank within a host. The
         workers of a host are neighbours in the chain, so the bytes cross
         each host's NIC once in and once out, however the ranks were spread
-        over the hosts; with ``share_on_host`` only its host leader is in it."""
+        over the hosts; with ``share_on_host`` only its host leader is in it.
+        The other hosts come in the order of their addresses, turned by
+        :attr:`rotate`."""
 
-        def key(rank: int) -> tuple[bool, str, int]:
+        def address(rank: int) -> str:
             member = self.members.get(rank)
-            address = member.address if member is not None else ""
-            return (address != self.address, address, rank)
+            return member.address if member is not None else ""
 
-        ordered = sorted((r for r in ranks if self.alive(r)), key=key)
+        live = [r for r in ranks if self.alive(r)]
+        others = sorted({address(r) for r in live} - {self.address})
+        turn = self.rotate % len(others) if others else 0
+        place = {a: i for i, a in enumerate(others[turn:] + others[:turn])}
+
+        def key(rank: int) -> tuple[bool, int, int]:
+            a = address(rank)
+            return (a != self.address, place.get(a, -1), rank)
+
+        ordered = sorted(live, key=key)
         if not self.share_on_host:
             return ordered, {}
 

@@ -116,6 +116,7 @@ class ChainStaging:
         delta: DeltaSetting = False,
         delta_threads: int = 0,
         delta_history: int = HISTORY,
+        rotate: int = 0,
     ) -> None:
         self.model_id = model_id
         # delta=True: the base (and older ones kept for workers that fell
@@ -129,7 +130,7 @@ class ChainStaging:
         self.prefix = prefix
         self.keys = SessionKeys(prefix)
         self.liveness = liveness
-        self.workers = WorkerChain(self.keys, store_address, liveness, share_on_host)
+        self.workers = WorkerChain(self.keys, store_address, liveness, share_on_host, rotate)
         #: What each worker said of itself (its hello), by rank.
         self.members = self.workers.members
         self.driver: ChainDriver[int] = ChainDriver(self.workers, chunk=chunk)
@@ -596,7 +597,8 @@ class ChainEndpoint:
     every send and keeps the newest complete update for ``next_update``.
 
     Blocks while it is built: it connects to the store (up to ``timeout``
-    seconds), waits there for the trainer's session, and connects its
+    seconds), waits there for the trainer's session (unless given
+    ``session``: one trainer rank's of a sender group), and connects its
     liveness connection to the trainer.
 
     :raises SenderLostError: the trainer's store or session did not answer in time.
@@ -611,6 +613,7 @@ class ChainEndpoint:
         store_address: tuple[str, int] | None,
         store: Any,
         timeout: float,
+        session: str | None = None,
     ) -> None:
         self.model_id = model_id
         self.rank = rank
@@ -627,8 +630,9 @@ class ChainEndpoint:
             else:
                 relay_store = store
             self._store = store
-            session = wait_key(store, session_key(model_id), deadline)
-            self.prefix = session_prefix(model_id, session.decode())
+            if session is None:
+                session = wait_key(store, session_key(model_id), deadline).decode()
+            self.prefix = session_prefix(model_id, session)
             self.keys = SessionKeys(self.prefix)
             host, port = pickle.loads(wait_key(store, self.keys.live, deadline))
             self._live = TrainerLink((host, port), rank, self._nonce, max(deadline - time.monotonic(), 0.1))
@@ -651,6 +655,20 @@ class ChainEndpoint:
             os.getpid(), socket.gethostname(), self.address, manifest.signature, self._nonce, devices
         )
         self._store.set(self.keys.hello(self.rank), encode(hello))
+
+    @property
+    def wake_fd(self) -> int:
+        """Readable when :meth:`take_update` has something to say."""
+        return self._relay.wake_fd
+
+    def take_update(self) -> ChainUpdate | None:
+        """The newest complete update, or None; never blocks. Lets go of the
+        update taken before (its buffer may be written again).
+
+        :raises SenderClosedError: the trainer shut down.
+        :raises SenderLostError: the trainer is gone.
+        """
+        return self._relay.take()
 
     async def next_update(self, timeout: float) -> ChainUpdate | None:
         update = self._relay.take()
@@ -689,6 +707,18 @@ class ChainEndpoint:
         with anyio.CancelScope(shield=True):
             while self._relay.is_alive():
                 await anyio.sleep(0.005)
+        self._relay.close()
+        self._live.close()
+        self._store = None
+
+    def close_now(self) -> None:
+        """:meth:`aclose` from a thread with no loop (blocks as it does)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._relay.stop()
+        while self._relay.is_alive():
+            time.sleep(0.005)
         self._relay.close()
         self._live.close()
         self._store = None

@@ -1,0 +1,175 @@
+"""A sender group on one host, for tests/test_sender_group.py: two trainer
+ranks of an FSDP2 model (``fully_shard`` on gloo, uneven shards), each
+sending its own part through ``DistributedWeightSyncScheme``, to worker
+processes that hold whole copies of the model.
+
+``python -m harness.sender_group OUT_DIR CASE [WORKERS]``, CASE one of:
+
+- ``sends``: ``connect()``, then three sends, each after the trainer changed
+  every parameter in place; rank r writes ``OUT_DIR/rank<r>.json`` (each
+  send's report, as a dict), rank 0 writes ``OUT_DIR/full.pt`` (the
+  model's ``full_tensor()`` state after the last send, computed outside
+  the sends); each worker writes ``OUT_DIR/worker<rank>.pt`` (its model's
+  state and the versions it applied, in order) once the trainer shut down.
+- ``verify``: the same, with ``verify=True``.
+- ``mismatch``: worker 2's model has a tensor of another shape: each rank
+  writes the error its ``connect()`` raised.
+- ``rank_dies``: rank 1 dies (SIGKILL) after the first send; rank 0 writes
+  the error its next send raised and how long it took.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import weightsync as ws
+
+TIMEOUT = 20.0
+
+
+def plain_mlp(wrong: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    # Odd sizes: the two ranks' shards are uneven (5 rows: 3 and 2; 3 rows: 2 and 1).
+    return nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 4 if wrong else 3))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_main(rank: int, port: int, out: str, wrong: bool) -> None:
+    model = plain_mlp(wrong)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    scheme = ws.DistributedWeightSyncScheme(timeout=TIMEOUT)
+    versions: list[int] = []
+    error = None
+    try:
+        scheme.init_on_worker(
+            "policy", model=model, worker_idx=rank, store_info={"host": "127.0.0.1", "port": port}
+        )
+        while True:
+            try:
+                version = scheme.receive(timeout=0.2)
+            except ws.SenderLostError:
+                break
+            if version is not None:
+                versions.append(version)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        scheme.shutdown()
+    torch.save({"state": model.state_dict(), "versions": versions, "error": error}, Path(out, f"worker{rank}.pt"))
+
+
+def _report(report: Any) -> dict[str, Any]:
+    return {
+        "version": report.version,
+        "worker_ids": list(report.worker_ids),
+        "nbytes": report.nbytes,
+    }
+
+
+def rank_main(rank: int, world: int, init: str, out: str, case: str, port: int, workers: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    results: dict[str, Any] = {}
+    try:
+        init_device_mesh("cpu", (world,))
+        model = plain_mlp()
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        scheme = ws.DistributedWeightSyncScheme(timeout=TIMEOUT if case != "rank_dies" else 6.0, verify=case == "verify")
+        scheme.init_on_sender("policy", model=model, num_workers=workers, host="127.0.0.1", port=port)
+        try:
+            reports = []
+            try:
+                reports.append(_report(scheme.connect()))
+            except ws.WeightSyncError as exc:
+                results["error"] = [type(exc).__name__, str(exc)]
+                return
+            steps = 3 if case != "rank_dies" else 1
+            for step in range(steps):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.5 * (step + 1))
+                reports.append(_report(scheme.send()))
+            results["reports"] = reports
+            if case == "rank_dies":
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                started = time.monotonic()
+                try:
+                    scheme.send()
+                    results["error"] = ["none", ""]
+                except ws.WeightSyncError as exc:
+                    results["error"] = [type(exc).__name__, str(exc)]
+                results["seconds"] = time.monotonic() - started
+                return
+            full = {name: t.full_tensor() for name, t in model.state_dict().items()}
+            if rank == 0:
+                torch.save(full, Path(out, "full.pt"))
+        finally:
+            if case != "rank_dies":
+                scheme.shutdown()
+            else:
+                # (Rank 1 is gone: the group's collectives would wait for it.)
+                scheme.get_sender().shutdown()
+    except Exception:
+        results["crash"] = traceback.format_exc()
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+        if case != "rank_dies":
+            dist.destroy_process_group()
+
+
+def main() -> None:
+    out, case = sys.argv[1], sys.argv[2]
+    workers = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=worker_main, args=(rank, port, out, case == "mismatch" and rank == 2))
+        for rank in range(1, workers + 1)
+    ]
+    for proc in procs:
+        proc.start()
+    init = f"file://{os.path.join(out, 'rendezvous')}"
+    trainers = [
+        ctx.Process(target=rank_main, args=(rank, 2, init, out, case, port, workers)) for rank in range(2)
+    ]
+    for proc in trainers:
+        proc.start()
+    for proc in trainers:
+        proc.join(120)
+    for proc in procs:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    for proc in trainers:
+        if proc.is_alive():
+            proc.kill()
+
+
+if __name__ == "__main__":
+    main()
