@@ -1,8 +1,10 @@
 """A sharded trainer's model (DTensors: FSDP2's ``fully_shard``) is never
-read as whole tensors: every scheme that reads weights refuses it, at
-``init_on_sender`` (or ``init_on_worker``, or the send that is given
-such weights), with an error that names the sharded tensors and says
-what to do; none crashes the trainer. Two real gloo ranks, uneven shards."""
+read as whole tensors: the torch.distributed scheme takes it (each rank
+sends its own part), and every other scheme that reads weights refuses
+it, at ``init_on_sender`` (or ``init_on_worker``, or the send that is
+given such weights), with an error that names the sharded tensors and
+says what to do; none crashes the trainer. Two real gloo ranks, uneven
+shards."""
 
 from __future__ import annotations
 
@@ -27,6 +29,11 @@ def test_every_scheme_refuses_a_sharded_model_or_takes_it_and_none_crashes(tmp_p
         # global tensor) from the mesh and placements alone, as torch holds it.
         assert results.pop("layouts") == [], results
         assert results.pop("none") == ["ok"]  # sends nothing: any model will do
+        # The torch.distributed scheme takes it: every rank sends its own
+        # part (a sender group, tests/test_sender_group.py); with no worker
+        # there, every rank names the one that did not announce itself.
+        kind, text = results.pop("distributed")
+        assert kind == "AckTimeoutError" and "worker 0 (model 'policy') did not announce itself" in text, text
         for case, (kind, *message) in results.items():
             assert kind == "InvalidWeightsError", (rank, case, kind, message)
             text = message[0]

@@ -150,10 +150,12 @@ def refuse_sharded(source: Any, model_id: str | None, *, side: str, flat: bool =
     raise InvalidWeightsError(
         f"{side} weights of model {model_id!r} are sharded: {shown} are DTensors (FSDP2's fully_shard or "
         f"tensor parallelism; {sharded[0]!r} is {tuple(first.shape)} over placements "
-        f"{tuple(first.placements)}), and this rank holds only its shard of each. weightsync's "
-        "schemes send from one process and apply to whole tensors: gather the weights first, on every "
-        "rank of the mesh (full = {name: t.full_tensor() for name, t in model.state_dict().items()}), "
-        "and send them from one rank (send(full)); a worker gets a model of whole tensors",
+        f"{tuple(first.placements)}), and this rank holds only its shard of each. "
+        "DistributedWeightSyncScheme sends a sharded trainer's model from every rank, each its own "
+        "part (init_on_sender and send() on every rank); this scheme sends from one process: gather "
+        "the weights first, on every rank of the mesh (full = {name: t.full_tensor() for name, t in "
+        "model.state_dict().items()}), and send them from one rank (send(full)). A worker gets a model "
+        "of whole tensors",
         model_id=model_id,
     )
 

@@ -75,7 +75,8 @@ def worker_main(rank: int, port: int, out: str, wrong: bool) -> None:
         error = f"{type(exc).__name__}: {exc}"
     finally:
         scheme.shutdown()
-    torch.save({"state": model.state_dict(), "versions": versions, "error": error}, Path(out, f"worker{rank}.pt"))
+    state = {"state": model.state_dict(), "versions": versions, "error": error}
+    torch.save(state, Path(out, f"worker{rank}.pt"))
 
 
 def _report(report: Any) -> dict[str, Any]:
@@ -99,7 +100,8 @@ def rank_main(rank: int, world: int, init: str, out: str, case: str, port: int, 
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
-        scheme = ws.DistributedWeightSyncScheme(timeout=TIMEOUT if case != "rank_dies" else 6.0, verify=case == "verify")
+        timeout = TIMEOUT if case != "rank_dies" else 6.0
+        scheme = ws.DistributedWeightSyncScheme(timeout=timeout, verify=case == "verify")
         scheme.init_on_sender("policy", model=model, num_workers=workers, host="127.0.0.1", port=port)
         try:
             reports = []
@@ -130,11 +132,7 @@ def rank_main(rank: int, world: int, init: str, out: str, case: str, port: int, 
             if rank == 0:
                 torch.save(full, Path(out, "full.pt"))
         finally:
-            if case != "rank_dies":
-                scheme.shutdown()
-            else:
-                # (Rank 1 is gone: the group's collectives would wait for it.)
-                scheme.get_sender().shutdown()
+            scheme.shutdown()
     except Exception:
         results["crash"] = traceback.format_exc()
     finally:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from .._delta import check_delta, require_codec
-from .._exceptions import WorkerError
+from .._exceptions import InvalidWeightsError, WeightMismatchError, WorkerError
 from .._packing import Keys
 from .._send import refuse_options
 from .._sender import DEFAULT_TIMEOUT, SendReport
@@ -246,8 +246,10 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         super()._reset()
         # Where the trainer's store is, once init_on_sender made or found it.
         self._store_info: dict[str, Any] | None = None
-        # A sharded trainer's rank: its part of the sender group.
+        # A sharded trainer's rank: its part of the sender group; whether
+        # this rank runs the group's store (made here, not torchrun's).
         self._group: SenderGroup | None = None
+        self._owns_store = False
 
     # Where the trainer's store is travels with the scheme, to the workers.
     def __getstate__(self) -> dict[str, Any]:
@@ -477,6 +479,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         # Rank 0 makes the store unless one is shared, and a group id; every
         # rank learns both (one collective call).
         shared: list[Any] = [None]
+        shared_store = store
         if rank == 0:
             if store is None:
                 host = kwargs.get("host") or _default_host()
@@ -490,6 +493,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             shared = [(str(store.host), int(store.port), new_gid())]
         dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
         store_host, port, gid = shared[0]
+        self._owns_store = rank == 0 and shared_store is None
         if store is None:
             store = connect_store(store_host, port, timeout=self.timeout)
         host = _address_towards(store_host, port) if rank != 0 or "host" not in kwargs else kwargs["host"]
@@ -577,6 +581,9 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         except WorkerError as exc:
             failures = dict(exc.failures) or dict.fromkeys(exc.worker_ids, exc)
             outcome = Outcome(group.rank, seq, failures=failures, version=exc.version)
+        except (WeightMismatchError, InvalidWeightsError) as exc:
+            refused = self._misfit(exc) if isinstance(exc, WeightMismatchError) else exc
+            outcome = Outcome(group.rank, seq, error=f"{type(exc).__name__}: {exc}", refused=refused)
         except Exception as exc:
             outcome = Outcome(group.rank, seq, error=f"{type(exc).__name__}: {exc}")
         except BaseException as exc:
@@ -640,6 +647,37 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         model_id, timeout = self._model_id, self.timeout
         endpoint = worker_endpoint(model_id, rank, address, store, timeout)
         return lambda receiver: endpoint
+
+    def shutdown(self) -> None:
+        """As :meth:`WeightSyncScheme.shutdown`. A sharded trainer's rank
+        that runs the store first waits (up to 3 s) for the other ranks'
+        shutdown, so that none loses the store in the middle of a send."""
+        group = self._group
+        if group is not None:
+            group.close(owner=self._owns_store)
+        super().shutdown()
+
+    def _misfit(self, refused: WeightMismatchError) -> WeightMismatchError:
+        """A sender group's refusal of workers whose models do not fit its
+        parts, as each worker's model compares with the trainer's whole
+        tensors (the rank itself compared its part with what they said)."""
+        from .._shards import part_signature, pieces_misfit
+
+        group = self._group
+        assert group is not None
+        own = part_signature(group.part)
+        said = []
+        for wid, transport in sorted(self.sender_transports.items()):
+            layout = transport.layout
+            if layout is not None and layout.signature != own:
+                why = pieces_misfit(layout, group.parts)
+                if why is not None:
+                    said.append(f"worker {wid}: {why}")
+        if not said:
+            return refused
+        return WeightMismatchError(
+            f"{'; '.join(said)}; nothing was sent (model {self._model_id!r})", model_id=self._model_id
+        )
 
     def connect(
         self,

@@ -38,7 +38,13 @@ import anyio
 import torch
 
 from ..._digest import mismatched
-from ..._exceptions import SenderGroupError, WeightMismatchError, WorkerError
+from ..._exceptions import (
+    SenderGroupError,
+    SenderLostError,
+    WeightMismatchError,
+    WeightSyncError,
+    WorkerError,
+)
 from ..._packet import Manifest, Signature
 from ..._send import SendReport
 from ..._shards import Part, part_signature, pieces_misfit, place
@@ -92,6 +98,9 @@ class Outcome:
     failures: dict[int, WorkerError] = dataclasses.field(default_factory=dict)
     version: int | None = None
     error: str | None = None
+    #: What it refused before anything moved (weights that do not fit a
+    #: worker, or cannot be sent): every rank raises rank 0's.
+    refused: WeightSyncError | None = None
 
 
 def _prefer(a: WorkerError, b: WorkerError) -> WorkerError:
@@ -126,7 +135,19 @@ def merge(outcomes: dict[int, Outcome], size: int, seq: int, model_id: str | Non
     versions = [o.version for o in outcomes.values() if o.version is not None]
     version = max(versions) if versions else None
     missing = tuple(r for r in range(size) if r not in outcomes)
+    refusals = [o.refused for _, o in sorted(outcomes.items()) if o.refused is not None]
+    if not missing and len(refusals) == size and len({type(r) for r in refusals}) == 1:
+        # Refused alike by every rank, before anything moved.
+        raise refusals[0]
     raised = {r: o.error for r, o in sorted(outcomes.items()) if o.error is not None}
+    if len({o.version for o in outcomes.values() if o.report is not None}) > 1:
+        raised.update(
+            {
+                r: f"a report of version {o.report.version}"
+                for r, o in outcomes.items()
+                if o.report is not None
+            }
+        )
     if missing or raised:
         said = [f"rank {r} did not finish it in time (it died, was stopped or interrupted)" for r in missing]
         said += [f"rank {r} raised {why}" for r, why in raised.items()]
@@ -224,8 +245,23 @@ class SenderGroup:
             self._store.delete_key(self._outcome_key(seq - 1, self.rank))
         return got
 
-    def close(self) -> None:
-        self._store = None
+    def close(self, owner: bool) -> None:
+        """Sign off; the rank that runs the store (``owner``) first waits,
+        up to :data:`GRACE` s, for every other rank to sign off: each has
+        read every outcome it waits for, so none loses the store in the
+        middle of an exchange. Idempotent."""
+        store, self._store = self._store, None
+        if store is None:
+            return
+        try:
+            store.set(f"{self._prefix}/closed/{self.rank}", b"1")
+            until = time.monotonic() + GRACE
+            others = [f"{self._prefix}/closed/{r}" for r in range(self.size) if r != self.rank]
+            while owner and others and time.monotonic() < until:
+                others = [key for key in others if not store.check([key])]
+                time.sleep(0.01)
+        except RuntimeError:
+            pass  # (the store is gone already: nothing to wait for)
 
 
 # -- a worker's side ------------------------------------------------------------
@@ -320,7 +356,13 @@ class PartsEndpoint:
         for i, end in enumerate(self.ends):
             if i in held and held[i].version >= newest:
                 continue  # (not taken again: that would let its buffer go)
-            update = end.take_update()
+            try:
+                update = end.take_update()
+            except SenderLostError as exc:
+                # Without this rank's parts no version can be whole again.
+                raise type(exc)(
+                    f"{exc} (trainer rank {i} of a sender group of {len(self.ends)})", model_id=self.model_id
+                ) from exc
             if update is not None:
                 held[i] = update
                 newest = max(newest, update.version)

@@ -1,0 +1,89 @@
+"""A sharded trainer sends from every rank: two FSDP2 ranks on gloo (uneven
+shards), each sending its own part through ``DistributedWeightSyncScheme``,
+to worker processes that hold whole copies (``harness/sender_group.py``).
+
+Every worker ends holding exactly the trainer's ``full_tensor()`` of each
+weight (computed outside the sends), having applied only whole versions;
+every rank returns the same report, or raises the same error; a rank that
+dies is named on the other within the send's deadline and 3 s."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from harness.programs import TESTS_DIR, program
+
+pytest.importorskip("torch.distributed.fsdp")
+
+
+def _run(tmp_path: Path, case: str) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
+    done = subprocess.run(
+        program("sender_group", str(tmp_path), case),
+        cwd=TESTS_DIR,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:
+        assert "crash" not in rank, rank["crash"]
+    workers = {r: torch.load(tmp_path / f"worker{r}.pt") for r in (1, 2)}
+    return ranks, workers
+
+
+@pytest.mark.parametrize("case", ["sends", pytest.param("verify", marks=pytest.mark.extended)])
+def test_every_rank_sends_its_part_and_every_worker_holds_the_full_tensors(tmp_path: Path, case: str) -> None:
+    ranks, workers = _run(tmp_path, case)
+    # connect() and three sends: the same report on both ranks, every
+    # worker in it; the bytes are both ranks' parts together.
+    assert ranks[0]["reports"] == ranks[1]["reports"], ranks
+    assert [r["version"] for r in ranks[0]["reports"]] == [1, 2, 3, 4]
+    assert all(r["worker_ids"] == [0, 1] for r in ranks[0]["reports"])
+    full = torch.load(tmp_path / "full.pt")
+    for rank, worker in workers.items():
+        assert worker["error"] is None, (rank, worker["error"])
+        assert worker["versions"][-1] == 4 and worker["versions"] == sorted(set(worker["versions"])), worker
+        for name, tensor in full.items():
+            assert torch.equal(worker["state"][name], tensor), (rank, name)
+
+
+@pytest.mark.extended
+def test_a_worker_whose_model_does_not_fit_is_refused_alike_on_every_rank(tmp_path: Path) -> None:
+    ranks, workers = _run(tmp_path, "mismatch")
+    # Worker 2 (id 1) has a last layer of 4 rows where the trainer's has 3.
+    assert workers[2]["error"].startswith(
+        "WeightMismatchError: this worker's model does not fit the trainer's"
+    )
+    assert "'2.weight' is (4, 5) float32, the trainer's (3, 5) float32" in workers[2]["error"]
+    assert workers[2]["versions"] == []
+    # Both ranks raise the same error, naming it (refused, or gone once it
+    # raised and ended, whichever a rank saw first).
+    assert ranks[0]["error"] == ranks[1]["error"], ranks
+    text = ranks[0]["error"][1]
+    assert "worker 1" in text, text
+
+
+@pytest.mark.extended
+def test_a_rank_that_dies_is_named_on_the_other_and_no_worker_holds_a_mix(tmp_path: Path) -> None:
+    done = subprocess.run(
+        program("sender_group", str(tmp_path), "rank_dies"), cwd=TESTS_DIR, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert [r["version"] for r in rank0["reports"]] == [1, 2]
+    kind, text = rank0["error"]
+    assert kind == "SenderGroupError", text
+    assert "rank 1 did not finish it in time" in text, text
+    # Within the send's deadline (6 s) and 3 s more.
+    assert rank0["seconds"] < 6.0 + 3.0 + 1.0, rank0
+    for rank in (1, 2):
+        worker = torch.load(tmp_path / f"worker{rank}.pt")
+        # Version 3 never came whole: each worker stayed on version 2.
+        assert worker["versions"] == [1, 2], worker
