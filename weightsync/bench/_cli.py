@@ -256,6 +256,14 @@ def _parser() -> argparse.ArgumentParser:
         help="actors (workers, for --scheme distributed) per receiving host (default: 1)",
     )
     across.add_argument("--no-peers", action="store_true", help="time weightsync only, without the two peers")
+    across.add_argument(
+        "--sharded-trainer",
+        metavar="TxR",
+        help="with --emulate-hosts N: a sharded trainer (FSDP2) of R ranks on each of T hosts, every rank "
+        "sending its own part to one whole-copy worker on each other host (--hosts H of them, default "
+        "N - T), against gathering the model onto rank 0 and sending it from there; each send checked "
+        "bit for bit against every rank's shards, and each rank's peak RSS",
+    )
     delta = bench.add_argument_group(
         "sending only what changed (--delta: DistributedWeightSyncScheme(delta=True) against delta=False "
         "in the same run, on one host or with --emulate-hosts N --link-rate R across hosts)"
@@ -337,6 +345,8 @@ def _across_hosts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     args.link_rate = args.link_rate or "1gbit"
 
     sizes = tuple(args.size) if args.size != list(_DEFAULTS.sizes_mib) else (64.0, 256.0)
+    if args.sharded_trainer is not None:
+        return _sharded_across_hosts(args, parser)
     if args.scheme is not None and "distributed" in args.scheme:
         return _distributed_across_hosts(args, parser, sizes)
     print(describe_machine(machine_facts()), flush=True)
@@ -412,6 +422,52 @@ def _distributed_across_hosts(
         with open(args.json, "w") as handle:
             json.dump({"rows": done["rows"], "bytes_per_second": rate}, handle, indent=1)
     print("\nall cases:\n" + format_distributed_table(done["rows"], rate))
+    return 0
+
+
+def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--sharded-trainer TxR --emulate-hosts N``: the case of :mod:`._sharded_hosts`."""
+    from ._netns import parse_rate, unavailable_reason
+    from ._sharded_hosts import format_sharded_table, run_sharded
+
+    try:
+        trainer_hosts, ranks = (int(n) for n in args.sharded_trainer.lower().split("x"))
+    except ValueError:
+        parser.error(
+            f"--sharded-trainer takes TxR (trainer hosts x ranks per host), not {args.sharded_trainer!r}"
+        )
+    if args.emulate_hosts is None or trainer_hosts < 1 or ranks < 1 or trainer_hosts * ranks < 2:
+        parser.error("--sharded-trainer TxR runs 2 or more ranks on an emulated cluster (--emulate-hosts N)")
+    hosts = args.hosts[0] if args.hosts else args.emulate_hosts - trainer_hosts
+    if hosts < 1 or trainer_hosts + hosts > args.emulate_hosts:
+        parser.error(f"--sharded-trainer {args.sharded_trainer} and --hosts {hosts} need --emulate-hosts "
+                     f"{trainer_hosts + max(hosts, 1)} or more")  # fmt: skip
+    why = unavailable_reason()
+    if why is not None:
+        print(f"weightsync bench: --emulate-hosts cannot run here: {why}", file=sys.stderr)
+        return 2
+    mib = args.size[0] if args.size != list(_DEFAULTS.sizes_mib) else 64.0
+    rate = parse_rate(args.link_rate)
+    print(describe_machine(machine_facts()), flush=True)
+    print(
+        f"a sharded trainer (FSDP2: {trainer_hosts} hosts x {ranks} ranks) to {hosts} whole-copy workers, "
+        f"one per host; floor = S/B (each worker takes in S), B = {args.link_rate} = {rate / 1e6:.0f} MB/s "
+        f"each way per host; median of {args.repeats} sends, each checked bit for bit on every worker; "
+        "gather+send = every rank's full_tensor(), then rank 0 sends the whole model (single sender)",
+        flush=True,
+    )
+    try:
+        result = run_sharded(
+            trainer_hosts, ranks, hosts, mib, args.repeats, args.link_rate,
+            progress=lambda text: print(text, flush=True),
+        )  # fmt: skip
+    except RuntimeError as exc:
+        print(f"weightsync bench: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=1)
+    print(format_sharded_table(result))
     return 0
 
 
