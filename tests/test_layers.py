@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
         "_torchrl",
         "_memory._placement",
     },
-    {"_digest", "_memory._pinned"},
+    {"_digest", "_memory._pinned", "_shards"},
     # The memory layer: segments, slabs, page-locked buffers, placement.
     {"_memory._segment", "_delta"},
     {"_transports._chain._link", "_transports._chain._pipeline"},
@@ -66,6 +66,7 @@ LAYERS: list[set[str]] = [
     },
     {
         "_transports",
+        "_transports._distributed._group",
         "_transports._pipes",
         "_transports._ray",
         "_transports._distributed",
@@ -74,7 +75,7 @@ LAYERS: list[set[str]] = [
     {"_announce", "_targets", "_packing", "_model_targets"},
     {"_send"},
     {"_drive"},
-    {"_sender", "_receiver", "_legacy"},
+    {"_sender", "_receiver", "_legacy", "_sender_group"},
     {"_runtime"},
     {"_facade"},
     {"schemes._base"},

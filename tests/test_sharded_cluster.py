@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.bench import emulation_unavailable_reason
+from weightsync.bench import emulation_unavailable_reason, format_sharded_table, run_sharded
 
 pytestmark = [
     pytest.mark.cluster,
@@ -25,8 +25,6 @@ pytestmark = [
 
 
 def test_every_rank_sends_its_part_across_hosts_and_holds_only_its_shard() -> None:
-    from weightsync.bench._sharded_hosts import format_sharded_table, run_sharded
-
     result = run_sharded(trainer_hosts=2, ranks_per_host=2, hosts=2, mib=32, repeats=2)
     row = result["row"]
     assert len(row["weightsync"]) == 2 and len(row["gather"]) == 2, row

@@ -45,6 +45,7 @@ from ._netns import EmulatedCluster, emulated_namespaces, namespace_name, parse_
 from ._netns import unavailable_reason as emulation_unavailable_reason
 from ._plot import PlotUnavailableError, plot_figure, write_plot
 from ._run import run_bench
+from ._sharded_hosts import format_sharded_table, run_sharded
 from ._table import format_row, format_table, table_header
 from ._trajectories import TRAJECTORIES, Trajectory, update_trajectory
 from ._types import (
@@ -123,6 +124,8 @@ __all__ = [
     "receiving_nodes",
     "resolve",
     "run_bench",
+    "run_sharded",
+    "format_sharded_table",
     "table_header",
     "tensor_checksums",
     "update_trajectory",

@@ -48,7 +48,6 @@ from torch import nn
 
 import weightsync as ws
 
-from .._plan import layout_of
 from ._dist_hosts import control_store, wait_keys
 from ._model import mlp_shapes
 from ._netns import EmulatedCluster
@@ -170,7 +169,12 @@ def rank_main(rank: int, world: int, init: str, host: str, mib: float, repeats: 
 
         # Each rank's pieces (its rows of each tensor): the workers check
         # them against this rank's own shards, so no rank ever gathers.
-        pieces = [(name, *layout_of(t).box(rank)[0]) for name, t in model.state_dict().items()]
+        rows: list[Any] = [None] * world
+        dist.all_gather_object(rows, [t.to_local().shape[0] for t in model.state_dict().values()])
+        pieces = []
+        for i, name in enumerate(model.state_dict()):
+            start = sum(rows[r][i] for r in range(rank))  # (Shard(0): the ranks' rows in order)
+            pieces.append((name, start, start + rows[rank][i]))
 
         def check(model_name: str, tag: str) -> None:
             """Every worker holds each rank's shards, bit for bit (collective)."""

@@ -564,9 +564,10 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         return self._group_send(weights, timeout)
 
     def _group_send(self, weights: Any, timeout: float | None) -> SendReport:
+        from .._sender_group import Outcome, merge
         from .._shards import local_tensors
         from .._strategy import values_of
-        from .._transports._distributed._group import GRACE, Outcome, merge
+        from .._transports._distributed._group import GRACE
 
         group = self._group
         assert group is not None
@@ -589,9 +590,9 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         except BaseException as exc:
             # (Ctrl-C on this rank: the others hear of it now, not at the deadline.)
             with contextlib.suppress(Exception):
-                group.exchange(Outcome(group.rank, seq, error=type(exc).__name__), time.monotonic())
+                group.exchange(seq, Outcome(group.rank, seq, error=type(exc).__name__), time.monotonic())
             raise
-        outcomes = group.exchange(outcome, until)
+        outcomes = group.exchange(seq, outcome, until)
         # A rank that skipped versions brings every rank's count up to it.
         group.seq = max([group.seq] + [o.version for o in outcomes.values() if o.version is not None])
         return merge(outcomes, group.size, seq, self._model_id)

@@ -39,14 +39,10 @@ import torch
 
 from ..._digest import mismatched
 from ..._exceptions import (
-    SenderGroupError,
     SenderLostError,
     WeightMismatchError,
-    WeightSyncError,
-    WorkerError,
 )
 from ..._packet import Manifest, Signature
-from ..._send import SendReport
 from ..._shards import Part, part_signature, pieces_misfit, place
 from .._chain._gloo import connect_store
 from ._protocol import get_now, session_key, wait_key
@@ -57,11 +53,9 @@ __all__ = [
     "GRACE",
     "GROUP_MARK",
     "GroupRecord",
-    "Outcome",
     "PartsEndpoint",
     "PartsUpdate",
     "SenderGroup",
-    "merge",
     "worker_endpoint",
 ]
 
@@ -85,102 +79,6 @@ class GroupRecord:
     gid: str
     sessions: tuple[str, ...]
     parts: tuple[Part, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """How one rank's send ``seq`` ended: its report, or the workers that
-    failed (their errors), or what else it raised (``error``)."""
-
-    rank: int
-    seq: int
-    report: SendReport | None = None
-    failures: dict[int, WorkerError] = dataclasses.field(default_factory=dict)
-    version: int | None = None
-    error: str | None = None
-    #: What it refused before anything moved (weights that do not fit a
-    #: worker, or cannot be sent): every rank raises rank 0's.
-    refused: WeightSyncError | None = None
-
-
-def _prefer(a: WorkerError, b: WorkerError) -> WorkerError:
-    """Of two ranks' errors for one worker, the one that says more: a
-    death or a failure to apply over a missed deadline; of two missed
-    deadlines, the one that says where a chain broke."""
-    from ..._exceptions import AckTimeoutError
-
-    if isinstance(a, AckTimeoutError) and not isinstance(b, AckTimeoutError):
-        return b
-    if isinstance(a, AckTimeoutError) and isinstance(b, AckTimeoutError):
-        return b if "chain broke" in str(b) and "chain broke" not in str(a) else a
-    return a
-
-
-def merge(outcomes: dict[int, Outcome], size: int, seq: int, model_id: str | None) -> SendReport:
-    """The one result of send ``seq`` over ``size`` ranks, the same on every
-    rank that has the same ``outcomes`` (by rank; a rank missing did not
-    publish one in time).
-
-    :raises SenderGroupError: a rank is missing, or raised something other
-        than a worker's error.
-    :raises WorkerError: workers failed (every rank's failures, each worker
-        named once, with the error that says most).
-    """
-    from ..._exceptions import combine_worker_errors
-
-    failures: dict[int, WorkerError] = {}
-    for rank in sorted(outcomes):
-        for wid, error in outcomes[rank].failures.items():
-            failures[wid] = error if wid not in failures else _prefer(failures[wid], error)
-    versions = [o.version for o in outcomes.values() if o.version is not None]
-    version = max(versions) if versions else None
-    missing = tuple(r for r in range(size) if r not in outcomes)
-    refusals = [o.refused for _, o in sorted(outcomes.items()) if o.refused is not None]
-    if not missing and len(refusals) == size and len({type(r) for r in refusals}) == 1:
-        # Refused alike by every rank, before anything moved.
-        raise refusals[0]
-    raised = {r: o.error for r, o in sorted(outcomes.items()) if o.error is not None}
-    if len({o.version for o in outcomes.values() if o.report is not None}) > 1:
-        raised.update(
-            {
-                r: f"a report of version {o.report.version}"
-                for r, o in outcomes.items()
-                if o.report is not None
-            }
-        )
-    if missing or raised:
-        said = [f"rank {r} did not finish it in time (it died, was stopped or interrupted)" for r in missing]
-        said += [f"rank {r} raised {why}" for r, why in raised.items()]
-        workers = (
-            f"; workers that failed: {', '.join(f'{w}: {e}' for w, e in sorted(failures.items()))}"
-            if failures
-            else ""
-        )
-        raise SenderGroupError(
-            f"send {seq} of model {model_id!r} by a sender group of {size} trainer ranks failed: "
-            f"{'; '.join(said)}. A worker applies a version only once every rank's part came: each holds "
-            f"version {version} or the one before{workers}",
-            ranks=tuple(sorted(set(missing) | set(raised))),
-            reasons=raised,
-            failures=failures,
-            version=version,
-            model_id=model_id,
-        )
-    if failures:
-        raise combine_worker_errors(failures, model_id=model_id, version=version)
-    reports = [o.report for _, o in sorted(outcomes.items()) if o.report is not None]
-    first = reports[0]
-    acked = set(first.worker_ids)
-    for report in reports[1:]:
-        acked &= set(report.worker_ids)
-    return dataclasses.replace(
-        first,
-        worker_ids=tuple(sorted(acked)),
-        nbytes=sum(r.nbytes for r in reports),
-        seconds=max(r.seconds for r in reports),
-        staged_seconds=max(r.staged_seconds for r in reports),
-        announce_seconds=max(r.announce_seconds for r in reports),
-    )
 
 
 class SenderGroup:
@@ -221,10 +119,10 @@ class SenderGroup:
     def _outcome_key(self, seq: int, rank: int) -> str:
         return f"{self._prefix}/outcome/{seq}/{rank}"
 
-    def exchange(self, outcome: Outcome, until: float) -> dict[int, Outcome]:
-        """Publish this rank's ``outcome`` and read every other rank's, until
-        ``until`` (``time.monotonic()``); those that came, by rank."""
-        seq = outcome.seq
+    def exchange(self, seq: int, outcome: Any, until: float) -> dict[int, Any]:
+        """Publish this rank's ``outcome`` of send ``seq`` (anything that
+        pickles) and read every other rank's, until ``until``
+        (``time.monotonic()``); those that came, by rank."""
         self._store.set(self._outcome_key(seq, self.rank), pickle.dumps(outcome))
         got = {self.rank: outcome}
         delay = _POLL[0]
