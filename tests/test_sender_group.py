@@ -45,6 +45,8 @@ def test_every_rank_sends_its_part_and_every_worker_holds_the_full_tensors(tmp_p
     assert ranks[0]["reports"] == ranks[1]["reports"], ranks
     assert [r["version"] for r in ranks[0]["reports"]] == [1, 2, 3, 4]
     assert all(r["worker_ids"] == [0, 1] for r in ranks[0]["reports"])
+    # A rank's own sender is not handed out: it would send its part alone.
+    assert "every rank sends its own part of each version" in ranks[0]["get_sender"], ranks[0]
     full = torch.load(tmp_path / "full.pt")
     for rank, worker in workers.items():
         assert worker["error"] is None, (rank, worker["error"])

@@ -117,6 +117,11 @@ def rank_main(rank: int, world: int, init: str, out: str, case: str, port: int, 
                         p.add_(0.5 * (step + 1))
                 reports.append(_report(scheme.send()))
             results["reports"] = reports
+            try:  # a rank's sender alone would send its part only
+                scheme.get_sender()
+                results["get_sender"] = "returned"
+            except ws.WeightSyncStateError as exc:
+                results["get_sender"] = str(exc)
             if case == "rank_dies":
                 if rank == 1:
                     os.kill(os.getpid(), signal.SIGKILL)

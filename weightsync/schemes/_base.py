@@ -442,8 +442,17 @@ class _SchemeState:
 
     def get_sender(self) -> WeightSender:
         """The blocking sender. :raises RuntimeError: before ``init_on_sender``."""
+        return self._blocking_sender()
+
+    def _blocking_sender(self) -> WeightSender:
+        """The blocking sender, as the scheme's own calls use it (a scheme may
+        keep :meth:`get_sender` from its users)."""
         if self._sender is None:
-            self._sender = WeightSender(self.get_async_sender())
+            if self._async_sender is None:
+                raise WeightSyncStateError(
+                    f"{self!r}: get_sender() before init_on_sender()", model_id=self._model_id
+                )
+            self._sender = WeightSender(self._async_sender)
         return self._sender
 
     def get_async_sender(self) -> AsyncWeightSender:
@@ -520,7 +529,7 @@ class _SenderSide(_SchemeState):
         """As the interpreter exits: close the sender, not waiting for a send
         under way (see ``WeightSender.close_at_exit``)."""
         if self._async_sender is not None:
-            self.get_sender().close_at_exit()
+            self._blocking_sender().close_at_exit()
 
     def _holds_a_model(self) -> bool:
         """Whether ``send(None)`` has a model to read now: a context whose
@@ -554,7 +563,7 @@ class _SenderSide(_SchemeState):
                 f"{self!r}: wait_for_workers() is the sender's, after init_on_sender()",
                 model_id=self._model_id,
             )
-        return self.get_sender().wait_for_workers(worker_ids, timeout=timeout)
+        return self._blocking_sender().wait_for_workers(worker_ids, timeout=timeout)
 
     def _connected(self) -> None:
         """Called on the sender once its workers announced themselves."""
@@ -584,7 +593,7 @@ class _SenderSide(_SchemeState):
             removed again, and later sends do not wait for it.
         :raises RuntimeError: before ``init_on_sender``, or during a send.
         """
-        sender = self.get_sender()
+        sender = self._blocking_sender()
         if worker_id is not None and (not isinstance(worker_id, int) or worker_id < 0):
             raise ValueError(f"worker_id must be an int >= 0, not {worker_id!r}")
         known = self.sender_transports
@@ -602,7 +611,7 @@ class _SenderSide(_SchemeState):
         :raises UnknownWorkerError: no such worker.
         :raises RuntimeError: before ``init_on_sender``, or during a send.
         """
-        self.get_sender().remove_worker(worker_id)
+        self._blocking_sender().remove_worker(worker_id)
 
     def _new_transport(self, worker_id: int, channel: Any, *, replaces: bool) -> SenderTransport:
         raise NotImplementedError(f"{type(self).__name__} has no workers to add")
@@ -626,7 +635,7 @@ class _SenderSide(_SchemeState):
         (``keys=``, ``partial=True``), checked end to end with ``verify``;
         see :meth:`WeightSender.send`."""
         refuse_options(unknown, "send()")
-        return self.get_sender().send(
+        return self._blocking_sender().send(
             weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify
         )
 
@@ -814,7 +823,7 @@ class WeightSyncScheme(_SenderSide, _WorkerSide):
         """
         wait = self.timeout if timeout is None else timeout
         if self._async_sender is not None:
-            sender = self.get_sender()
+            sender = self._blocking_sender()
             sender.connect(worker_idx, timeout=wait)
             self._connected()
             report = None
@@ -855,7 +864,7 @@ class WeightSyncScheme(_SenderSide, _WorkerSide):
         An async trainer may ``await get_async_sender().aclose()`` instead."""
         try:
             if self._async_sender is not None:
-                self.get_sender().shutdown()
+                self._blocking_sender().shutdown()
         finally:
             if self._async_receiver is not None:
                 self.get_receiver().shutdown()

@@ -15,14 +15,19 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from .._delta import check_delta, require_codec
-from .._exceptions import InvalidWeightsError, WeightMismatchError, WorkerError
+from .._exceptions import InvalidWeightsError, WeightMismatchError, WeightSyncStateError, WorkerError
+from .._facade import WeightSender
+from .._frames import CHUNK_BYTES
 from .._packing import Keys
 from .._send import refuse_options
-from .._sender import DEFAULT_TIMEOUT, SendReport
+from .._sender import DEFAULT_TIMEOUT, AsyncWeightSender, SendReport
 from .._strategy import is_dtensor, values_of
 from .._transports._base import SenderTransport, Staging
 from .._transports._chain._delta_base import HISTORY
 from ._base import EndpointFactory, SchemeConfig, StrategyName, WeightSyncScheme, _num_workers
+
+#: The smallest frame of a sender group's chains (bytes).
+_MIN_GROUP_CHUNK = 256 << 10
 
 if TYPE_CHECKING:
     from .._transports._distributed._group import SenderGroup
@@ -263,6 +268,31 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         worker's must be whole tensors."""
         if side != "the trainer's":
             super()._refuse_sharded(model, side)
+
+    def get_sender(self) -> WeightSender:
+        """As :meth:`WeightSyncScheme.get_sender`.
+
+        :raises WeightSyncStateError: on a sharded trainer's rank, whose
+            sends are the scheme's own collective ``send()`` (a rank's sender
+            alone would send its part only)."""
+        self._refuse_in_group("get_sender()")
+        return super().get_sender()
+
+    def get_async_sender(self) -> AsyncWeightSender:
+        """As :meth:`WeightSyncScheme.get_async_sender`.
+
+        :raises WeightSyncStateError: on a sharded trainer's rank (see :meth:`get_sender`)."""
+        self._refuse_in_group("get_async_sender()")
+        return super().get_async_sender()
+
+    def _refuse_in_group(self, call: str) -> None:
+        if self._group is not None:
+            raise WeightSyncStateError(
+                f"{type(self).__name__}.{call}: this trainer is sharded, and every rank sends its own part "
+                "of each version: call scheme.send() (and connect(), shutdown()) on every rank; a rank's "
+                "sender alone would send its part only",
+                model_id=self._model_id,
+            )
 
     @property
     def group_rank(self) -> int | None:
@@ -514,6 +544,9 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             delta_history=self.delta_history,
             # Each rank's chain starts at another host: no NIC carries every part.
             rotate=rank,
+            # The ranks' chains share every link: frames of 1/size the single
+            # sender's keep a chain's fill (a frame per hop) as short as its.
+            chunk=max(CHUNK_BYTES // size, _MIN_GROUP_CHUNK),
         )
         transports: dict[int, SenderTransport] = {
             i: DistributedSenderTransport(i + 1, i, staging, self._model_id) for i in range(num_workers)
@@ -577,7 +610,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         until = time.monotonic() + wait + GRACE
         try:
             local = local_tensors(values_of(self._model if weights is None else weights), group.part)
-            report = self.get_sender().send_as(seq, local, timeout=wait)
+            report = self._blocking_sender().send_as(seq, local, timeout=wait)
             outcome = Outcome(group.rank, seq, report=report, version=report.version)
         except WorkerError as exc:
             failures = dict(exc.failures) or dict.fromkeys(exc.worker_ids, exc)
@@ -705,7 +738,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         if self._group is not None:
             # Every rank: its workers, then the first version, collectively.
             wait = self.timeout if timeout is None else timeout
-            self.get_sender().connect(worker_idx, timeout=wait)
+            self._blocking_sender().connect(worker_idx, timeout=wait)
             report = self.send(weights, timeout=wait)
             self._synchronized_on_sender = True
             return report
