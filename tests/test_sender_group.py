@@ -37,7 +37,14 @@ def _run(tmp_path: Path, case: str) -> tuple[list[dict[str, Any]], dict[int, dic
     return ranks, workers
 
 
-@pytest.mark.parametrize("case", ["sends", pytest.param("verify", marks=pytest.mark.extended)])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "sends",
+        pytest.param("verify", marks=pytest.mark.extended),
+        pytest.param("delta", marks=pytest.mark.extended),
+    ],
+)
 def test_every_rank_sends_its_part_and_every_worker_holds_the_full_tensors(tmp_path: Path, case: str) -> None:
     ranks, workers = _run(tmp_path, case)
     # connect() and three sends: the same report on both ranks, every
@@ -47,6 +54,9 @@ def test_every_rank_sends_its_part_and_every_worker_holds_the_full_tensors(tmp_p
     assert all(r["worker_ids"] == [0, 1] for r in ranks[0]["reports"])
     # A rank's own sender is not handed out: it would send its part alone.
     assert "every rank sends its own part of each version" in ranks[0]["get_sender"], ranks[0]
+    if case == "delta":
+        # Each rank's last part went as a delta against the one the workers held.
+        assert ranks[0]["delta"] == [True] and ranks[1]["delta"] == [True], ranks
     full = torch.load(tmp_path / "full.pt")
     for rank, worker in workers.items():
         assert worker["error"] is None, (rank, worker["error"])

@@ -12,6 +12,8 @@ processes that hold whole copies of the model.
   the sends); each worker writes ``OUT_DIR/worker<rank>.pt`` (its model's
   state and the versions it applied, in order) once the trainer shut down.
 - ``verify``: the same, with ``verify=True``.
+- ``delta``: the same, with ``verify=True`` and ``delta="always"`` (each
+  rank's part goes as a delta against the part the workers hold).
 - ``mismatch``: worker 2's model has a tensor of another shape: each rank
   writes the error its ``connect()`` raised.
 - ``rank_dies``: rank 1 dies (SIGKILL) after the first send; rank 0 writes
@@ -101,7 +103,10 @@ def rank_main(rank: int, world: int, init: str, out: str, case: str, port: int, 
                 fully_shard(layer)
         fully_shard(model)
         timeout = TIMEOUT if case != "rank_dies" else 6.0
-        scheme = ws.DistributedWeightSyncScheme(timeout=timeout, verify=case == "verify")
+        delta = "always" if case == "delta" else False  # (a delta whenever the workers hold a base)
+        scheme = ws.DistributedWeightSyncScheme(
+            timeout=timeout, verify=case in ("verify", "delta"), delta=delta
+        )
         scheme.init_on_sender("policy", model=model, num_workers=workers, host="127.0.0.1", port=port)
         try:
             reports = []
@@ -117,6 +122,7 @@ def rank_main(rank: int, world: int, init: str, out: str, case: str, port: int, 
                         p.add_(0.5 * (step + 1))
                 reports.append(_report(scheme.send()))
             results["reports"] = reports
+            results["delta"] = scheme.last_delta
             try:  # a rank's sender alone would send its part only
                 scheme.get_sender()
                 results["get_sender"] = "returned"
