@@ -261,8 +261,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="TxR",
         help="with --emulate-hosts N: a sharded trainer (FSDP2) of R ranks on each of T hosts, every rank "
         "sending its own part to one whole-copy worker on each other host (--hosts H of them, default "
-        "N - T), against gathering the model onto rank 0 and sending it from there; each send checked "
-        "bit for bit against every rank's shards, and each rank's peak RSS",
+        "N - T; with 1x R --emulate-hosts 1, --per-host K workers on the trainer's host), against "
+        "gathering the model onto rank 0 and sending it from there; each send checked bit for bit "
+        "against every rank's shards, and each rank's peak RSS",
     )
     delta = bench.add_argument_group(
         "sending only what changed (--delta: DistributedWeightSyncScheme(delta=True) against delta=False "
@@ -439,7 +440,9 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
     if args.emulate_hosts is None or trainer_hosts < 1 or ranks < 1 or trainer_hosts * ranks < 2:
         parser.error("--sharded-trainer TxR runs 2 or more ranks on an emulated cluster (--emulate-hosts N)")
     hosts = args.hosts[0] if args.hosts else args.emulate_hosts - trainer_hosts
-    if hosts < 1 or trainer_hosts + hosts > args.emulate_hosts:
+    # One host (--emulate-hosts 1): --per-host K workers beside the ranks.
+    local = args.per_host if args.emulate_hosts == trainer_hosts == 1 else 0
+    if (hosts < 1 and not local) or trainer_hosts + hosts > args.emulate_hosts:
         parser.error(f"--sharded-trainer {args.sharded_trainer} and --hosts {hosts} need --emulate-hosts "
                      f"{trainer_hosts + max(hosts, 1)} or more")  # fmt: skip
     why = unavailable_reason()
@@ -459,7 +462,7 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
     try:
         result = run_sharded(
             trainer_hosts, ranks, hosts, mib, args.repeats, args.link_rate,
-            progress=lambda text: print(text, flush=True),
+            progress=lambda text: print(text, flush=True), local_workers=local,
         )  # fmt: skip
     except RuntimeError as exc:
         print(f"weightsync bench: {exc}", file=sys.stderr)

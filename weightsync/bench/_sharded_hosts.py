@@ -218,17 +218,20 @@ def rank_main(rank: int, world: int, init: str, host: str, mib: float, repeats: 
         if gathered is not None:
             gathered.connect(weights=first)
         del first
-        gather_times = []
+        gather_times, send_times = [], []
         for step in range(-1, repeats):  # a first round untimed
             change(100 + step)
             dist.barrier()
             started = time.perf_counter()
             full = {name: t.full_tensor() for name, t in model.state_dict().items()}
+            sent = time.perf_counter()
             if gathered is not None:
                 gathered.send(full)
+            sent = time.perf_counter() - sent
             dist.barrier()
             if step >= 0:
                 gather_times.append(time.perf_counter() - started)
+                send_times.append(sent)
             del full
             check("gathered", f"g{step}")
         rss: list[Any] = [None] * world
@@ -239,7 +242,7 @@ def rank_main(rank: int, world: int, init: str, host: str, mib: float, repeats: 
             ctrl.set(f"cmd/{commands}", json.dumps(["quit", 0]).encode())
             row = {
                 "ranks": world, "workers": workers, "mib": mib, "bytes": nbytes,
-                "weightsync": times, "gather": gather_times,
+                "weightsync": times, "gather": gather_times, "single_send": send_times,
                 "rss_start_mib": [r[0] for r in rss], "rss_after_sharded_mib": [r[1] for r in rss],
                 "rss_end_mib": [r[2] for r in rss],
             }  # fmt: skip
@@ -263,16 +266,21 @@ def run_sharded(
     repeats: int,
     rate: str = "1gbit",
     progress: Callable[[str], None] | None = None,
+    local_workers: int = 0,
 ) -> dict[str, Any]:
     """A cluster of ``trainer_hosts`` + ``hosts`` emulated hosts at ``rate``:
     ``ranks_per_host`` trainer ranks on each trainer host, one worker on
-    each other host. Returns rank 0's row and the link rate (bytes/s).
-    Needs root.
+    each other host; or (``local_workers``, with ``hosts=0`` and one
+    trainer host) that many workers on the trainer's host. Returns rank
+    0's row and the link rate (bytes/s). Needs root.
 
     :raises RuntimeError: a process failed.
     """
     log = progress or (lambda text: None)
     world = trainer_hosts * ranks_per_host
+    if local_workers and (hosts or trainer_hosts != 1):
+        raise ValueError("local_workers runs everything on one host: trainer_hosts=1, hosts=0")
+    workers_count = local_workers or hosts
     with (
         tempfile.TemporaryDirectory(prefix="ws-sharded-") as tmp,
         EmulatedCluster(trainer_hosts + hosts, rate) as cluster,
@@ -295,7 +303,7 @@ def run_sharded(
                 cluster.addresses[host],
                 str(mib),
                 str(repeats),
-                str(hosts),
+                str(workers_count),
             ]
             out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
             with open(os.path.join(tmp, f"rank{rank}.err"), "w") as err:
@@ -309,11 +317,10 @@ def run_sharded(
             if first[:1] != ["PORTS"]:
                 ranks[0].wait(timeout=60)
                 raise RuntimeError(f"rank 0 did not start: {_tail(tmp, world)}")
-            for w in range(1, hosts + 1):
+            for w in range(1, workers_count + 1):
                 argv = [*module, "worker", cluster.addresses[0], *first[1:4], str(w), str(mib)]
-                workers.append(
-                    cluster.popen(trainer_hosts + w - 1, argv, env=_QUIET, stdout=subprocess.DEVNULL)
-                )
+                host = 0 if local_workers else trainer_hosts + w - 1
+                workers.append(cluster.popen(host, argv, env=_QUIET, stdout=subprocess.DEVNULL))
             out, _ = ranks[0].communicate(timeout=_TIMEOUT * 2)
             rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
             if ranks[0].returncode != 0 or not rows:
@@ -348,6 +355,13 @@ def format_sharded_table(result: dict[str, Any]) -> str:
     floor = row["bytes"] / rate
     ws_med, gather_med = statistics.median(row["weightsync"]), statistics.median(row["gather"])
     shard = row["bytes"] / row["ranks"] / MIB
+    single = statistics.median(row["single_send"]) if row.get("single_send") else None
+    alone = (
+        f"rank 0's single-sender send of the gathered model alone: {single * 1e3:.0f} ms "
+        f"(weightsync / it: {ws_med / single:.2f}x)"
+        if single
+        else ""
+    )
     lines = [
         f"{'ranks':>5} {'workers':>7} {'MiB':>6} {'floor ms':>9} {'weightsync ms':>14} {'x floor':>7} "
         f"{'gather+send ms':>15} {'x floor':>7} {'gather/ws':>9}",
@@ -357,6 +371,7 @@ def format_sharded_table(result: dict[str, Any]) -> str:
         f"peak RSS per rank over its RSS before the first send, MiB (shard {shard:.0f} MiB): after the "
         f"weightsync sends {_growth(row, 'rss_after_sharded_mib')}, "
         f"after the gathers {_growth(row, 'rss_end_mib')}",
+        alone,
     ]
     return "\n".join(lines)
 
@@ -384,6 +399,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     run.add_argument("--size", type=float, default=64.0)
     run.add_argument("--repeats", type=int, default=3)
     run.add_argument("--link-rate", default="1gbit")
+    run.add_argument("--local-workers", type=int, default=0, help="workers on the trainer's one host")
     args = parser.parse_args(argv)
     if args.role == "rank":
         rank_main(args.rank, args.world, args.init, args.host, args.mib, args.repeats, args.workers)
@@ -392,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         result = run_sharded(
             args.trainer_hosts, args.ranks_per_host, args.hosts, args.size, args.repeats, args.link_rate,
-            progress=lambda text: print(text, file=sys.stderr, flush=True),
+            progress=lambda text: print(text, file=sys.stderr, flush=True), local_workers=args.local_workers,
         )  # fmt: skip
         print(format_sharded_table(result))
 
