@@ -1,7 +1,7 @@
 """A sharded trainer across hosts, on an emulated cluster (network
 namespaces with 1 Gbit/s NICs): four FSDP2 ranks on two hosts, each sending
 its own part to a whole-copy worker on each of two other hosts
-(``weightsync.bench._sharded_hosts``, as ``weightsync bench
+(``weightsync.bench.run_sharded``, as ``weightsync bench
 --sharded-trainer 2x2`` runs it). Every send is checked bit for bit on
 every worker against every rank's shards (a mismatch ends the run), and
 no rank's peak RSS grows by more than its shard and the chunks in flight.

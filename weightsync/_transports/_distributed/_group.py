@@ -64,7 +64,7 @@ GROUP_MARK = b"group:"
 #: How long past a send's deadline a rank waits for the others' outcomes (s).
 GRACE = 3.0
 # Polls of the others' outcomes (seconds): the first, and the longest.
-_POLL = (0.0005, 0.01)
+_POLL = (0.0005, 0.002)
 
 
 def group_key(model_id: str | None, gid: str) -> str:
