@@ -452,11 +452,16 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
     mib = args.size[0] if args.size != list(_DEFAULTS.sizes_mib) else 64.0
     rate = parse_rate(args.link_rate)
     print(describe_machine(machine_facts()), flush=True)
+    where = (
+        f"{local} whole-copy workers on the trainer's host (no floor: no NIC carries the bytes)"
+        if local
+        else f"{hosts} whole-copy workers, one per host; floor = S/B (each worker takes in S), "
+        f"B = {args.link_rate} = {rate / 1e6:.0f} MB/s each way per host"
+    )
     print(
-        f"a sharded trainer (FSDP2: {trainer_hosts} hosts x {ranks} ranks) to {hosts} whole-copy workers, "
-        f"one per host; floor = S/B (each worker takes in S), B = {args.link_rate} = {rate / 1e6:.0f} MB/s "
-        f"each way per host; median of {args.repeats} sends, each checked bit for bit on every worker; "
-        "gather+send = every rank's full_tensor(), then rank 0 sends the whole model (single sender)",
+        f"a sharded trainer (FSDP2: {trainer_hosts} hosts x {ranks} ranks) to {where}; median of "
+        f"{args.repeats} sends, each checked bit for bit on every worker; gather+send = every rank's "
+        "full_tensor(), then rank 0 sends the whole model (single sender)",
         flush=True,
     )
     try:

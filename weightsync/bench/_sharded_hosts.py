@@ -119,7 +119,13 @@ def run_sharded(
             rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
             if ranks[0].returncode != 0 or not rows:
                 raise RuntimeError(f"rank 0 failed: {_tail(tmp, world)}")
-            return {"row": rows[-1], "bytes_per_second": cluster.bytes_per_second, "rate": rate}
+            return {
+                "row": rows[-1],
+                "bytes_per_second": cluster.bytes_per_second,
+                "rate": rate,
+                # (On one host no NIC carries the bytes: no floor S/B.)
+                "one_host": bool(local_workers),
+            }
         finally:
             for proc in [*ranks, *workers]:
                 try:
@@ -142,11 +148,20 @@ def _growth(row: dict[str, Any], key: str) -> str:
     return "[" + ", ".join(f"{b - a:.0f}" for a, b in zip(row["rss_start_mib"], row[key], strict=True)) + "]"
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
+
+
+def _x(seconds: float, floor: float | None) -> str:
+    return "-" if floor is None else f"{seconds / floor:.2f}x"
+
+
 def format_sharded_table(result: dict[str, Any]) -> str:
     """Median ms of each way and x the floor S/B (each worker takes in S
     bytes through one NIC of B bytes/s), and the ranks' peak RSS."""
     row, rate = result["row"], result["bytes_per_second"]
-    floor = row["bytes"] / rate
+    # On one host no NIC carries the bytes: the columns say "-".
+    floor = None if result.get("one_host") else row["bytes"] / rate
     ws_med, gather_med = statistics.median(row["weightsync"]), statistics.median(row["gather"])
     shard = row["bytes"] / row["ranks"] / MIB
     single = statistics.median(row["single_send"]) if row.get("single_send") else None
@@ -159,8 +174,8 @@ def format_sharded_table(result: dict[str, Any]) -> str:
     lines = [
         f"{'ranks':>5} {'workers':>7} {'MiB':>6} {'floor ms':>9} {'weightsync ms':>14} {'x floor':>7} "
         f"{'gather+send ms':>15} {'x floor':>7} {'gather/ws':>9}",
-        f"{row['ranks']:>5} {row['workers']:>7} {row['mib']:>6g} {floor * 1e3:>9.0f} {ws_med * 1e3:>14.0f} "
-        f"{ws_med / floor:>6.2f}x {gather_med * 1e3:>15.0f} {gather_med / floor:>6.2f}x "
+        f"{row['ranks']:>5} {row['workers']:>7} {row['mib']:>6g} {_ms(floor):>9} {ws_med * 1e3:>14.0f} "
+        f"{_x(ws_med, floor):>7} {gather_med * 1e3:>15.0f} {_x(gather_med, floor):>7} "
         f"{gather_med / ws_med:>8.2f}x",
         f"peak RSS per rank over its RSS before the first send, MiB (shard {shard:.0f} MiB): after the "
         f"weightsync sends {_growth(row, 'rss_after_sharded_mib')}, "
