@@ -37,14 +37,11 @@ def _run(tmp_path: Path, case: str) -> tuple[list[dict[str, Any]], dict[int, dic
     return ranks, workers
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "sends",
-        pytest.param("verify", marks=pytest.mark.extended),
-        pytest.param("delta", marks=pytest.mark.extended),
-    ],
-)
+# (Four processes that import torch, about 17 s a case: in the extended run,
+# which CI runs, keeping the default run short; tests/test_shards.py checks
+# the parts in the default run.)
+@pytest.mark.extended
+@pytest.mark.parametrize("case", ["sends", "verify", "delta"])
 def test_every_rank_sends_its_part_and_every_worker_holds_the_full_tensors(tmp_path: Path, case: str) -> None:
     ranks, workers = _run(tmp_path, case)
     # connect() and three sends: the same report on both ranks, every
