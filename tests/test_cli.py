@@ -266,6 +266,20 @@ def test_bench_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None
     assert exc.value.code == 2
 
 
+def test_bench_sharded_trainer_says_what_it_needs(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--sharded-trainer TxR`` is checked before any host is made."""
+    cases = [
+        (["--sharded-trainer", "2y2", "--emulate-hosts", "6"], "takes TxR (trainer hosts x ranks per host)"),
+        (["--sharded-trainer", "2x2"], "runs 2 or more ranks on an emulated cluster (--emulate-hosts N)"),
+        (["--sharded-trainer", "2x2", "--emulate-hosts", "2"], "need --emulate-hosts 3 or more"),
+    ]
+    for args, said in cases:
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", *args])
+        assert exc.value.code == 2
+        assert said in capsys.readouterr().err, args
+
+
 def test_bench_help_lists_known_schemes(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--help"])

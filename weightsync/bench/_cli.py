@@ -346,8 +346,6 @@ def _across_hosts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     args.link_rate = args.link_rate or "1gbit"
 
     sizes = tuple(args.size) if args.size != list(_DEFAULTS.sizes_mib) else (64.0, 256.0)
-    if args.sharded_trainer is not None:
-        return _sharded_across_hosts(args, parser)
     if args.scheme is not None and "distributed" in args.scheme:
         return _distributed_across_hosts(args, parser, sizes)
     print(describe_machine(machine_facts()), flush=True)
@@ -693,6 +691,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if why is not None:
                 print(f"weightsync bench: --{side}-device {device}: {why}", file=sys.stderr)
                 return 2
+    if args.command == "bench" and args.sharded_trainer is not None:
+        args.link_rate = args.link_rate or "1gbit"
+        return _sharded_across_hosts(args, parser)
     if args.command == "bench" and args.delta:
         return _delta(args, parser)
     if args.command == "bench" and (args.emulate_hosts is not None or args.cluster):
