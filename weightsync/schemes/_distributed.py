@@ -397,17 +397,10 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     def _sender_side(
         self, context: Any, kwargs: dict[str, Any]
     ) -> tuple[dict[int, SenderTransport], Staging | None]:
-        import datetime
-
-        import torch.distributed as dist
 
         from .._transports._chain._gloo import connect_store
         from .._transports._distributed._transport import (
-            ChainStaging,
-            DistributedSenderTransport,
-            Liveness,
             session_key,
-            session_prefix,
         )
 
         group = kwargs.get("group")
@@ -431,36 +424,61 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             host = kwargs.get("host") or _address_towards(store_host, int(store.port))
         else:
             host = store_host = kwargs.get("host") or _default_host()
-            store = dist.TCPStore(
-                host,
-                int(kwargs.get("port", 0)),
-                is_master=True,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=self.timeout),
-            )
-        port = int(store.port)
+            store = self._make_store(host, int(kwargs.get("port", 0)))
+        session, transports, staging = self._session(store, (store_host, int(store.port)), host, num_workers)
+        # Published last: a worker that sees the session finds the rest.
+        store.set(session_key(self._model_id), session.encode())
+        return transports, staging
+
+    def _make_store(self, host: str, port: int) -> Any:
+        """The trainer's own TCPStore on ``host``:``port`` (0: any free port)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        return dist.TCPStore(
+            host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=self.timeout),
+        )
+
+    def _session(
+        self, store: Any, store_address: tuple[str, int], host: str, num_workers: int, **chain: Any
+    ) -> tuple[str, dict[int, SenderTransport], Any]:
+        """A trainer's session in ``store`` (at ``store_address``): its
+        liveness socket on ``host``, its staging and chain (``chain``: the
+        chain's own options) and a transport per worker; the session's
+        name, which the caller publishes once all is up."""
+        from .._transports._distributed._transport import (
+            ChainStaging,
+            DistributedSenderTransport,
+            Liveness,
+            session_prefix,
+        )
+
         session = os.urandom(8).hex()
         prefix = session_prefix(self._model_id, session)
         liveness = Liveness(host)
         store.set(f"{prefix}live", pickle.dumps(liveness.address))
-        # Published last: a worker that sees the session finds the rest.
-        store.set(session_key(self._model_id), session.encode())
-        self._store_info = {"host": store_host, "port": port}
+        self._store_info = {"host": store_address[0], "port": store_address[1]}
         staging = ChainStaging(
             self._model_id,
             store,
-            (store_host, port),
+            store_address,
             prefix,
             liveness,
             share_on_host=self.share_on_host,
             delta=self.delta,
             delta_threads=self.delta_threads,
             delta_history=self.delta_history,
+            **chain,
         )
         transports: dict[int, SenderTransport] = {
             i: DistributedSenderTransport(i + 1, i, staging, self._model_id) for i in range(num_workers)
         }
-        return transports, staging
+        return session, transports, staging
 
     def _group_side(
         self, kwargs: dict[str, Any], group: Any
@@ -468,7 +486,6 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         """One rank of a sharded trainer: its store client, session, chain
         and part (see :class:`~.._transports._distributed._group.SenderGroup`).
         Collective over the trainer's ranks (``group``, default the world)."""
-        import datetime
 
         import torch.distributed as dist
 
@@ -476,12 +493,6 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         from .._strategy import values_of
         from .._transports._chain._gloo import connect_store
         from .._transports._distributed._group import SenderGroup, new_gid
-        from .._transports._distributed._transport import (
-            ChainStaging,
-            DistributedSenderTransport,
-            Liveness,
-            session_prefix,
-        )
 
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
@@ -513,13 +524,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         if rank == 0:
             if store is None:
                 host = kwargs.get("host") or _default_host()
-                store = dist.TCPStore(
-                    host,
-                    int(kwargs.get("port", 0)),
-                    is_master=True,
-                    wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=self.timeout),
-                )
+                store = self._make_store(host, int(kwargs.get("port", 0)))
             shared = [(str(store.host), int(store.port), new_gid())]
         dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
         store_host, port, gid = shared[0]
@@ -527,21 +532,11 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         if store is None:
             store = connect_store(store_host, port, timeout=self.timeout)
         host = _address_towards(store_host, port) if rank != 0 or "host" not in kwargs else kwargs["host"]
-        session = os.urandom(8).hex()
-        prefix = session_prefix(self._model_id, session)
-        liveness = Liveness(host)
-        store.set(f"{prefix}live", pickle.dumps(liveness.address))
-        self._store_info = {"host": store_host, "port": port}
-        staging = ChainStaging(
-            self._model_id,
+        session, transports, staging = self._session(
             store,
             (store_host, port),
-            prefix,
-            liveness,
-            share_on_host=self.share_on_host,
-            delta=self.delta,
-            delta_threads=self.delta_threads,
-            delta_history=self.delta_history,
+            host,
+            num_workers,
             # Each rank's chain starts at another host: no NIC carries every part.
             rotate=rank,
             # The ranks' chains share every link: smaller frames than the
@@ -550,9 +545,6 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             # frames, 1.24-1.27x with 512 KiB, 1.26-1.34x with 256 KiB.)
             chunk=max(CHUNK_BYTES // size, _MIN_GROUP_CHUNK),
         )
-        transports: dict[int, SenderTransport] = {
-            i: DistributedSenderTransport(i + 1, i, staging, self._model_id) for i in range(num_workers)
-        }
         sessions: list[Any] = [None] * size
         dist.all_gather_object(sessions, session, group=group)
         self._group = SenderGroup(self._model_id, (store_host, port), gid, rank, size, parts, self.timeout)
