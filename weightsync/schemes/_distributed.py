@@ -590,7 +590,11 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             )
         return self._group_send(weights, timeout)
 
-    def _group_send(self, weights: Any, timeout: float | None) -> SendReport:
+    def _group_send(self, weights: Any, timeout: float | None, *, connect: bool = False) -> SendReport:
+        """One collective send of a sender group (see :meth:`send`); with
+        ``connect``, each rank first waits for its workers (up to
+        ``timeout`` more), and a rank whose workers did not all come says
+        so to the others as its outcome, as a send's failure would."""
         from .._sender_group import Outcome, merge
         from .._shards import local_tensors
         from .._strategy import values_of
@@ -601,8 +605,10 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         group.seq += 1
         seq = group.seq
         wait = self.timeout if timeout is None else timeout
-        until = time.monotonic() + wait + GRACE
+        until = time.monotonic() + (2 * wait if connect else wait) + GRACE
         try:
+            if connect:
+                self._blocking_sender().connect(None, timeout=wait)
             local = local_tensors(values_of(self._model if weights is None else weights), group.part)
             report = self._blocking_sender().send_as(seq, local, timeout=wait)
             outcome = Outcome(group.rank, seq, report=report, version=report.version)
@@ -731,9 +737,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         given at init)."""
         if self._group is not None:
             # Every rank: its workers, then the first version, collectively.
-            wait = self.timeout if timeout is None else timeout
-            self._blocking_sender().connect(worker_idx, timeout=wait)
-            report = self.send(weights, timeout=wait)
+            report = self._group_send(weights, timeout, connect=True)
             self._synchronized_on_sender = True
             return report
         if self._async_receiver is not None:

@@ -123,24 +123,29 @@ class SenderGroup:
         """Publish this rank's ``outcome`` of send ``seq`` (anything that
         pickles) and read every other rank's, until ``until``
         (``time.monotonic()``); those that came, by rank."""
-        self._store.set(self._outcome_key(seq, self.rank), pickle.dumps(outcome))
         got = {self.rank: outcome}
-        delay = _POLL[0]
-        while len(got) < self.size:
-            for rank in range(self.size):
-                if rank in got:
-                    continue
-                value = get_now(self._store, self._outcome_key(seq, rank))
-                if value is not None:
-                    got[rank] = pickle.loads(value)
-            if len(got) == self.size or time.monotonic() >= until:
-                break
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL[1])
-        if seq > 1:
-            # Every rank read this rank's outcome of the send before: each
-            # published this one's, which it does only after reading them.
-            self._store.delete_key(self._outcome_key(seq - 1, self.rank))
+        try:
+            self._store.set(self._outcome_key(seq, self.rank), pickle.dumps(outcome))
+            delay = _POLL[0]
+            while len(got) < self.size:
+                for rank in range(self.size):
+                    if rank in got:
+                        continue
+                    value = get_now(self._store, self._outcome_key(seq, rank))
+                    if value is not None:
+                        got[rank] = pickle.loads(value)
+                if len(got) == self.size or time.monotonic() >= until:
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, _POLL[1])
+            if seq > 1:
+                # Every rank read this rank's outcome of the send before: each
+                # published this one's, which it does only after reading them.
+                self._store.delete_key(self._outcome_key(seq - 1, self.rank))
+        except RuntimeError:
+            # The store is gone (its rank died or shut down): the ranks not
+            # heard from are named as such.
+            pass
         return got
 
     def close(self, owner: bool) -> None:
