@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ._exceptions import InvalidWeightsError
-from ._packet import Manifest, Signature, signature_of
+from ._packet import Manifest, Signature
 from ._plan import Box, TensorLayout, layout_of
 from ._strategy import is_dtensor
 
@@ -64,22 +64,6 @@ class Part:
 
     rank: int
     pieces: tuple[Piece, ...]
-
-    @property
-    def names(self) -> list[str]:
-        return [p.name for p in self.pieces]
-
-    def nbytes(self) -> int:
-        return sum(
-            math.prod(p.local_shape) * torch.empty((), dtype=_dtype(p.dtype)).element_size()
-            for p in self.pieces
-        )
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name)
-    assert isinstance(dtype, torch.dtype)
-    return dtype
 
 
 def _mesh_ranks(tensor: Any) -> list[int]:
@@ -146,9 +130,7 @@ def local_tensors(tensors: Mapping[str, Any], part: Part) -> dict[str, torch.Ten
 def part_signature(part: Part) -> Signature:
     """The layout of ``part``'s send, as a manifest writes it (the local
     shapes): what the trainer rank checks a worker's hello against."""
-    return signature_of(
-        {p.name: torch.empty(p.local_shape, dtype=_dtype(p.dtype), device="meta") for p in part.pieces}
-    )
+    return tuple(sorted((p.name, p.dtype, p.local_shape) for p in part.pieces))
 
 
 def pieces_misfit(manifest: Manifest, parts: Sequence[Part]) -> str | None:

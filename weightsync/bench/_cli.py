@@ -468,7 +468,7 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
             progress=lambda text: print(text, flush=True), local_workers=local,
         )  # fmt: skip
     except RuntimeError as exc:
-        print(f"weightsync bench: {exc}", file=sys.stderr)
+        print(f"weightsync bench: error: {exc}", file=sys.stderr)
         return 1
     if args.json:
         with open(args.json, "w") as handle:

@@ -147,11 +147,13 @@ def tensor_checksums(tensors: Mapping[str, torch.Tensor]) -> list[int]:
     Position-sensitive, so a shifted, swapped, torn or stale tensor is caught,
     and several GB/s, so verifying every send stays cheap.
     """
-    sums = []
-    for name in sorted(tensors):
-        flat = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).cpu()
-        sums.append(zlib.crc32(flat.numpy().data))
-    return sums
+    return [tensor_crc(tensors[name]) for name in sorted(tensors)]
+
+
+def tensor_crc(tensor: torch.Tensor) -> int:
+    """CRC32 of the bytes of one tensor (see :func:`tensor_checksums`)."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    return zlib.crc32(flat.numpy().data)
 
 
 def corrupt_model(tensors: Mapping[str, torch.Tensor]) -> None:

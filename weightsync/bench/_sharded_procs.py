@@ -12,7 +12,6 @@ import resource
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +21,7 @@ from torch import nn
 import weightsync as ws
 
 from ._dist_hosts import control_store, wait_keys
-from ._model import mlp_shapes
+from ._model import mlp_shapes, tensor_crc
 from ._sharded_hosts import MIB, TIMEOUT, format_sharded_table, run_sharded
 
 __all__ = ["rank_main", "worker_main"]
@@ -35,10 +34,6 @@ class _Model(nn.Module):
         super().__init__()
         for i, shape in enumerate(mlp_shapes(int(mib * MIB), 8).values()):
             self.register_parameter(f"p{i}", nn.Parameter(torch.zeros(shape), requires_grad=False))
-
-
-def _crc(tensor: torch.Tensor) -> int:
-    return zlib.crc32(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def _rss_mib() -> float:
@@ -83,7 +78,9 @@ def worker_main(host: str, ports: list[int], rank: int, mib: float) -> None:
             if command == "crc":
                 # Each trainer rank's rows of each tensor, as it sent them.
                 state = dict(models[tag["model"]].state_dict())
-                sums = [[_crc(state[name][lo:hi]) for name, lo, hi in pieces] for pieces, _ in tag["ranks"]]
+                sums = [
+                    [tensor_crc(state[name][lo:hi]) for name, lo, hi in pieces] for pieces, _ in tag["ranks"]
+                ]
                 ctrl.set(f"crc/{tag['tag']}/{rank}", json.dumps(sums).encode())
             elif command == "quit":
                 return
@@ -147,7 +144,7 @@ def rank_main(rank: int, world: int, init: str, host: str, mib: float, repeats: 
             """Every worker holds each rank's shards, bit for bit (collective)."""
             nonlocal commands
             local = dict(model.state_dict())
-            mine = [_crc(local[name].to_local()) for name, _, _ in pieces]
+            mine = [tensor_crc(local[name].to_local()) for name, _, _ in pieces]
             everyone: list[Any] = [None] * world
             dist.all_gather_object(everyone, [pieces, mine])
             if rank != 0:

@@ -37,12 +37,7 @@ __all__ = ["DistributedSchemeConfig", "DistributedWeightSyncScheme"]
 
 def _holds_dtensors(model: Any) -> bool:
     """Whether ``model`` (a module, a TensorDict, a mapping) holds a DTensor."""
-    if model is None:
-        return False
-    try:
-        return any(is_dtensor(value) for value in values_of(model).values())
-    except Exception:
-        return False
+    return model is not None and any(is_dtensor(value) for value in values_of(model).values())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -45,6 +45,7 @@ from ..._exceptions import (
 from ..._packet import Manifest, Signature
 from ..._shards import Part, part_signature, pieces_misfit, place
 from .._chain._gloo import connect_store
+from .._chain._pipeline import short_message
 from ._protocol import get_now, session_key, wait_key
 from ._relay import ChainUpdate
 from ._transport import ChainEndpoint
@@ -358,9 +359,6 @@ def worker_endpoint(
             gid = session[len(GROUP_MARK) :].decode()
             record = pickle.loads(wait_key(client, group_key(model_id, gid), deadline))
     except (RuntimeError, OSError) as exc:
-        from ..._exceptions import SenderLostError
-        from .._chain._pipeline import short_message
-
         raise SenderLostError(
             f"the sender of model {model_id!r} is gone: its store did not answer ({short_message(exc)})",
             model_id=model_id,
