@@ -8,7 +8,18 @@ from __future__ import annotations
 import torch
 
 from weightsync._packet import Manifest
-from weightsync._shards import Part, Piece, part_signature, parts_of, pieces_misfit, place
+from weightsync._shards import (
+    Part,
+    Piece,
+    Want,
+    classes_of,
+    local_tensors,
+    part_signature,
+    parts_of,
+    pieces_misfit,
+    place,
+    sub_part,
+)
 
 
 def test_whole_tensors_are_each_sent_once_by_the_least_loaded_rank() -> None:
@@ -47,3 +58,39 @@ def test_pieces_are_written_into_their_boxes() -> None:
     assert torch.equal(target["w"][:, 0], torch.zeros(4)) and torch.equal(
         target["w"][:, 1:], torch.ones(4, 2)
     )
+
+
+def test_a_tensor_parallel_worker_takes_only_the_box_it_holds() -> None:
+    # Rank 0 of the trainer holds rows 0..3 of an 8 x 4 weight; a worker
+    # holds columns 2..4 (a column-sharded tensor-parallel rank) and the
+    # bias whole.
+    part = Part(0, (Piece("b", (4,), "float32", ((0, 4),)), Piece("w", (8, 4), "float32", ((0, 4), (0, 4)))))
+    want = Want((("b", "float32", (4,)), ("w", "float32", (8, 4))), (("w", ((0, 8), (2, 4))),), (1, 2))
+    sub = sub_part(part, want)
+    assert [(p.name, p.box) for p in sub.pieces] == [("b", ((0, 4),)), ("w", ((0, 4), (2, 4)))]
+    assert dict((n, s) for n, _, s in part_signature(sub)) == {"b": (4,), "w": (4, 2)}
+    # The trainer sends a view of its local shard's columns 2..4 ...
+    local = torch.arange(16.0).reshape(4, 4)
+    sent = local_tensors({"b": torch.ones(4), "w": local}, part, sub)
+    assert torch.equal(sent["w"], local[:, 2:4]) and sent["w"].data_ptr() == local[:, 2:].data_ptr()
+    # ... which the worker writes into rows 0..3 of its 8 x 2 local shard.
+    targets = {"b": torch.zeros(4), "w": torch.zeros(8, 2)}
+    place(targets, sub, [sent["b"], sent["w"].contiguous()], want)
+    assert torch.equal(targets["w"][:4], local[:, 2:4]) and torch.equal(targets["w"][4:], torch.zeros(4, 2))
+    assert torch.equal(targets["b"], torch.ones(4))
+    # A worker holding rows 4..8 takes nothing of this rank's weight.
+    other = Want(want.signature, (("w", ((4, 8), (0, 4))),), (3,))
+    assert [p.name for p in sub_part(part, other).pieces] == ["b"]
+
+
+def test_workers_holding_the_same_boxes_are_one_class() -> None:
+    sig = (("w", "float32", (8, 4)),)
+    left, right = (("w", ((0, 8), (0, 2))),), (("w", ((0, 8), (2, 4))),)
+    wants = {
+        1: Want(sig, left, (1, 2)),
+        2: Want(sig, right, (1, 2)),
+        3: Want(sig, left, (3, 4)),
+        4: Want(sig, right, (3, 4)),
+        5: Want(sig, None, (5,)),
+    }
+    assert classes_of(wants) == ((left, (1, 3)), (right, (2, 4)), (None, (5,)))

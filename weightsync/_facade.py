@@ -17,7 +17,9 @@ import time
 from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
-from ._drive import drive_blocking, resume
+import anyio
+
+from ._drive import drive, drive_blocking, resume
 from ._exceptions import (
     SenderClosedError,
     SenderLostError,
@@ -140,6 +142,48 @@ class WeightSender:
         self._check("send()")
         machine = self._sender.machine(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
         return self._drive(machine, None)
+
+    @staticmethod
+    def send_each_as(
+        version: int,
+        sends: list[tuple[WeightSender, Any]],
+        *,
+        timeout: float | None = None,
+        connect: bool = False,
+    ) -> list[SendReport | Exception]:
+        """:meth:`send_as` of each ``(sender, weights)`` as ``version``, all at
+        once (one event loop, a task each), blocking until every one ended;
+        with ``connect``, each sender first waits for its workers (up to
+        ``timeout``). What each returned or raised, in order (a
+        ``BaseException`` other than an ``Exception``, Ctrl-C, is raised once
+        all stopped): a sender group's rank sending its part to each class
+        of workers over a chain of its own."""
+        for sender, _ in sends:
+            sender._refuse_in_coroutine("send()", "send(...)")
+            sender._check("send()")
+        out: list[SendReport | Exception] = [RuntimeError("not run")] * len(sends)
+
+        async def one(i: int, sender: WeightSender, weights: Any) -> None:
+            try:
+                if connect:
+                    await sender._sender.wait_for_workers(timeout=timeout)
+                machine = sender._sender.machine(weights, None, SendOptions(timeout, version=version))
+                try:
+                    report = await drive(machine, sender._sender.io)
+                finally:
+                    machine.close()
+                assert report is not None
+                out[i] = report
+            except Exception as exc:
+                out[i] = exc
+
+        async def every() -> None:
+            async with anyio.create_task_group() as group:
+                for i, (sender, weights) in enumerate(sends):
+                    group.start_soon(one, i, sender, weights)
+
+        RUNTIME.call(every)
+        return out
 
     def send_as(self, version: int, weights: Any, *, timeout: float | None = None) -> SendReport:
         """:meth:`send` of all of ``weights`` to every worker as ``version``

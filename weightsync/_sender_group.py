@@ -9,14 +9,16 @@ import dataclasses
 
 from ._exceptions import (
     AckTimeoutError,
+    InvalidWeightsError,
     SenderGroupError,
+    WeightMismatchError,
     WeightSyncError,
     WorkerError,
     combine_worker_errors,
 )
 from ._send import SendReport
 
-__all__ = ["Outcome", "merge"]
+__all__ = ["Outcome", "combine", "merge"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +35,51 @@ class Outcome:
     #: What it refused before anything moved (weights that do not fit a
     #: worker, or cannot be sent): every rank raises rank 0's.
     refused: WeightSyncError | None = None
+
+
+def _joined(reports: list[SendReport]) -> SendReport:
+    """Sends of one version (a rank's to each class of workers, or every
+    rank's) as one report: every worker acked in any, the bytes of all, the
+    time of the slowest."""
+    first = reports[0]
+    return dataclasses.replace(
+        first,
+        worker_ids=tuple(sorted({w for r in reports for w in r.worker_ids})),
+        nbytes=sum(r.nbytes for r in reports),
+        seconds=max(r.seconds for r in reports),
+        staged_seconds=max(r.staged_seconds for r in reports),
+        announce_seconds=max(r.announce_seconds for r in reports),
+    )
+
+
+def combine(rank: int, seq: int, results: list[SendReport | Exception]) -> Outcome:
+    """Rank ``rank``'s outcome of send ``seq``, from what each of its sends
+    (one per class of workers) returned or raised."""
+    reports = [r for r in results if isinstance(r, SendReport)]
+    failures: dict[int, WorkerError] = {}
+    errors = []
+    refused: WeightSyncError | None = None
+    for result in results:
+        if isinstance(result, WorkerError):
+            for wid, error in (dict(result.failures) or dict.fromkeys(result.worker_ids, result)).items():
+                failures[wid] = error
+        elif isinstance(result, WeightMismatchError | InvalidWeightsError):
+            refused = refused or result
+            errors.append(f"{type(result).__name__}: {result}")
+        elif isinstance(result, Exception):
+            errors.append(f"{type(result).__name__}: {result}")
+    versions = [r.version for r in reports] + [
+        e.version for e in results if isinstance(e, WorkerError) and e.version is not None
+    ]
+    return Outcome(
+        rank,
+        seq,
+        report=_joined(reports) if reports and not failures and not errors else None,
+        failures=failures,
+        version=max(versions) if versions else None,
+        error="; ".join(errors) or None,
+        refused=refused if len(errors) == len(results) else None,
+    )
 
 
 def _prefer(a: WorkerError, b: WorkerError) -> WorkerError:
@@ -96,16 +143,4 @@ def merge(outcomes: dict[int, Outcome], size: int, seq: int, model_id: str | Non
         )
     if failures:
         raise combine_worker_errors(failures, model_id=model_id, version=version)
-    reports = [o.report for _, o in sorted(outcomes.items()) if o.report is not None]
-    first = reports[0]
-    acked = set(first.worker_ids)
-    for report in reports[1:]:
-        acked &= set(report.worker_ids)
-    return dataclasses.replace(
-        first,
-        worker_ids=tuple(sorted(acked)),
-        nbytes=sum(r.nbytes for r in reports),
-        seconds=max(r.seconds for r in reports),
-        staged_seconds=max(r.staged_seconds for r in reports),
-        announce_seconds=max(r.announce_seconds for r in reports),
-    )
+    return _joined([o.report for _, o in sorted(outcomes.items()) if o.report is not None])

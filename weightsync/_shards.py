@@ -1,6 +1,6 @@
 """The parts of a sharded trainer's send: which piece of which tensor each
-trainer rank sends, and how a worker that holds whole tensors puts the
-pieces together.
+trainer rank sends, what of it each worker takes, and how a worker puts
+the pieces together.
 
 Every rank of a sharded trainer (FSDP2's ``fully_shard``, tensor
 parallelism: DTensors) holds one box of each sharded tensor, and every
@@ -13,6 +13,12 @@ version counter kept in step, its own chain, its own digests) carries
 exactly those, as a model of its own. A worker puts every part of one
 version in place, each piece into its box of the model's tensor, once
 all parts of that version are in.
+
+A worker holds each tensor whole, or its own box of it (a tensor-parallel
+worker's local shard, :class:`Want`). Workers that hold the same boxes
+form a *class*; rank r sends each class its :func:`sub_part`, each piece
+cut to the class's box, over a chain of its own: a worker takes in only
+the bytes it holds.
 
 Pure functions of the tensors' layouts: every rank computes the same parts
 with no message, and so does the test, with no process at all.
@@ -32,7 +38,19 @@ from ._packet import Manifest, Signature
 from ._plan import Box, TensorLayout, layout_of
 from ._strategy import is_dtensor
 
-__all__ = ["Part", "Piece", "local_tensors", "part_signature", "parts_of", "pieces_misfit", "place"]
+__all__ = [
+    "Part",
+    "Piece",
+    "Want",
+    "classes_of",
+    "local_tensors",
+    "part_signature",
+    "parts_of",
+    "pieces_misfit",
+    "place",
+    "sub_part",
+    "want_of",
+]
 
 
 @dataclass(frozen=True)
@@ -53,9 +71,6 @@ class Piece:
     def whole(self) -> bool:
         return self.local_shape == self.shape
 
-    def slices(self) -> tuple[slice, ...]:
-        return tuple(slice(start, stop) for start, stop in self.box)
-
 
 @dataclass(frozen=True)
 class Part:
@@ -64,6 +79,80 @@ class Part:
 
     rank: int
     pieces: tuple[Piece, ...]
+
+
+#: What a worker holds of each tensor it takes, by name: its box of the
+#: global tensor (a tensor-parallel worker's local shard), or the whole.
+Boxes = tuple[tuple[str, Box], ...]
+
+
+@dataclass(frozen=True)
+class Want:
+    """What a worker takes of a sender group's sends, as it says at init:
+    its model's global layout (``signature``: names, dtypes, global shapes),
+    the box it holds of each tensor (``boxes``; None: every tensor whole),
+    and the workers that switch versions together with it (``members``,
+    worker ranks, itself among them: the ranks of its tensor-parallel
+    group; ``(rank,)`` alone)."""
+
+    signature: Signature
+    boxes: Boxes | None
+    members: tuple[int, ...]
+
+    def box(self, name: str, shape: tuple[int, ...]) -> Box:
+        """The box of tensor ``name`` (of global ``shape``) this worker holds."""
+        if self.boxes is not None:
+            for held, box in self.boxes:
+                if held == name:
+                    return box
+        return tuple((0, n) for n in shape)
+
+
+def want_of(tensors: Mapping[str, Any], members: tuple[int, ...], index: int) -> Want:
+    """The :class:`Want` of a worker whose model holds ``tensors`` (DTensors
+    over its group's mesh, where ``index`` is its place in the mesh, and
+    plain tensors, which it holds whole), in a group of ``members``.
+
+    :raises InvalidWeightsError: a DTensor placed ``Partial``.
+    """
+    signature: list[tuple[str, str, tuple[int, ...]]] = []
+    boxes: list[tuple[str, Box]] = []
+    for name, tensor in tensors.items():
+        shape = tuple(int(n) for n in tensor.shape)
+        signature.append((name, str(tensor.dtype).removeprefix("torch."), shape))
+        if is_dtensor(tensor):
+            try:
+                boxes.append((name, layout_of(tensor).box(index)))
+            except ValueError as exc:
+                raise InvalidWeightsError(f"weight {name!r}: {exc}") from exc
+    return Want(tuple(sorted(signature)), tuple(sorted(boxes)) or None, members)
+
+
+def classes_of(wants: Mapping[int, Want]) -> tuple[tuple[Boxes | None, tuple[int, ...]], ...]:
+    """The workers (by rank) that take the same bytes, by the boxes they
+    hold: one class of each, in the order of their first worker. Each
+    class is one chain per trainer rank."""
+    classes: dict[Boxes | None, list[int]] = {}
+    for rank in sorted(wants):
+        classes.setdefault(wants[rank].boxes, []).append(rank)
+    return tuple((boxes, tuple(ranks)) for boxes, ranks in classes.items())
+
+
+def sub_part(part: Part, want: Want) -> Part:
+    """What of ``part`` a worker that wants ``want`` takes: each piece cut
+    to the box the worker holds (pieces it holds nothing of left out)."""
+    pieces = []
+    for piece in part.pieces:
+        mine = want.box(piece.name, piece.shape)
+        cut = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(piece.box, mine, strict=True))
+        if all(lo < hi for lo, hi in cut):
+            pieces.append(Piece(piece.name, piece.shape, piece.dtype, cut))
+    return Part(part.rank, tuple(pieces))
+
+
+def _within(box: Box, origin: Box) -> tuple[slice, ...]:
+    """``box`` as slices of a tensor that holds ``origin`` of the same global tensor."""
+    return tuple(slice(lo - start, hi - start) for (lo, hi), (start, _) in zip(box, origin, strict=True))
 
 
 def _mesh_ranks(tensor: Any) -> list[int]:
@@ -116,14 +205,18 @@ def parts_of(tensors: Mapping[str, Any], ranks: int, *, model_id: str | None = N
     return tuple(Part(r, tuple(sorted(p, key=lambda piece: piece.name))) for r, p in enumerate(pieces))
 
 
-def local_tensors(tensors: Mapping[str, Any], part: Part) -> dict[str, torch.Tensor]:
-    """The tensors this rank sends as ``part``: each piece's local shard (a
-    DTensor's ``to_local()``, never its global view) or whole tensor."""
+def local_tensors(tensors: Mapping[str, Any], part: Part, sub: Part | None = None) -> dict[str, torch.Tensor]:
+    """The tensors this rank sends as ``part`` (or as ``sub``, a
+    :func:`sub_part` of it): each piece's local shard (a DTensor's
+    ``to_local()``, never its global view) or whole tensor, cut to the
+    sub-part's box (a view: no copy)."""
     out: dict[str, torch.Tensor] = {}
-    for piece in part.pieces:
+    held = {piece.name: piece.box for piece in part.pieces}
+    for piece in part.pieces if sub is None else sub.pieces:
         value = tensors[piece.name]
-        local = value.to_local() if is_dtensor(value) else value
-        out[piece.name] = local.detach()
+        local = (value.to_local() if is_dtensor(value) else value).detach()
+        box = held[piece.name]
+        out[piece.name] = local if piece.box == box else local[_within(piece.box, box)]
     return out
 
 
@@ -160,12 +253,16 @@ def pieces_misfit(manifest: Manifest, parts: Sequence[Part]) -> str | None:
     return f"this worker's model does not fit the trainer's sharded weights: {shown}"
 
 
-def place(targets: Mapping[str, torch.Tensor], part: Part, sources: Sequence[torch.Tensor]) -> None:
+def place(
+    targets: Mapping[str, torch.Tensor], part: Part, sources: Sequence[torch.Tensor], want: Want | None = None
+) -> None:
     """Write ``part``'s pieces (``sources``, in its manifest's order, which
-    is its pieces' order) into their boxes of ``targets`` (whole tensors by name)."""
+    is its pieces' order) into their boxes of ``targets`` (by name: whole
+    tensors, or the boxes ``want`` says the worker holds)."""
     for piece, source in zip(part.pieces, sources, strict=True):
         target = targets[piece.name]
-        if piece.whole:
+        origin = tuple((0, n) for n in piece.shape) if want is None else want.box(piece.name, piece.shape)
+        if piece.box == origin:
             target.copy_(source)
         else:
-            target[piece.slices()].copy_(source)
+            target[_within(piece.box, origin)].copy_(source)

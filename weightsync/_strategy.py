@@ -295,7 +295,18 @@ def model_tensors(model: Any, *, model_id: str | None = None) -> dict[str, torch
 
     Unlike :func:`flat_weights` these are the model's own tensors (parameters
     are not detached), so an in-place copy keeps identity and ``data_ptr()``.
+    A DTensor (a tensor-parallel worker's, whose scheme took it) is its
+    local shard, the storage this process holds.
     """
+    tensors = _model_tensors(model, model_id)
+    if any(is_dtensor(t) for t in tensors.values()):
+        # (Outside autograd, to_local() is the DTensor's own local tensor.)
+        with torch.no_grad():
+            return {name: t.to_local() if is_dtensor(t) else t for name, t in tensors.items()}  # type: ignore[attr-defined]
+    return tensors
+
+
+def _model_tensors(model: Any, model_id: str | None) -> dict[str, torch.Tensor]:
     if isinstance(model, nn.Module):
         return dict(model.state_dict(keep_vars=True))
     if is_tensordict(model):

@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from .._delta import check_delta, require_codec
-from .._exceptions import InvalidWeightsError, WeightMismatchError, WeightSyncStateError, WorkerError
+from .._exceptions import (
+    AckTimeoutError,
+    InvalidWeightsError,
+    WeightMismatchError,
+    WeightSyncError,
+    WeightSyncStateError,
+    WorkerError,
+    combine_worker_errors,
+)
 from .._facade import WeightSender
 from .._frames import CHUNK_BYTES
 from .._packing import Keys
@@ -30,6 +38,7 @@ from ._base import EndpointFactory, SchemeConfig, StrategyName, WeightSyncScheme
 _MIN_GROUP_CHUNK = 512 << 10
 
 if TYPE_CHECKING:
+    from .._shards import Part, Want
     from .._transports._distributed._group import SenderGroup
 
 __all__ = ["DistributedSchemeConfig", "DistributedWeightSyncScheme"]
@@ -108,6 +117,54 @@ def _default_host() -> str:
     if host:
         return socket.gethostbyname(host)
     return socket.gethostbyname(socket.gethostname())
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupSetting:
+    """What a sender group's rank keeps from init for its plan: the store
+    (and its address), this rank's address, the workers, the trainer's
+    process group."""
+
+    store: Any
+    address: tuple[str, int]
+    host: str
+    num_workers: int
+    group: Any
+
+
+def _plan_refusal(
+    wants: dict[int, Want], ranks: list[int], parts: tuple[Part, ...], timeout: float
+) -> tuple[str, Any] | None:
+    """Why the plan cannot be made from what the workers said they hold
+    (``wants``, of worker ranks ``ranks``): the kind of error and what it
+    says, the same on every rank (or None: it can)."""
+    from .._packet import Manifest
+    from .._shards import pieces_misfit
+
+    missing = [r for r in ranks if r not in wants]
+    if missing:
+        return (
+            "missing",
+            {
+                r - 1: f"worker {r - 1} (rank {r}) did not say what it holds within {timeout:g} s "
+                "(its init_on_worker did not reach the trainer's store)"
+                for r in missing
+            },
+        )
+    said = []
+    for rank, want in sorted(wants.items()):
+        why = pieces_misfit(Manifest.from_signature(want.signature), parts)
+        if why is not None:
+            said.append(f"worker {rank - 1}: {why}")
+        strays = [m for m in want.members if m not in wants or wants[m].members != want.members]
+        if strays:
+            said.append(
+                f"worker {rank - 1}: its tensor-parallel group {list(want.members)} (worker ranks) is not "
+                f"this trainer's, or its members disagree on it (ranks {strays})"
+            )
+    if said:
+        return ("WeightMismatchError", f"{'; '.join(said)}; nothing was sent")
+    return None
 
 
 class DistributedWeightSyncScheme(WeightSyncScheme):
@@ -250,6 +307,10 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         # this rank runs the group's store (made here, not torchrun's).
         self._group: SenderGroup | None = None
         self._owns_store = False
+        self._group_setting: _GroupSetting | None = None
+        # A sender group's rank, once the plan is made: per class of workers
+        # it sends anything, the class, its cut of this rank's part, its sender.
+        self._class_senders: list[tuple[int, Part, WeightSender]] | None = None
 
     # Where the trainer's store is travels with the scheme, to the workers.
     def __getstate__(self) -> dict[str, Any]:
@@ -260,9 +321,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     # -- a sharded trainer: a sender group ------------------------------------------
     def _refuse_sharded(self, model: Any, side: str) -> None:
         """A trainer's DTensors are sent by every rank (a sender group); a
-        worker's must be whole tensors."""
-        if side != "the trainer's":
-            super()._refuse_sharded(model, side)
+        worker's are its own boxes (a tensor-parallel worker), which it takes
+        from a sender group (see :meth:`_want`)."""
 
     def get_sender(self) -> WeightSender:
         """As :meth:`WeightSyncScheme.get_sender`.
@@ -329,48 +389,47 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         """Older versions kept for workers that fell behind (``config.delta_history``)."""
         return self._config.delta_history
 
+    def _chain_stagings(self) -> list[Any]:
+        """The trainer's chain stagings: its one, or a sender group rank's
+        one per class of workers (none on a worker)."""
+        from .._transports._distributed._transport import ChainStaging
+
+        if self._class_senders is not None:
+            stagings = [sender.async_sender.staging for _, _, sender in self._class_senders]
+        else:
+            stagings = [self.staging]
+        return [staging for staging in stagings if isinstance(staging, ChainStaging)]
+
     @property
     def last_delta_choice(self) -> dict[str, Any]:
         """Why the trainer's last send went as a delta or whole (``delta=True``
         weighs each send), and of the last delta the encode and rebuild
         GB/s per core and their threads: ``{"delta": bool, "why": str,
-        "rates": {...}}``; empty without ``delta`` and on a worker."""
-        from .._transports._distributed._transport import ChainStaging
-
-        staging = self.staging
-        choice = staging.delta_choice if isinstance(staging, ChainStaging) else None
-        return {} if choice is None else choice.summary()
+        "rates": {...}}``; empty without ``delta`` and on a worker. (A
+        sender group's rank: its first class of workers'.)"""
+        choices = [staging.delta_choice for staging in self._chain_stagings()]
+        return next((choice.summary() for choice in choices if choice is not None), {})
 
     @property
     def last_routes(self) -> list[tuple[tuple[int, ...], dict[int, tuple[int, ...]]]]:
         """How the trainer's last send went: for each chain it formed (a
-        repair forms more than one), its ranks in chain order, and the
-        ranks each host leader of it fed through shared memory. Empty on a
-        worker and before the first send."""
-        from .._transports._distributed._transport import ChainStaging
-
-        staging = self.staging
-        if not isinstance(staging, ChainStaging):
-            return []
-        return list(staging.last_routes)
+        repair forms more than one; a sender group's rank one per class of
+        workers), its ranks in chain order, and the ranks each host leader
+        of it fed through shared memory. Empty on a worker and before the
+        first send."""
+        return [route for staging in self._chain_stagings() for route in staging.last_routes]
 
     @property
     def last_delta(self) -> list[bool]:
         """Per chain of the trainer's last send (as :attr:`last_routes`):
         whether it carried a delta (``delta=True``) or the full bytes."""
-        from .._transports._distributed._transport import ChainStaging
-
-        staging = self.staging
-        return staging.last_delta if isinstance(staging, ChainStaging) else []
+        return [delta for staging in self._chain_stagings() for delta in staging.last_delta]
 
     @property
     def last_wire_bytes(self) -> int:
         """The bytes the trainer put on its chains in its last send (the
         encoded frames with ``delta=True``); 0 on a worker."""
-        from .._transports._distributed._transport import ChainStaging
-
-        staging = self.staging
-        return staging.last_wire_bytes if isinstance(staging, ChainStaging) else 0
+        return sum(staging.last_wire_bytes for staging in self._chain_stagings())
 
     def get_store_info(self) -> dict[str, Any] | None:
         """Where the trainer's store is: ``{"host": ..., "port": ...}``
@@ -420,7 +479,9 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         else:
             host = store_host = kwargs.get("host") or _default_host()
             store = self._make_store(host, int(kwargs.get("port", 0)))
-        session, transports, staging = self._session(store, (store_host, int(store.port)), host, num_workers)
+        session, transports, staging = self._session(
+            store, (store_host, int(store.port)), host, range(num_workers)
+        )
         # Published last: a worker that sees the session finds the rest.
         store.set(session_key(self._model_id), session.encode())
         return transports, staging
@@ -440,12 +501,13 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         )
 
     def _session(
-        self, store: Any, store_address: tuple[str, int], host: str, num_workers: int, **chain: Any
+        self, store: Any, store_address: tuple[str, int], host: str, worker_ids: Iterable[int], **chain: Any
     ) -> tuple[str, dict[int, SenderTransport], Any]:
         """A trainer's session in ``store`` (at ``store_address``): its
         liveness socket on ``host``, its staging and chain (``chain``: the
-        chain's own options) and a transport per worker; the session's
-        name, which the caller publishes once all is up."""
+        chain's own options) and a transport per worker (``worker_ids``:
+        worker i is rank i + 1); the session's name, which the caller
+        publishes once all is up."""
         from .._transports._distributed._transport import (
             ChainStaging,
             DistributedSenderTransport,
@@ -471,7 +533,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             **chain,
         )
         transports: dict[int, SenderTransport] = {
-            i: DistributedSenderTransport(i + 1, i, staging, self._model_id) for i in range(num_workers)
+            i: DistributedSenderTransport(i + 1, i, staging, self._model_id) for i in worker_ids
         }
         return session, transports, staging
 
@@ -527,25 +589,16 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         if store is None:
             store = connect_store(store_host, port, timeout=self.timeout)
         host = _address_towards(store_host, port) if rank != 0 or "host" not in kwargs else kwargs["host"]
-        session, transports, staging = self._session(
-            store,
-            (store_host, port),
-            host,
-            num_workers,
-            # Each rank's chain starts at another host: no NIC carries every part.
-            rotate=rank,
-            # The ranks' chains share every link: smaller frames than the
-            # single sender's keep each chain's fill (a frame per hop) short.
-            # (4 ranks, 64 MiB to 4 hosts at 1 Gbit/s: 1.32x S/B with 1 MiB
-            # frames, 1.24-1.27x with 512 KiB, 1.26-1.34x with 256 KiB.)
-            chunk=max(CHUNK_BYTES // size, _MIN_GROUP_CHUNK),
-        )
-        sessions: list[Any] = [None] * size
-        dist.all_gather_object(sessions, session, group=group)
         self._group = SenderGroup(self._model_id, (store_host, port), gid, rank, size, parts, self.timeout)
+        # What the plan (made at the first connect() or send, once every
+        # worker said what it holds) needs: the store, this rank's address,
+        # the workers, the trainer's group.
+        self._group_setting = _GroupSetting(store, (store_host, port), host, num_workers, group)
         if rank == 0:
-            self._group.publish(sessions)
-        return transports, staging
+            self._group.publish()
+        # This rank's sends go through the senders of the plan (one per
+        # class of workers), not the scheme's own, which has no worker.
+        return {}, None
 
     def send(
         self,
@@ -585,12 +638,98 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             )
         return self._group_send(weights, timeout)
 
+    def _plan_group(self, until: float) -> None:
+        """Make the plan (collective, once): rank 0 reads what every worker
+        holds, waiting up to ``until`` (``time.monotonic()``); every rank
+        then opens a session for each class of workers it sends anything
+        (its part cut to their boxes), and rank 0 tells the workers.
+
+        :raises WeightMismatchError: (on every rank alike) a worker's model
+            does not fit the trainer's weights, or its group is not whole.
+        :raises AckTimeoutError: (on every rank alike) workers that did not
+            say what they hold in time, named.
+        """
+        import torch.distributed as dist
+
+        from .._shards import classes_of, sub_part
+        from .._transports._distributed._group import GroupPlan
+
+        group, setting = self._group, self._group_setting
+        assert group is not None and setting is not None
+        ranks = list(range(1, setting.num_workers + 1))
+        said: list[Any] = [None]
+        if group.rank == 0:
+            try:
+                wants = group.wants(ranks, until)
+                said = [(wants, _plan_refusal(wants, ranks, group.parts, self.timeout))]
+            except Exception as exc:  # (the others hear it, and raise alike)
+                said = [({}, ("WeightSyncError", f"{type(exc).__name__}: {exc}"))]
+        dist.broadcast_object_list(said, src=dist.get_global_rank(setting.group, 0), group=setting.group)
+        wants, refusal = said[0]
+        if refusal is not None:
+            kind, what = refusal
+            if kind == "missing":
+                raise combine_worker_errors(
+                    {w: AckTimeoutError(m, worker_id=w, model_id=self._model_id) for w, m in what.items()},
+                    model_id=self._model_id,
+                    version=None,
+                )
+            if kind == "WeightMismatchError":
+                raise WeightMismatchError(what, model_id=self._model_id)
+            raise WeightSyncError(what, model_id=self._model_id)
+        classes = classes_of(wants)
+        senders: list[tuple[int, Any, WeightSender]] = []
+        row: list[str | None] = []
+        try:
+            for index, (_, members) in enumerate(classes):
+                sub = sub_part(group.part, wants[members[0]])
+                if not sub.pieces:
+                    row.append(None)  # (nothing of this rank's part is theirs)
+                    continue
+                session, transports, staging = self._session(
+                    setting.store,
+                    setting.address,
+                    setting.host,
+                    [m - 1 for m in members],
+                    # Each rank's chain starts at another host: no NIC carries every part.
+                    rotate=group.rank,
+                    # The ranks' chains share every link: smaller frames than the
+                    # single sender's keep each chain's fill (a frame per hop) short.
+                    # (4 ranks, 64 MiB to 4 hosts at 1 Gbit/s: 1.32x S/B with 1 MiB
+                    # frames, 1.24-1.27x with 512 KiB, 1.26-1.34x with 256 KiB.)
+                    chunk=max(CHUNK_BYTES // group.size, _MIN_GROUP_CHUNK),
+                )
+                sender = WeightSender(
+                    AsyncWeightSender(
+                        model_id=self._model_id,
+                        strategy=self.strategy,
+                        transports=transports,
+                        staging=staging,
+                        context=None,
+                        timeout=self.timeout,
+                        verify=self.verify,
+                        wire_dtype=self.wire_dtype,
+                    )
+                )
+                senders.append((index, sub, sender))
+                row.append(session)
+        except BaseException:
+            for _, _, sender in senders:
+                sender.shutdown()
+            raise
+        sessions: list[Any] = [None] * group.size
+        dist.all_gather_object(sessions, tuple(row), group=setting.group)
+        self._class_senders = senders
+        if group.rank == 0:
+            group.publish_plan(GroupPlan(classes, tuple(sessions)))
+
     def _group_send(self, weights: Any, timeout: float | None, *, connect: bool = False) -> SendReport:
-        """One collective send of a sender group (see :meth:`send`); with
-        ``connect``, each rank first waits for its workers (up to
-        ``timeout`` more), and a rank whose workers did not all come says
-        so to the others as its outcome, as a send's failure would."""
-        from .._sender_group import Outcome, merge
+        """One collective send of a sender group (see :meth:`send`); the
+        first makes the plan; with ``connect``, each rank first waits for
+        its workers (up to ``timeout`` more), and a rank whose workers did
+        not all come says so to the others as its outcome, as a send's
+        failure would."""
+        from .._sender_group import Outcome, combine, merge
         from .._shards import local_tensors
         from .._strategy import values_of
         from .._transports._distributed._group import GRACE
@@ -600,19 +739,24 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         group.seq += 1
         seq = group.seq
         wait = self.timeout if timeout is None else timeout
-        until = time.monotonic() + (2 * wait if connect else wait) + GRACE
+        planned = self._class_senders is not None
+        until = time.monotonic() + (2 * wait if connect or not planned else wait) + GRACE
         try:
-            if connect:
-                self._blocking_sender().connect(None, timeout=wait)
-            local = local_tensors(values_of(self._model if weights is None else weights), group.part)
-            report = self._blocking_sender().send_as(seq, local, timeout=wait)
-            outcome = Outcome(group.rank, seq, report=report, version=report.version)
+            if not planned:
+                self._plan_group(time.monotonic() + wait)
+                connect = True
+            assert self._class_senders is not None
+            tensors = values_of(self._model if weights is None else weights)
+            sends = [
+                (sender, local_tensors(tensors, group.part, sub)) for _, sub, sender in self._class_senders
+            ]
+            results = WeightSender.send_each_as(seq, sends, timeout=wait, connect=connect)
+            outcome = combine(group.rank, seq, results)
+        except (WeightMismatchError, InvalidWeightsError) as exc:
+            outcome = Outcome(group.rank, seq, error=f"{type(exc).__name__}: {exc}", refused=exc)
         except WorkerError as exc:
             failures = dict(exc.failures) or dict.fromkeys(exc.worker_ids, exc)
             outcome = Outcome(group.rank, seq, failures=failures, version=exc.version)
-        except (WeightMismatchError, InvalidWeightsError) as exc:
-            refused = self._misfit(exc) if isinstance(exc, WeightMismatchError) else exc
-            outcome = Outcome(group.rank, seq, error=f"{type(exc).__name__}: {exc}", refused=refused)
         except Exception as exc:
             outcome = Outcome(group.rank, seq, error=f"{type(exc).__name__}: {exc}")
         except BaseException as exc:
@@ -648,7 +792,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     def _receiver_side(self, context: Any, kwargs: dict[str, Any]) -> EndpointFactory:
         # The transport is imported here, where it is used: most programs
         # that import weightsync never use torch.distributed.
-        from .._transports._distributed._group import worker_endpoint
+        from .._transports._distributed._group import PartsEndpoint, worker_endpoint
 
         rank = kwargs.get("rank", self._worker_idx)
         if rank is None and os.environ.get("RANK"):
@@ -674,39 +818,75 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             )
         address = None if info is None else (str(info["host"]), int(info["port"]))
         model_id, timeout = self._model_id, self.timeout
-        endpoint = worker_endpoint(model_id, rank, address, store, timeout)
+        # (Collective over a tensor-parallel worker's group: made now, at
+        # the init every member of it calls.)
+        want = self._want(rank)
+        endpoint = worker_endpoint(model_id, rank, address, store, timeout, lambda: want)
+        if want.boxes is not None and not isinstance(endpoint, PartsEndpoint):
+            endpoint.close_now()
+            raise InvalidWeightsError(
+                f"{type(self).__name__}: this worker's model holds DTensors (its own shards: "
+                f"{', '.join(name for name, _ in want.boxes[:3])}...), which it takes from a sharded trainer "
+                "only, whose every rank sends its part (a sender group); this trainer sends from one "
+                "process. Give the worker a model of whole tensors, or the trainer's ranks the sharded model",
+                model_id=model_id,
+            )
         return lambda receiver: endpoint
+
+    def _want(self, rank: int) -> Want:
+        """What this worker holds (its model's layout), and the workers that
+        switch versions with it: for a tensor-parallel worker (DTensors over
+        one 1-D mesh of its processes), every member's rank, gathered over
+        the mesh's group (collective: each member calls ``init_on_worker``).
+
+        :raises InvalidWeightsError: DTensors over more than one mesh, or a
+            mesh of more than one dimension.
+        """
+        from .._shards import Want, want_of
+        from .._strategy import is_dtensor, values_of
+
+        tensors = values_of(self._model)
+        meshes = {id(t.device_mesh): t.device_mesh for t in tensors.values() if is_dtensor(t)}
+        if not meshes:
+            signature = tuple(
+                sorted(
+                    (name, str(t.dtype).removeprefix("torch."), tuple(int(n) for n in t.shape))
+                    for name, t in tensors.items()
+                )
+            )
+            return Want(signature, None, (rank,))
+        (mesh, *others) = meshes.values()
+        if others or mesh.ndim != 1:
+            raise InvalidWeightsError(
+                f"{type(self).__name__}: a tensor-parallel worker's DTensors must all lie on one 1-D mesh "
+                f"(its group's processes); this worker's lie on {len(meshes)} mesh(es) of "
+                f"{sorted({m.ndim for m in meshes.values()})} dimension(s)",
+                model_id=self._model_id,
+            )
+        import torch.distributed as dist
+
+        members: list[Any] = [None] * mesh.size()
+        dist.all_gather_object(members, rank, group=mesh.get_group())
+        index = mesh.get_local_rank()
+        return want_of(tensors, tuple(int(m) for m in members), index)
 
     def shutdown(self) -> None:
         """As :meth:`WeightSyncScheme.shutdown`. A sharded trainer's rank
         that runs the store first waits (up to 3 s) for the other ranks'
         shutdown, so that none loses the store in the middle of a send."""
         group = self._group
-        if group is not None:
-            group.close(owner=self._owns_store)
-        super().shutdown()
+        try:
+            for _, _, sender in self._class_senders or ():
+                sender.shutdown()
+        finally:
+            if group is not None:
+                group.close(owner=self._owns_store)
+            super().shutdown()
 
-    def _misfit(self, refused: WeightMismatchError) -> WeightMismatchError:
-        """A sender group's refusal of workers whose models do not fit its
-        parts, as each worker's model compares with the trainer's whole
-        tensors (the rank itself compared its part with what they said)."""
-        from .._shards import part_signature, pieces_misfit
-
-        group = self._group
-        assert group is not None
-        own = part_signature(group.part)
-        said = []
-        for wid, transport in sorted(self.sender_transports.items()):
-            layout = transport.layout
-            if layout is not None and layout.signature != own:
-                why = pieces_misfit(layout, group.parts)
-                if why is not None:
-                    said.append(f"worker {wid}: {why}")
-        if not said:
-            return refused
-        return WeightMismatchError(
-            f"{'; '.join(said)}; nothing was sent (model {self._model_id!r})", model_id=self._model_id
-        )
+    def _close_at_exit(self) -> None:
+        for _, _, sender in self._class_senders or ():
+            sender.close_at_exit()
+        super()._close_at_exit()
 
     def connect(
         self,

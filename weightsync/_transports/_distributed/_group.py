@@ -2,12 +2,22 @@
 of every version (``_shards``) over a session of its own, and its workers,
 which put the parts of one version together before anything is applied.
 
-Keys (beside each rank's session, ``_protocol``)::
+Keys (beside each session's, ``_protocol``)::
 
     weightsync/<model>/session            rank 0: b"group:<gid>" (a worker
                                           that reads it takes every part)
     weightsync/<model>/group/<gid>        rank 0: a :class:`GroupRecord`
+    .../<gid>/want/<worker rank>          each worker: its :class:`Want`
+    .../<gid>/plan                        rank 0: a :class:`GroupPlan`
     .../<gid>/outcome/<seq>/<rank>        each rank: its :class:`Outcome` of send seq
+    .../<gid>/commit/<group>/<round>/<worker rank>
+                                          a tensor-parallel group's members:
+                                          the version each holds whole
+
+The plan is made once, at the group's first ``connect()`` or send, from
+every worker's want: the workers that hold the same boxes are a class
+(``_shards.classes_of``), and every rank opens one session per class it
+has bytes for, whose chain carries that class's cut of its part only.
 
 Trainer side (:class:`SenderGroup`): every rank sends its part as the same
 version (the group's send count), then publishes its outcome and reads the
@@ -16,12 +26,20 @@ returns the same report, or raises the same error (:func:`merge`). A rank
 that published nothing by then (it died, was stopped, or was interrupted)
 is named on every other rank (:class:`SenderGroupError`).
 
-Worker side (:class:`PartsEndpoint`): one ``ChainEndpoint`` per trainer
-rank, each taking part in its rank's chains with its own relay thread and
-receive buffers; :meth:`PartsEndpoint.next_update` hands the receiver a
-:class:`PartsUpdate` only once every part holds the same version (each
-checked against its rank's digests, with ``verify``), and the receiver
-writes all of it at its safe point, or nothing. Its ack goes to every rank.
+Worker side (:class:`PartsEndpoint`): it says what it holds (its want),
+then, once the plan is out, one ``ChainEndpoint`` per trainer rank that
+sends its class anything, each taking part in its rank's chains with its
+own relay thread and receive buffers; :meth:`PartsEndpoint.next_update`
+hands the receiver a :class:`PartsUpdate` only once every part holds the
+same version (each checked against its rank's digests, with ``verify``),
+and the receiver writes all of it at its safe point, or nothing. Its ack
+goes to every rank it takes from.
+
+The members of a tensor-parallel group (workers whose model's DTensors
+share one mesh) switch versions together (:class:`Commit`): every
+``receive()`` of theirs is one round, in which each says which version it
+holds whole, and each applies a version only where every member holds it.
+Their ``receive()`` calls are collective, as their forward calls are.
 """
 
 from __future__ import annotations
@@ -30,8 +48,9 @@ import dataclasses
 import os
 import pickle
 import select
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -40,10 +59,11 @@ import torch
 from ..._digest import mismatched
 from ..._exceptions import (
     SenderLostError,
+    WaitTimeoutError,
     WeightMismatchError,
 )
 from ..._packet import Manifest, Signature
-from ..._shards import Part, part_signature, pieces_misfit, place
+from ..._shards import Boxes, Part, Want, part_signature, pieces_misfit, place, sub_part
 from .._chain._gloo import connect_store
 from .._chain._pipeline import short_message
 from ._protocol import get_now, session_key, wait_key
@@ -53,6 +73,8 @@ from ._transport import ChainEndpoint
 __all__ = [
     "GRACE",
     "GROUP_MARK",
+    "Commit",
+    "GroupPlan",
     "GroupRecord",
     "PartsEndpoint",
     "PartsUpdate",
@@ -74,12 +96,25 @@ def group_key(model_id: str | None, gid: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class GroupRecord:
-    """What a worker needs to take a sender group's sends: each rank's
-    session and part, by trainer rank."""
+    """What a worker reads of a sender group at init: its id, and each
+    rank's part, by trainer rank."""
 
     gid: str
-    sessions: tuple[str, ...]
     parts: tuple[Part, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPlan:
+    """Who takes what: the classes (the boxes their workers hold, None for
+    whole tensors, and their worker ranks), and each rank's session for
+    each class (``sessions[rank][class]``; None: the rank sends that class
+    nothing)."""
+
+    classes: tuple[tuple[Boxes | None, tuple[int, ...]], ...]
+    sessions: tuple[tuple[str | None, ...], ...]
+
+    def class_of(self, rank: int) -> int:
+        return next(i for i, (_, ranks) in enumerate(self.classes) if rank in ranks)
 
 
 class SenderGroup:
@@ -111,11 +146,30 @@ class SenderGroup:
     def part(self) -> Part:
         return self.parts[self.rank]
 
-    def publish(self, sessions: Sequence[str]) -> None:
-        """(Rank 0, once every rank's session is up.) Tell the workers."""
-        record = GroupRecord(self.gid, tuple(sessions), self.parts)
-        self._store.set(self._prefix, pickle.dumps(record))
+    def publish(self) -> None:
+        """(Rank 0, at init.) Tell the workers the group and its parts."""
+        self._store.set(self._prefix, pickle.dumps(GroupRecord(self.gid, self.parts)))
         self._store.set(session_key(self.model_id), GROUP_MARK + self.gid.encode())
+
+    def wants(self, ranks: Sequence[int], until: float) -> dict[int, Want]:
+        """(Rank 0.) What each worker (``ranks``) holds, as each said at its
+        init, polled until ``until`` (``time.monotonic()``): those that said."""
+        got: dict[int, Want] = {}
+        delay = _POLL[0]
+        while True:
+            for rank in ranks:
+                if rank not in got:
+                    value = get_now(self._store, f"{self._prefix}/want/{rank}")
+                    if value is not None:
+                        got[rank] = pickle.loads(value)
+            if len(got) == len(ranks) or time.monotonic() >= until:
+                return got
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def publish_plan(self, plan: GroupPlan) -> None:
+        """(Rank 0, once every rank's sessions are up.) Tell the workers."""
+        self._store.set(f"{self._prefix}/plan", pickle.dumps(plan))
 
     def _outcome_key(self, seq: int, rank: int) -> str:
         return f"{self._prefix}/outcome/{seq}/{rank}"
@@ -174,7 +228,8 @@ class SenderGroup:
 @dataclasses.dataclass(eq=False)
 class PartsUpdate:
     """Every part of one version, each in a receive buffer of its rank's
-    relay: written into the model's whole tensors, each piece into its box."""
+    relay: written into the model's tensors, each piece into its box (of
+    the whole tensor, or of the box the worker holds)."""
 
     version: int
     layout_id: str
@@ -182,6 +237,7 @@ class PartsUpdate:
     parts: tuple[Part, ...]
     manifests: tuple[Manifest, ...]
     updates: tuple[ChainUpdate, ...]
+    want: Want
     subset: Signature | None = None
     #: Each part was checked against its rank's digests as it was put together.
     digests: tuple[int, ...] | None = None
@@ -199,15 +255,77 @@ class PartsUpdate:
 
     def apply(self, model: Any, targets: list[torch.Tensor], manifest: Manifest) -> None:
         by_name = dict(zip(manifest.names, targets, strict=True))
+        boxed = None if self.want.boxes is None else self.want
         with torch.no_grad():
             for part, part_manifest, update in zip(self.parts, self.manifests, self.updates, strict=True):
-                place(by_name, part, part_manifest.views(update.buffer))
+                place(by_name, part, part_manifest.views(update.buffer), boxed)
+
+
+class Commit:
+    """A tensor-parallel group's agreement on the version its members apply.
+
+    Each member's ``receive()`` is one round: it says the newest version it
+    holds whole (0: none), waits for every other member's word of the same
+    round, and applies only the oldest of them, and only if that is the one
+    it holds: every member decides alike, at the same call, so none runs a
+    forward on a version the others do not have. A member that missed a
+    version holds the group back from it, never into a mix. Rounds are
+    counted by each member, so a member's ``receive()`` calls must match the
+    others' one for one (as their forward calls do)."""
+
+    def __init__(self, store: Any, prefix: str, members: tuple[int, ...], rank: int, wait: float) -> None:
+        self._store = store
+        self._prefix = f"{prefix}/commit/{members[0]}"
+        self.members = members
+        self.rank = rank
+        self.wait = wait
+        self.round = 0
+
+    def _key(self, round_: int, rank: int) -> str:
+        return f"{self._prefix}/{round_}/{rank}"
+
+    async def agree(self, holds: int) -> int:
+        """This round's version: the oldest the members hold whole.
+
+        :raises WaitTimeoutError: a member did not come to this round within
+            the scheme's timeout (it died, hangs, or calls ``receive()`` at
+            other points than this one).
+        """
+        self.round += 1
+        store, round_ = self._store, self.round
+        store.set(self._key(round_, self.rank), str(holds).encode())
+        waiting = [m for m in self.members if m != self.rank]
+        words = [holds]
+        until = time.monotonic() + self.wait
+        delay = _POLL[0]
+        while waiting:
+            for member in list(waiting):
+                value = get_now(store, self._key(round_, member))
+                if value is not None:
+                    words.append(int(value))
+                    waiting.remove(member)
+            if not waiting:
+                break
+            if time.monotonic() >= until:
+                raise WaitTimeoutError(
+                    f"worker rank {self.rank}'s tensor-parallel group {list(self.members)} did not agree "
+                    f"on a version: rank(s) {waiting} did not reach receive() round {round_} within "
+                    f"{self.wait:g} s (the members of a group call receive() at the same points)"
+                )
+            await anyio.sleep(delay)
+            delay = min(delay * 2, _POLL[1])
+        if round_ > 1:
+            # Every member read this one's word of the round before: each
+            # said its word of this round only after reading it.
+            store.delete_key(self._key(round_ - 1, self.rank))
+        return min(words)
 
 
 class PartsEndpoint:
-    """A worker's end of a sender group: a ``ChainEndpoint`` per trainer
-    rank (built at once: each waits for its rank's liveness address, up to
-    ``timeout``), and the assembly of their updates."""
+    """A worker's end of a sender group. It says what it holds (``want``)
+    at once; a thread of its own waits for the group's plan, then builds a
+    ``ChainEndpoint`` for each trainer rank that sends its class anything
+    and says hello on each, and the endpoint assembles their updates."""
 
     pushes = False
 
@@ -218,54 +336,141 @@ class PartsEndpoint:
         record: GroupRecord,
         store_address: tuple[str, int],
         timeout: float,
+        want: Want,
     ) -> None:
         self.model_id = model_id
         self.rank = rank
         self.record = record
+        self.want = want
+        self._address = store_address
+        self._timeout = timeout
+        prefix = group_key(model_id, record.gid)
+        self._prefix = prefix
+        self._store = connect_store(*store_address, timeout=timeout)
+        self._store.set(f"{prefix}/want/{rank}", pickle.dumps(want))
+        self._commit = (
+            Commit(self._store, prefix, want.members, rank, timeout) if len(want.members) > 1 else None
+        )
+        # Filled by the joining thread once the plan is out: the trainer
+        # ranks this worker takes from, its cut of each one's part, and an
+        # end per rank.
+        self.ranks: tuple[int, ...] = ()
+        self.parts: tuple[Part, ...] = ()
+        self._manifests: tuple[Manifest, ...] = ()
         self.ends: list[ChainEndpoint] = []
-        try:
-            for session in record.sessions:
-                self.ends.append(ChainEndpoint(model_id, rank, store_address, None, timeout, session=session))
-        except BaseException:
-            for end in self.ends:
-                end.close_now()
-            raise
-        self._manifests = tuple(Manifest.from_signature(part_signature(p)) for p in record.parts)
-        # The update each part holds, until all hold one version (by trainer rank).
+        self._joined = threading.Event()
+        self._join_error: BaseException | None = None
+        self._hello: tuple[Manifest, tuple[str, ...]] | None = None
+        self._hello_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._joiner = threading.Thread(target=self._join, name="weightsync-group-join", daemon=True)
+        self._joiner.start()
+        # The update each part holds, until all hold one version (by index of self.ranks).
         self._held: dict[int, ChainUpdate] = {}
+        self._checked = 0
         self._layout_id: str | None = None
 
+    # -- joining the plan --------------------------------------------------------
+    def _join(self) -> None:
+        """(The joining thread.) Wait for the plan, build the ends, say
+        hello on each once the receiver has announced itself."""
+        key = f"{self._prefix}/plan"
+        try:
+            store = connect_store(*self._address, timeout=self._timeout)
+            value = None
+            while value is None and not self._closing.is_set():
+                value = get_now(store, key)
+                if value is None:
+                    self._closing.wait(0.02)
+            if value is None:
+                return
+            plan: GroupPlan = pickle.loads(value)
+            sessions = [row[plan.class_of(self.rank)] for row in plan.sessions]
+            ranks = tuple(r for r, session in enumerate(sessions) if session is not None)
+            parts = tuple(sub_part(self.record.parts[r], self.want) for r in ranks)
+            ends: list[ChainEndpoint] = []
+            try:
+                for r in ranks:
+                    session = sessions[r]
+                    assert session is not None
+                    ends.append(
+                        ChainEndpoint(
+                            self.model_id, self.rank, self._address, None, self._timeout, session=session
+                        )
+                    )
+            except BaseException:
+                for end in ends:
+                    end.close_now()
+                raise
+            self.ranks, self.parts, self.ends = ranks, parts, ends
+            self._manifests = tuple(Manifest.from_signature(part_signature(p)) for p in parts)
+            with self._hello_lock:
+                self._joined.set()
+                if self._hello is not None:
+                    self._say_hello(*self._hello)
+        except BaseException as exc:  # (told to the receiver at its next call)
+            self._join_error = exc
+            self._joined.set()
+
+    def _say_hello(self, manifest: Manifest, devices: tuple[str, ...]) -> None:
+        for end, part_manifest in zip(self.ends, self._manifests, strict=True):
+            end.say_hello(part_manifest, devices)
+
     async def announce(self, manifest: Manifest, devices: tuple[str, ...]) -> None:
-        """Say hello to every rank, as the layout of its part. A model that
-        cannot take the parts says hello with its own layout (so every rank
-        names the mismatch at once) and raises here.
+        """Check the model against the trainer's parts (its want said what
+        it is, so every rank names a misfit at once), and say hello on every
+        rank's session, now or once the plan is out. Never waits for the plan.
 
         :raises WeightMismatchError: the model cannot take the parts.
         """
-        misfit = pieces_misfit(manifest, self.record.parts)
-        for end, part_manifest in zip(self.ends, self._manifests, strict=True):
-            await end.announce(manifest if misfit else part_manifest, devices)
+        misfit = pieces_misfit(Manifest.from_signature(self.want.signature), self.record.parts)
         if misfit is not None:
             raise WeightMismatchError(misfit, model_id=self.model_id)
         self._layout_id = manifest.layout_id
+        with self._hello_lock:
+            self._hello = (manifest, devices)
+            if self._joined.is_set() and self._join_error is None:
+                self._say_hello(manifest, devices)
 
+    def _joined_ends(self) -> bool:
+        """Whether the ends are up (the plan is out).
+
+        :raises SenderLostError: joining failed (the trainer's store or a
+            rank's session did not answer).
+        """
+        if not self._joined.is_set():
+            return False
+        if self._join_error is not None:
+            error = self._join_error
+            if isinstance(error, SenderLostError):
+                raise error
+            raise SenderLostError(
+                f"the sender group of model {self.model_id!r} could not be joined: {short_message(error)}",
+                model_id=self.model_id,
+            ) from error
+        return True
+
+    # -- updates ------------------------------------------------------------------
     def _take(self) -> PartsUpdate | None:
         """Take what the parts' relays hold, and the whole version once
         every part holds it (None before). Never blocks.
 
         :raises SenderLostError: a rank is gone (its relay says so).
         """
+        if not self._joined_ends():
+            return None
         held = self._held
         newest = max((u.version for u in held.values()), default=0)
         for i, end in enumerate(self.ends):
-            if i in held and held[i].version >= newest:
+            if i in held and held[i].version >= newest and not end.has_update():
                 continue  # (not taken again: that would let its buffer go)
             try:
                 update = end.take_update()
             except SenderLostError as exc:
                 # Without this rank's parts no version can be whole again.
                 raise type(exc)(
-                    f"{exc} (trainer rank {i} of a sender group of {len(self.ends)})", model_id=self.model_id
+                    f"{exc} (trainer rank {self.ranks[i]} of a sender group of {len(self.record.parts)})",
+                    model_id=self.model_id,
                 ) from exc
             if update is not None:
                 held[i] = update
@@ -273,18 +478,17 @@ class PartsEndpoint:
         if len(held) < len(self.ends) or any(u.version != newest for u in held.values()):
             return None
         updates = tuple(held[i] for i in range(len(self.ends)))
-        self._held = {}
         assert self._layout_id is not None
         threads = max(u.threads for u in updates)
-        return PartsUpdate(newest, self._layout_id, threads, self.record.parts, self._manifests, updates)
+        return PartsUpdate(newest, self._layout_id, threads, self.parts, self._manifests, updates, self.want)
 
     def _corrupt(self, update: PartsUpdate) -> str | None:
         """Why a verified update's parts are not what their ranks digested (None: they are)."""
         bad: list[str] = []
-        for rank, (manifest, part) in enumerate(zip(update.manifests, update.updates, strict=True)):
+        for i, (manifest, part) in enumerate(zip(update.manifests, update.updates, strict=True)):
             if part.digests is not None:
                 names = mismatched(manifest.names, manifest.views(part.buffer), part.digests, part.threads)
-                bad += [f"{name} (trainer rank {rank}'s part)" for name in names]
+                bad += [f"{name} (trainer rank {self.ranks[i]}'s part)" for name in names]
         if not bad:
             return None
         shown = ", ".join(bad[:5]) + (f", ... ({len(bad)} in all)" if len(bad) > 5 else "")
@@ -301,22 +505,39 @@ class PartsEndpoint:
             if i not in self._held or self._held[i].version < newest
         ]
 
-    async def next_update(self, timeout: float) -> PartsUpdate | None:
+    async def _whole(self, timeout: float) -> PartsUpdate | None:
+        """The next whole version, checked, waiting up to ``timeout``."""
         from ..._readiness import wait_readable_any
 
         deadline = anyio.current_time() + max(timeout, 0.0)
         while True:
             update = self._take()
             if update is not None:
-                why = self._corrupt(update)
+                # (A version held back by its group's round was checked already.)
+                why = None if update.version == self._checked else self._corrupt(update)
                 if why is None:
+                    self._checked = update.version
                     return update
+                self._held = {}
                 await self.reply(update.version, why)
                 continue
             left = deadline - anyio.current_time()
             if left <= 0:
                 return None
-            await wait_readable_any(self._waiting_fds(), left)
+            if self._joined.is_set():
+                await wait_readable_any(self._waiting_fds(), left)
+            else:
+                await anyio.sleep(min(left, 0.02))
+
+    async def next_update(self, timeout: float) -> PartsUpdate | None:
+        update = await self._whole(timeout)
+        if self._commit is not None:
+            # The group's round: apply only what every member holds.
+            agreed = await self._commit.agree(0 if update is None else update.version)
+            if update is None or agreed != update.version:
+                return None  # (kept: the next round may agree on it)
+        self._held = {}
+        return update
 
     async def reply(self, version: int, error: str | None = None) -> None:
         for end in self.ends:
@@ -329,22 +550,40 @@ class PartsEndpoint:
         return False
 
     def wait_ready(self, timeout: float) -> bool:
+        if not self._joined.is_set():
+            return self._joined.wait(max(timeout, 0.0)) and self.wait_ready(0.0)
         fds = self._waiting_fds()
         if not fds:
             return True
         ready, _, _ = select.select(fds, [], [], max(timeout, 0.0))
         return bool(ready)
 
+    def _stop_joining(self) -> None:
+        self._closing.set()
+        self._joiner.join()
+
     async def aclose(self) -> None:
+        self._stop_joining()
         for end in self.ends:
             await end.aclose()
 
+    def close_now(self) -> None:
+        self._stop_joining()
+        for end in self.ends:
+            end.close_now()
+
 
 def worker_endpoint(
-    model_id: str | None, rank: int, store_address: tuple[str, int] | None, store: Any, timeout: float
+    model_id: str | None,
+    rank: int,
+    store_address: tuple[str, int] | None,
+    store: Any,
+    timeout: float,
+    want: Callable[[], Want],
 ) -> ChainEndpoint | PartsEndpoint:
     """Worker ``rank``'s end: of a sender group (the model's session key
-    holds :data:`GROUP_MARK`), one per rank; else the one trainer's.
+    holds :data:`GROUP_MARK`), taking what ``want()`` says it holds; else
+    the one trainer's.
 
     :raises SenderLostError: the trainer's store or session did not answer in time.
     """
@@ -367,7 +606,7 @@ def worker_endpoint(
     if record is None:
         return ChainEndpoint(model_id, rank, store_address, None, left, session=session.decode())
     assert isinstance(record, GroupRecord)
-    return PartsEndpoint(model_id, rank, record, store_address, left)
+    return PartsEndpoint(model_id, rank, record, store_address, left, want())
 
 
 def new_gid() -> str:

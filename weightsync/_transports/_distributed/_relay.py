@@ -131,6 +131,11 @@ class WorkerRelay:
                 raise self._ended
         return None
 
+    def has_pending(self) -> bool:
+        """Whether a complete update waits to be taken."""
+        with self._lock:
+            return self._pending is not None
+
     def wait_ready(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds until :meth:`take` has something to say."""
         with self._lock:

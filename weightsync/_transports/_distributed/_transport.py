@@ -649,6 +649,10 @@ class ChainEndpoint:
         )
 
     async def announce(self, manifest: Manifest, devices: tuple[str, ...]) -> None:
+        self.say_hello(manifest, devices)
+
+    def say_hello(self, manifest: Manifest, devices: tuple[str, ...]) -> None:
+        """:meth:`announce`, from any thread (one store write)."""
         # A model on a GPU copies from page-locked buffers.
         self._relay.pin_for_gpu(pins(devices))
         hello = Hello(
@@ -660,6 +664,11 @@ class ChainEndpoint:
     def wake_fd(self) -> int:
         """Readable when :meth:`take_update` has something to say."""
         return self._relay.wake_fd
+
+    def has_update(self) -> bool:
+        """Whether :meth:`take_update` would return a new update (never blocks,
+        lets go of nothing)."""
+        return self._relay.has_pending()
 
     def take_update(self) -> ChainUpdate | None:
         """The newest complete update, or None; never blocks. Lets go of the
