@@ -96,3 +96,44 @@ def test_a_rank_that_dies_is_named_on_the_other_and_no_worker_holds_a_mix(tmp_pa
         worker = torch.load(tmp_path / f"worker{rank}.pt")
         # Version 3 never came whole: each worker stayed on version 2.
         assert worker["versions"] == [1, 2], worker
+
+
+# The tensor-parallel worker's shard of each weight: the first layer is
+# column-sharded (rows of its weight and bias), the second row-sharded
+# (columns of its weight), its bias replicated.
+_TP_SHARDS = {"0.weight": 0, "0.bias": 0, "2.weight": 1, "2.bias": None}
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("case", ["tp", "tp_missing"])
+def test_tensor_parallel_workers_take_their_shards_and_a_group_never_runs_two_versions(
+    tmp_path: Path, case: str
+) -> None:
+    done = subprocess.run(
+        program("sender_group", str(tmp_path), case), cwd=TESTS_DIR, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:
+        assert "crash" not in rank, rank["crash"]
+    assert ranks[0]["reports"] == ranks[1]["reports"], ranks
+    assert [r["version"] for r in ranks[0]["reports"]] == [1, 2, 3, 4]
+    assert all(r["worker_ids"] == [0, 1, 2, 3] for r in ranks[0]["reports"])
+    full = torch.load(tmp_path / "full.pt")
+    workers = {r: torch.load(tmp_path / f"worker{r}.pt") for r in (1, 2, 3, 4)}
+    for rank, worker in workers.items():
+        assert worker["error"] is None, (rank, worker["error"])
+        # Each holds exactly its shard of the trainer's full tensors.
+        for name, dim in _TP_SHARDS.items():
+            expected = full[name] if dim is None else torch.chunk(full[name], 2, dim)[worker["index"]]
+            assert torch.equal(worker["local"][name], expected), (rank, name)
+        assert worker["steps"] == sorted(worker["steps"]) and worker["steps"][-1] == 4, worker["steps"]
+    # The members of a replica ran every step on one version: the same
+    # steps, each on the same version.
+    for first, second in ((1, 2), (3, 4)):
+        assert workers[first]["steps"] == workers[second]["steps"], (first, second)
+    if case == "tp_missing":
+        # Worker 4 held back its first receive() after version 1 for 3 s,
+        # while version 2 came: its replica went on to version 2 together.
+        assert 2 in workers[3]["steps"], workers[3]["steps"]

@@ -18,6 +18,16 @@ processes that hold whole copies of the model.
   writes the error its ``connect()`` raised.
 - ``rank_dies``: rank 1 dies (SIGKILL) after the first send; rank 0 writes
   the error its next send raised and how long it took.
+- ``tp``: the workers are two replicas of a tensor-parallel policy, each two
+  processes (worker ranks 1-2 and 3-4) with a gloo group of their own, the
+  first layer column-sharded and the second row-sharded
+  (``parallelize_module``). Each calls ``receive()`` then the policy's
+  forward (a collective of its group) in a loop, until it applied the last
+  version; each writes its local shards, its place in the mesh and the
+  version it ran each step.
+- ``tp_missing``: as ``tp``, but worker 4 holds back its first
+  ``receive()`` for 3 s after version 2 came: its group applies version 2
+  only once it is there, at the same step (the others' rounds wait).
 """
 
 from __future__ import annotations
@@ -42,10 +52,60 @@ import weightsync as ws
 TIMEOUT = 20.0
 
 
-def plain_mlp(wrong: bool = False) -> nn.Module:
+def plain_mlp(wrong: bool = False, hidden: int = 5) -> nn.Module:
     torch.manual_seed(0)
     # Odd sizes: the two ranks' shards are uneven (5 rows: 3 and 2; 3 rows: 2 and 1).
-    return nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 4 if wrong else 3))
+    return nn.Sequential(nn.Linear(7, hidden), nn.ReLU(), nn.Linear(hidden, 4 if wrong else 3))
+
+
+#: The tensor-parallel cases' hidden size: even, as a row-sharded layer's
+#: forward needs (FSDP2's shards of it are still uneven: 3 rows of the last
+#: layer over 2 ranks).
+TP_HIDDEN = 6
+TP_LAST = 4  # connect() and three sends
+
+
+def tp_worker_main(rank: int, port: int, out: str, group_port: int, case: str) -> None:
+    """Worker ``rank`` (1..4): member ``(rank - 1) % 2`` of replica ``(rank - 1) // 2``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    index = (rank - 1) % 2
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{group_port}", rank=index, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    model = plain_mlp(hidden=TP_HIDDEN)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    scheme = ws.DistributedWeightSyncScheme(timeout=TIMEOUT)
+    steps: list[int] = []
+    error = None
+    version = 0
+    try:
+        scheme.init_on_worker(
+            "policy", model=model, worker_idx=rank, store_info={"host": "127.0.0.1", "port": port}
+        )
+        held_back = False
+        while version < TP_LAST:
+            if case == "tp_missing" and rank == 4 and version == 1 and not held_back:
+                time.sleep(3.0)  # (its group's others wait in their next round)
+                held_back = True
+            got = scheme.receive()  # (a poll: no wait for an update)
+            version = got if got is not None else version
+            with torch.no_grad():
+                # A collective of the group, as a tensor-parallel forward is.
+                float(model(torch.ones(2, 7)).sum())
+            steps.append(version)
+            time.sleep(0.01)
+    except Exception:
+        error = traceback.format_exc()
+    finally:
+        scheme.shutdown()
+    local = {name: t.to_local().detach().clone() for name, t in model.state_dict().items()}
+    state = {"local": local, "index": index, "steps": steps, "error": error}
+    torch.save(state, Path(out, f"worker{rank}.pt"))
+    dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -97,7 +157,7 @@ def rank_main(rank: int, world: int, init: str, out: str, case: str, port: int, 
     results: dict[str, Any] = {}
     try:
         init_device_mesh("cpu", (world,))
-        model = plain_mlp()
+        model = plain_mlp(hidden=TP_HIDDEN if case.startswith("tp") else 5)
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
@@ -157,10 +217,18 @@ def main() -> None:
     workers = int(sys.argv[3]) if len(sys.argv) > 3 else 2
     port = _free_port()
     ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=worker_main, args=(rank, port, out, case == "mismatch" and rank == 2))
-        for rank in range(1, workers + 1)
-    ]
+    if case.startswith("tp"):
+        workers = 4
+        group_ports = [_free_port(), _free_port()]
+        procs = [
+            ctx.Process(target=tp_worker_main, args=(rank, port, out, group_ports[(rank - 1) // 2], case))
+            for rank in range(1, workers + 1)
+        ]
+    else:
+        procs = [
+            ctx.Process(target=worker_main, args=(rank, port, out, case == "mismatch" and rank == 2))
+            for rank in range(1, workers + 1)
+        ]
     for proc in procs:
         proc.start()
     init = f"file://{os.path.join(out, 'rendezvous')}"

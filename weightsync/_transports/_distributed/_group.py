@@ -551,12 +551,13 @@ class PartsEndpoint:
 
     def wait_ready(self, timeout: float) -> bool:
         if not self._joined.is_set():
-            return self._joined.wait(max(timeout, 0.0)) and self.wait_ready(0.0)
-        fds = self._waiting_fds()
-        if not fds:
-            return True
-        ready, _, _ = select.select(fds, [], [], max(timeout, 0.0))
-        return bool(ready)
+            ready = self._joined.wait(max(timeout, 0.0)) and self.wait_ready(0.0)
+        else:
+            fds = self._waiting_fds()
+            ready = not fds or bool(select.select(fds, [], [], max(timeout, 0.0))[0])
+        # A tensor-parallel group's member takes part in every round, with
+        # or without a new version: its receive() always runs.
+        return ready or self._commit is not None
 
     def _stop_joining(self) -> None:
         self._closing.set()
