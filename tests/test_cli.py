@@ -272,6 +272,10 @@ def test_bench_sharded_trainer_says_what_it_needs(capsys: pytest.CaptureFixture[
         (["--sharded-trainer", "2y2", "--emulate-hosts", "6"], "takes TxR (trainer hosts x ranks per host)"),
         (["--sharded-trainer", "2x2"], "runs 2 or more ranks on an emulated cluster (--emulate-hosts N)"),
         (["--sharded-trainer", "2x2", "--emulate-hosts", "2"], "need --emulate-hosts 3 or more"),
+        (
+            ["--sharded-trainer", "2x2", "--emulate-hosts", "5", "--worker-tp", "2"],
+            "the 3 workers make no replicas of 2",
+        ),
     ]
     for args, said in cases:
         with pytest.raises(SystemExit) as exc:

@@ -137,3 +137,25 @@ def test_tensor_parallel_workers_take_their_shards_and_a_group_never_runs_two_ve
         # Worker 4 held back its first receive() after version 1 for 3 s,
         # while version 2 came: its replica went on to version 2 together.
         assert 2 in workers[3]["steps"], workers[3]["steps"]
+
+
+@pytest.mark.extended
+def test_a_rank_that_dies_leaves_every_tensor_parallel_replica_on_one_version(tmp_path: Path) -> None:
+    done = subprocess.run(
+        program("sender_group", str(tmp_path), "tp_rank_dies"), cwd=TESTS_DIR, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert "crash" not in rank0, rank0["crash"]
+    kind, text = rank0["error"]
+    assert kind == "SenderGroupError" and "rank 1 did not finish it in time" in text, text
+    assert rank0["seconds"] < 6.0 + 3.0 + 1.0, rank0
+    workers = {r: torch.load(tmp_path / f"worker{r}.pt") for r in (1, 2, 3, 4)}
+    for rank, worker in workers.items():
+        # Rank 0's part of version 3 came, rank 1's never did: every member
+        # stayed on version 2, and heard the sender group is gone.
+        assert worker["steps"][-1] == 2, (rank, worker["steps"])
+        assert worker["error"] is not None and worker["error"].startswith("lost: Sender"), worker["error"]
+    for first, second in ((1, 2), (3, 4)):
+        assert workers[first]["steps"] == workers[second]["steps"], (first, second)

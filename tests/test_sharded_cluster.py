@@ -5,6 +5,8 @@ its own part to a whole-copy worker on each of two other hosts
 --sharded-trainer 2x2`` runs it). Every send is checked bit for bit on
 every worker against every rank's shards (a mismatch ends the run), and
 no rank's peak RSS grows by more than its shard and the chunks in flight.
+The same trainer also sends to two tensor-parallel replicas (two members
+each, one per host), each member checked against its own shards.
 
 Needs root and iproute2 (skipped otherwise); ``pytest -m cluster``.
 """
@@ -32,3 +34,14 @@ def test_every_rank_sends_its_part_across_hosts_and_holds_only_its_shard() -> No
     growth = [b - a for a, b in zip(row["rss_start_mib"], row["rss_after_sharded_mib"], strict=True)]
     # Its staging copy of its shard, and the frames in flight (a few MiB).
     assert all(g <= shard_mib + 8 for g in growth), format_sharded_table(result)
+
+
+def test_tensor_parallel_replicas_across_hosts_each_take_their_own_shards() -> None:
+    # Two replicas of two tensor-parallel members, each member on a host of
+    # its own, every tensor sharded over its replica by rows or by columns.
+    # Each member answers the checks of its own boxes only: a member whose
+    # shard differs from the trainer's ends the run.
+    result = run_sharded(trainer_hosts=2, ranks_per_host=2, hosts=4, mib=16, repeats=2, worker_tp=2)
+    row = result["row"]
+    assert row["tp"] == 2 and len(row["weightsync"]) == 2 and row["gather"] == [], row
+    print(format_sharded_table(result))

@@ -25,6 +25,9 @@ processes that hold whole copies of the model.
   forward (a collective of its group) in a loop, until it applied the last
   version; each writes its local shards, its place in the mesh and the
   version it ran each step.
+- ``tp_rank_dies``: as ``rank_dies``, to the workers of ``tp``: rank 0's
+  part of version 3 comes, rank 1's never does; each member ends when it
+  hears the sender group is gone.
 - ``tp_missing``: as ``tp``, but worker 4 holds back its first
   ``receive()`` for 3 s after version 2 came: its group applies version 2
   only once it is there, at the same step (the others' rounds wait).
@@ -91,7 +94,13 @@ def tp_worker_main(rank: int, port: int, out: str, group_port: int, case: str) -
             if case == "tp_missing" and rank == 4 and version == 1 and not held_back:
                 time.sleep(3.0)  # (its group's others wait in their next round)
                 held_back = True
-            got = scheme.receive()  # (a poll: no wait for an update)
+            try:
+                got = scheme.receive()  # (a poll: no wait for an update)
+            except ws.SenderLostError as exc:
+                error = (
+                    f"lost: {type(exc).__name__}: {exc}" if case == "tp_rank_dies" else traceback.format_exc()
+                )
+                break
             version = got if got is not None else version
             with torch.no_grad():
                 # A collective of the group, as a tensor-parallel forward is.
@@ -162,7 +171,8 @@ def rank_main(rank: int, world: int, init: str, out: str, case: str, port: int, 
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
-        timeout = TIMEOUT if case != "rank_dies" else 6.0
+        dies = case.endswith("rank_dies")
+        timeout = TIMEOUT if not dies else 6.0
         delta = "always" if case == "delta" else False  # (a delta whenever the workers hold a base)
         scheme = ws.DistributedWeightSyncScheme(
             timeout=timeout, verify=case in ("verify", "delta"), delta=delta
@@ -175,7 +185,7 @@ def rank_main(rank: int, world: int, init: str, out: str, case: str, port: int, 
             except ws.WeightSyncError as exc:
                 results["error"] = [type(exc).__name__, str(exc)]
                 return
-            steps = 3 if case != "rank_dies" else 1
+            steps = 3 if not dies else 1
             for step in range(steps):
                 with torch.no_grad():
                     for p in model.parameters():
@@ -188,7 +198,7 @@ def rank_main(rank: int, world: int, init: str, out: str, case: str, port: int, 
                 results["get_sender"] = "returned"
             except ws.WeightSyncStateError as exc:
                 results["get_sender"] = str(exc)
-            if case == "rank_dies":
+            if dies:
                 if rank == 1:
                     os.kill(os.getpid(), signal.SIGKILL)
                 started = time.monotonic()
@@ -208,7 +218,7 @@ def rank_main(rank: int, world: int, init: str, out: str, case: str, port: int, 
         results["crash"] = traceback.format_exc()
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-        if case != "rank_dies":
+        if not dies:
             dist.destroy_process_group()
 
 

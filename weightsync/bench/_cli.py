@@ -265,6 +265,14 @@ def _parser() -> argparse.ArgumentParser:
         "gathering the model onto rank 0 and sending it from there; each send checked bit for bit "
         "against every rank's shards, and each rank's peak RSS",
     )
+    across.add_argument(
+        "--worker-tp",
+        type=int,
+        default=1,
+        metavar="G",
+        help="with --sharded-trainer: the workers are replicas of a tensor-parallel policy, G hosts each "
+        "(every tensor sharded over the replica); each takes in only its 1/G (default: 1, whole copies)",
+    )
     delta = bench.add_argument_group(
         "sending only what changed (--delta: DistributedWeightSyncScheme(delta=True) against delta=False "
         "in the same run, on one host or with --emulate-hosts N --link-rate R across hosts)"
@@ -443,6 +451,9 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
     if (hosts < 1 and not local) or trainer_hosts + hosts > args.emulate_hosts:
         parser.error(f"--sharded-trainer {args.sharded_trainer} and --hosts {hosts} need --emulate-hosts "
                      f"{trainer_hosts + max(hosts, 1)} or more")  # fmt: skip
+    tp = args.worker_tp
+    if tp < 1 or (local or hosts) % tp:
+        parser.error(f"--worker-tp {tp}: the {local or hosts} workers make no replicas of {tp}")
     why = unavailable_reason()
     if why is not None:
         print(f"weightsync bench: --emulate-hosts cannot run here: {why}", file=sys.stderr)
@@ -450,12 +461,19 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
     mib = args.size[0] if args.size != list(_DEFAULTS.sizes_mib) else 64.0
     rate = parse_rate(args.link_rate)
     print(describe_machine(machine_facts()), flush=True)
-    where = (
-        f"{local} whole-copy workers on the trainer's host (no floor: no NIC carries the bytes)"
-        if local
-        else f"{hosts} whole-copy workers, one per host; floor = S/B (each worker takes in S), "
-        f"B = {args.link_rate} = {rate / 1e6:.0f} MB/s each way per host"
-    )
+    if tp > 1:
+        where = (
+            f"{(local or hosts) // tp} tensor-parallel replicas of {tp} workers, one per host; floor = "
+            f"(S/{tp})/B (each worker takes in its 1/{tp}), B = {args.link_rate} = {rate / 1e6:.0f} MB/s "
+            "each way per host"
+        )
+    else:
+        where = (
+            f"{local} whole-copy workers on the trainer's host (no floor: no NIC carries the bytes)"
+            if local
+            else f"{hosts} whole-copy workers, one per host; floor = S/B (each worker takes in S), "
+            f"B = {args.link_rate} = {rate / 1e6:.0f} MB/s each way per host"
+        )
     print(
         f"a sharded trainer (FSDP2: {trainer_hosts} hosts x {ranks} ranks) to {where}; median of "
         f"{args.repeats} sends, each checked bit for bit on every worker; gather+send = every rank's "
@@ -465,7 +483,7 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
     try:
         result = run_sharded(
             trainer_hosts, ranks, hosts, mib, args.repeats, args.link_rate,
-            progress=lambda text: print(text, flush=True), local_workers=local,
+            progress=lambda text: print(text, flush=True), local_workers=local, worker_tp=tp,
         )  # fmt: skip
     except RuntimeError as exc:
         print(f"weightsync bench: error: {exc}", file=sys.stderr)

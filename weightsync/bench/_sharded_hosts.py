@@ -18,6 +18,11 @@ Each rank's peak RSS is read after the ``weightsync`` sends, before any
 gather (a rank never holds more than its shard and the chunks in flight),
 and again at the end.
 
+With ``worker_tp`` G > 1 the workers are replicas of a tensor-parallel
+policy, G hosts each (every tensor sharded over the replica, by rows or by
+columns): each worker takes in only its S/G bytes, the floor is
+(S/G)/B, and there is no gather row (a single sender sends whole tensors).
+
 Processes: :func:`run_sharded` starts ``python -m
 weightsync.bench._sharded_procs rank ...`` on the trainer hosts (a gloo
 group through a file rendezvous: the hosts share this machine's
@@ -47,6 +52,9 @@ TIMEOUT = 300.0
 # An emulated host has no name its resolver knows: c10d warns so on every
 # store connection. Its errors still show.
 _QUIET = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+# The port of the first tensor-parallel replica's gloo rendezvous (the next
+# replicas take the next ports), on its first member's host.
+_GROUP_PORT = 29710
 
 
 # -- on the emulated cluster ------------------------------------------------------
@@ -61,12 +69,15 @@ def run_sharded(
     rate: str = "1gbit",
     progress: Callable[[str], None] | None = None,
     local_workers: int = 0,
+    worker_tp: int = 1,
 ) -> dict[str, Any]:
     """A cluster of ``trainer_hosts`` + ``hosts`` emulated hosts at ``rate``:
     ``ranks_per_host`` trainer ranks on each trainer host, one worker on
     each other host; or (``local_workers``, with ``hosts=0`` and one
-    trainer host) that many workers on the trainer's host. Returns rank
-    0's row and the link rate (bytes/s). Needs root.
+    trainer host) that many workers on the trainer's host; ``worker_tp``:
+    the workers are replicas of that many tensor-parallel members, on
+    consecutive hosts. Returns rank 0's row and the link rate (bytes/s).
+    Needs root.
 
     :raises RuntimeError: a process failed.
     """
@@ -75,6 +86,8 @@ def run_sharded(
     if local_workers and (hosts or trainer_hosts != 1):
         raise ValueError("local_workers runs everything on one host: trainer_hosts=1, hosts=0")
     workers_count = local_workers or hosts
+    if worker_tp < 1 or workers_count % worker_tp:
+        raise ValueError(f"{workers_count} workers do not make replicas of {worker_tp}")
     with (
         tempfile.TemporaryDirectory(prefix="ws-sharded-") as tmp,
         EmulatedCluster(trainer_hosts + hosts, rate) as cluster,
@@ -98,6 +111,7 @@ def run_sharded(
                 str(mib),
                 str(repeats),
                 str(workers_count),
+                str(worker_tp),
             ]
             out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
             with open(os.path.join(tmp, f"rank{rank}.err"), "w") as err:
@@ -112,9 +126,14 @@ def run_sharded(
                 ranks[0].wait(timeout=60)
                 raise RuntimeError(f"rank 0 did not start: {_tail(tmp, world)}")
             for w in range(1, workers_count + 1):
-                argv = [*module, "worker", cluster.addresses[0], *first[1:4], str(w), str(mib)]
                 host = 0 if local_workers else trainer_hosts + w - 1
-                workers.append(cluster.popen(host, argv, env=_QUIET, stdout=subprocess.DEVNULL))
+                # A replica's gloo group meets at its first member's host.
+                leader = host - (w - 1) % worker_tp if not local_workers else 0
+                group = f"{cluster.addresses[leader]}:{_GROUP_PORT + (w - 1) // worker_tp}"
+                argv = [*module, "worker", cluster.addresses[0], *first[1:4], str(w), str(mib)]
+                argv += [str(worker_tp), group]
+                env = {**_QUIET, "GLOO_SOCKET_IFNAME": "eth0"} if worker_tp > 1 else _QUIET
+                workers.append(cluster.popen(host, argv, env=env, stdout=subprocess.DEVNULL))
             out, _ = ranks[0].communicate(timeout=TIMEOUT * 2)
             rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
             if ranks[0].returncode != 0 or not rows:
@@ -158,11 +177,26 @@ def _x(seconds: float, floor: float | None) -> str:
 
 def format_sharded_table(result: dict[str, Any]) -> str:
     """Median ms of each way and x the floor S/B (each worker takes in S
-    bytes through one NIC of B bytes/s), and the ranks' peak RSS."""
+    bytes through one NIC of B bytes/s; S/G for tensor-parallel members of
+    G), and the ranks' peak RSS."""
     row, rate = result["row"], result["bytes_per_second"]
+    tp = int(row.get("tp", 1))
     # On one host no NIC carries the bytes: the columns say "-".
-    floor = None if result.get("one_host") else row["bytes"] / rate
-    ws_med, gather_med = statistics.median(row["weightsync"]), statistics.median(row["gather"])
+    floor = None if result.get("one_host") else row["bytes"] / tp / rate
+    ws_med = statistics.median(row["weightsync"])
+    if not row["gather"]:
+        lines = [
+            f"{'ranks':>5} {'workers':>7} {'TP':>3} {'MiB':>6} {'floor ms':>9} {'weightsync ms':>14} "
+            f"{'x floor':>7}",
+            f"{row['ranks']:>5} {row['workers']:>7} {tp:>3} {row['mib']:>6g} {_ms(floor):>9} "
+            f"{ws_med * 1e3:>14.0f} {_x(ws_med, floor):>7}",
+            f"(each worker holds 1/{tp} of every tensor and takes in S/{tp}: floor (S/{tp})/B; no gather "
+            "row: a single sender sends whole tensors)",
+            f"peak RSS per rank over its RSS before the first send, MiB (shard "
+            f"{row['bytes'] / row['ranks'] / MIB:.0f} MiB): {_growth(row, 'rss_after_sharded_mib')}",
+        ]
+        return "\n".join(lines)
+    gather_med = statistics.median(row["gather"])
     shard = row["bytes"] / row["ranks"] / MIB
     single = statistics.median(row["single_send"]) if row.get("single_send") else None
     alone = (

@@ -1,7 +1,14 @@
 """The processes of ``weightsync bench --sharded-trainer`` (see
 ``_sharded_hosts``): ``python -m weightsync.bench._sharded_procs rank ...``
-(a trainer rank) and ``... worker ...`` (a whole-copy worker), each on its
-emulated host; ``... run ...`` runs the whole case from the command line."""
+(a trainer rank) and ``... worker ...`` (a whole-copy worker, or a member
+of a tensor-parallel replica), each on its emulated host; ``... run ...``
+runs the whole case from the command line.
+
+A send is checked by boxes: each trainer rank cuts its rows of every
+tensor to what each worker holds (a whole-copy worker: all of them; a
+tensor-parallel member: its rows or columns of each tensor) and takes their
+CRC32, and each worker takes the CRC32 of the same boxes of its own
+tensors: no rank gathers, and no worker holds more than its shards."""
 
 from __future__ import annotations
 
@@ -28,12 +35,54 @@ __all__ = ["rank_main", "worker_main"]
 
 
 class _Model(nn.Module):
-    """The bench's model: 8 float32 tensors of about ``mib`` MiB in all."""
+    """The bench's model: 8 float32 tensors of about ``mib`` MiB in all;
+    with ``mesh`` (a tensor-parallel replica's), tensor i is sharded over it
+    by rows (i even) or by columns (i odd), as a column- and a row-parallel
+    layer are."""
 
-    def __init__(self, mib: float) -> None:
+    def __init__(self, mib: float, mesh: Any = None) -> None:
         super().__init__()
         for i, shape in enumerate(mlp_shapes(int(mib * MIB), 8).values()):
-            self.register_parameter(f"p{i}", nn.Parameter(torch.zeros(shape), requires_grad=False))
+            value = torch.zeros(shape)
+            if mesh is not None:
+                from torch.distributed.tensor import Shard, distribute_tensor
+
+                value = distribute_tensor(value, mesh, [Shard(i % 2)])
+            self.register_parameter(f"p{i}", nn.Parameter(value, requires_grad=False))
+
+
+#: A box of a 2-D tensor: (rows, columns), each [start, stop).
+Box = tuple[tuple[int, int], tuple[int, int]]
+
+
+def _chunk(n: int, parts: int, index: int) -> tuple[int, int]:
+    """``index``'s [start, stop) of ``n`` split as ``torch.chunk`` splits it (and DTensor's ``Shard``)."""
+    size = -(-n // parts)
+    start = min(index * size, n)
+    return start, min(start + size, n)
+
+
+def member_box(shape: Sequence[int], i: int, tp: int, index: int) -> Box:
+    """The box of tensor ``i`` (of ``shape``) that tensor-parallel member
+    ``index`` of ``tp`` holds (``tp`` 1: the whole)."""
+    rows, cols = (0, shape[0]), (0, shape[1])
+    if tp > 1 and i % 2 == 0:
+        rows = _chunk(shape[0], tp, index)
+    elif tp > 1:
+        cols = _chunk(shape[1], tp, index)
+    return rows, cols
+
+
+def _cut(tensor: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
+    """``box`` of the global tensor, out of ``tensor``, which holds ``origin`` of it."""
+    (r0, r1), (c0, c1) = box
+    return tensor[r0 - origin[0][0] : r1 - origin[0][0], c0 - origin[1][0] : c1 - origin[1][0]]
+
+
+def _meet(a: Box, b: Box) -> Box | None:
+    rows = (max(a[0][0], b[0][0]), min(a[0][1], b[0][1]))
+    cols = (max(a[1][0], b[1][0]), min(a[1][1], b[1][1]))
+    return (rows, cols) if rows[0] < rows[1] and cols[0] < cols[1] else None
 
 
 def _rss_mib() -> float:
@@ -43,21 +92,64 @@ def _rss_mib() -> float:
 # -- a worker ------------------------------------------------------------------
 
 
-def worker_main(host: str, ports: list[int], rank: int, mib: float) -> None:
+def worker_main(host: str, ports: list[int], rank: int, mib: float, tp: int, group: str) -> None:
     """Worker ``rank``: a whole copy under each scheme, applied as updates
-    arrive; answers rank 0's checks."""
+    arrive; or (``tp`` > 1) member ``(rank - 1) % tp`` of a tensor-parallel
+    replica (its gloo group's rendezvous at ``group``), which takes the
+    sharded trainer's sends only, in a ``receive()`` loop. Answers rank 0's
+    checks."""
     sharded_port, gathered_port, ctrl_port = ports
-    models = {"sharded": _Model(mib), "gathered": _Model(mib)}
+    index = (rank - 1) % tp
+    if tp > 1:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://{group}", rank=index, world_size=tp,
+            timeout=datetime.timedelta(seconds=TIMEOUT),
+        )  # fmt: skip
+        models = {"sharded": _Model(mib, init_device_mesh("cpu", (tp,)))}
+    else:
+        models = {"sharded": _Model(mib), "gathered": _Model(mib)}
     schemes = {}
     for name, port in (("sharded", sharded_port), ("gathered", gathered_port)):
-        scheme = ws.DistributedWeightSyncScheme(sync=False, timeout=TIMEOUT)
-        scheme.init_on_worker(
-            name, model=models[name], worker_idx=rank, store_info={"host": host, "port": port}
-        )
-        schemes[name] = scheme
+        if name in models:
+            scheme = ws.DistributedWeightSyncScheme(sync=tp > 1, timeout=TIMEOUT)
+            scheme.init_on_worker(
+                name, model=models[name], worker_idx=rank, store_info={"host": host, "port": port}
+            )
+            schemes[name] = scheme
     ctrl = control_store(host, ctrl_port, master=False)
     ctrl.set(f"up/{rank}", b"1")
+
+    def answer(command: str, tag: Any) -> bool:
+        if command == "quit":
+            return False
+        # The boxes rank 0 asks of this worker's place, of its own tensors.
+        state = {name: t.to_local() if tp > 1 else t for name, t in models[tag["model"]].state_dict().items()}
+        shapes = {name: tuple(t.shape) for name, t in models[tag["model"]].state_dict().items()}
+        sums = []
+        for name, box in tag["boxes"][str(index)]:
+            i = list(shapes).index(name)
+            sums.append(tensor_crc(_cut(state[name], box, member_box(shapes[name], i, tp, index))))
+        ctrl.set(f"crc/{tag['tag']}/{rank}", json.dumps(sums).encode())
+        return True
+
     try:
+        if tp > 1:
+            # The group's members call receive() together: each call is a
+            # round in which they agree on the version they apply.
+            k = 0
+            while True:
+                try:
+                    schemes["sharded"].receive()
+                except ws.SenderLostError:
+                    return
+                if ctrl.check([f"cmd/{k + 1}"]):
+                    k += 1
+                    if not answer(*json.loads(bytes(ctrl.get(f"cmd/{k}")))):
+                        return
+                time.sleep(0.001)
         schemes["sharded"].connect()
         # The whole model's first version comes once the trainer's sharded
         # sends are done: meanwhile this thread answers the trainer's checks.
@@ -74,15 +166,7 @@ def worker_main(host: str, ports: list[int], rank: int, mib: float) -> None:
                     return
                 continue
             k += 1
-            command, tag = json.loads(bytes(ctrl.get(key)))
-            if command == "crc":
-                # Each trainer rank's rows of each tensor, as it sent them.
-                state = dict(models[tag["model"]].state_dict())
-                sums = [
-                    [tensor_crc(state[name][lo:hi]) for name, lo, hi in pieces] for pieces, _ in tag["ranks"]
-                ]
-                ctrl.set(f"crc/{tag['tag']}/{rank}", json.dumps(sums).encode())
-            elif command == "quit":
+            if not answer(*json.loads(bytes(ctrl.get(key)))):
                 return
     finally:
         for scheme in schemes.values():
@@ -92,9 +176,13 @@ def worker_main(host: str, ports: list[int], rank: int, mib: float) -> None:
 # -- a trainer rank --------------------------------------------------------------
 
 
-def rank_main(rank: int, world: int, init: str, host: str, mib: float, repeats: int, workers: int) -> None:
-    """Trainer rank ``rank``: FSDP2 over the ``world`` ranks; rank 0 prints
-    ``PORTS <sharded> <gathered> <control>``, then the row."""
+def rank_main(
+    rank: int, world: int, init: str, host: str, mib: float, repeats: int, workers: int, tp: int
+) -> None:
+    """Trainer rank ``rank``: FSDP2 over the ``world`` ranks, to ``workers``
+    workers (``tp`` > 1: replicas of ``tp`` tensor-parallel members, which
+    take the sharded sends only); rank 0 prints ``PORTS <sharded>
+    <gathered> <control>``, then the row."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -120,44 +208,60 @@ def rank_main(rank: int, world: int, init: str, host: str, mib: float, repeats: 
         gathered: ws.DistributedWeightSyncScheme | None = None
         ctrl: Any = None
         if rank == 0:
-            whole = {name: torch.zeros(t.shape) for name, t in model.state_dict().items()}
-            gathered = ws.DistributedWeightSyncScheme(timeout=TIMEOUT)
-            gathered.init_on_sender("gathered", num_workers=workers, model=whole, host=host)
             ctrl = control_store(host, 0, master=True)
-            info, other = scheme.get_store_info(), gathered.get_store_info()
-            assert info is not None and other is not None
+            info = scheme.get_store_info()
+            assert info is not None
+            other = {"port": 0}
+            if tp == 1:
+                whole = {name: torch.zeros(t.shape) for name, t in model.state_dict().items()}
+                gathered = ws.DistributedWeightSyncScheme(timeout=TIMEOUT)
+                gathered.init_on_sender("gathered", num_workers=workers, model=whole, host=host)
+                other = gathered.get_store_info() or other
             print(f"PORTS {info['port']} {other['port']} {ctrl.port}", flush=True)
             wait_keys(ctrl, [f"up/{r}" for r in range(1, workers + 1)])
         dist.barrier()
         commands = 0
 
-        # Each rank's pieces (its rows of each tensor): the workers check
-        # them against this rank's own shards, so no rank ever gathers.
+        # Each rank's rows of each tensor (Shard(0): the ranks' rows in
+        # order), cut to what each tensor-parallel place holds: the workers
+        # check them against this rank's own shards, so no rank ever gathers.
+        shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         rows: list[Any] = [None] * world
         dist.all_gather_object(rows, [t.to_local().shape[0] for t in model.state_dict().values()])
-        pieces = []
-        for i, name in enumerate(model.state_dict()):
-            start = sum(rows[r][i] for r in range(rank))  # (Shard(0): the ranks' rows in order)
-            pieces.append((name, start, start + rows[rank][i]))
+        mine: dict[str, Box] = {}
+        for i, name in enumerate(shapes):
+            start = sum(rows[r][i] for r in range(rank))
+            mine[name] = ((start, start + rows[rank][i]), (0, shapes[name][1]))
 
         def check(model_name: str, tag: str) -> None:
             """Every worker holds each rank's shards, bit for bit (collective)."""
             nonlocal commands
             local = dict(model.state_dict())
-            mine = [tensor_crc(local[name].to_local()) for name, _, _ in pieces]
+            places = tp if model_name == "sharded" else 1
+            boxes: dict[str, list[Any]] = {}
+            sums: dict[str, list[int]] = {}
+            for index in range(places):
+                for i, name in enumerate(shapes):
+                    box = _meet(mine[name], member_box(shapes[name], i, places, index))
+                    if box is not None:
+                        boxes.setdefault(str(index), []).append([name, box])
+                        sums.setdefault(str(index), []).append(
+                            tensor_crc(_cut(local[name].to_local(), box, mine[name]))
+                        )
             everyone: list[Any] = [None] * world
-            dist.all_gather_object(everyone, [pieces, mine])
+            dist.all_gather_object(everyone, [boxes, sums])
             if rank != 0:
                 return
+            asked = {str(i): [b for said, _ in everyone for b in said.get(str(i), [])] for i in range(places)}
+            want = {str(i): [c for _, got in everyone for c in got.get(str(i), [])] for i in range(places)}
             commands += 1
             ctrl.set(
                 f"cmd/{commands}",
-                json.dumps(["crc", {"model": model_name, "tag": tag, "ranks": everyone}]).encode(),
+                json.dumps(["crc", {"model": model_name, "tag": tag, "boxes": asked}]).encode(),
             )
             keys = [f"crc/{tag}/{r}" for r in range(1, workers + 1)]
             got = [json.loads(v) for v in wait_keys(ctrl, keys)]
-            want = [sums for _, sums in everyone]
-            bad = [r for r, g in enumerate(got, 1) if g != want]
+            bad = [r for r, g in enumerate(got, 1) if g != want[str((r - 1) % places)]]
             if bad:
                 raise SystemExit(f"{tag}: worker ranks {bad} do not hold the trainer's weights")
 
@@ -183,7 +287,8 @@ def rank_main(rank: int, world: int, init: str, host: str, mib: float, repeats: 
             gathered.connect(weights=first)
         del first
         gather_times, send_times = [], []
-        for step in range(-1, repeats):  # a first round untimed
+        # (Tensor-parallel workers take the sharded sends only.)
+        for step in range(-1, repeats if tp == 1 else -1):  # a first round untimed
             change(100 + step)
             dist.barrier()
             started = time.perf_counter()
@@ -205,13 +310,13 @@ def rank_main(rank: int, world: int, init: str, host: str, mib: float, repeats: 
             commands += 1
             ctrl.set(f"cmd/{commands}", json.dumps(["quit", 0]).encode())
             row = {
-                "ranks": world, "workers": workers, "mib": mib, "bytes": nbytes,
+                "ranks": world, "workers": workers, "tp": tp, "mib": mib, "bytes": nbytes,
                 "weightsync": times, "gather": gather_times, "single_send": send_times,
                 "rss_start_mib": [r[0] for r in rss], "rss_after_sharded_mib": [r[1] for r in rss],
                 "rss_end_mib": [r[2] for r in rss],
             }  # fmt: skip
-            assert gathered is not None
-            gathered.shutdown()
+            if gathered is not None:
+                gathered.shutdown()
         scheme.shutdown()
         if rank == 0:
             print(json.dumps(row), flush=True)
@@ -230,11 +335,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     rank.add_argument("mib", type=float)
     rank.add_argument("repeats", type=int)
     rank.add_argument("workers", type=int)
+    rank.add_argument("tp", type=int)
     worker = roles.add_parser("worker")
     worker.add_argument("host")
     worker.add_argument("ports", type=int, nargs=3)
     worker.add_argument("rank", type=int)
     worker.add_argument("mib", type=float)
+    worker.add_argument("tp", type=int)
+    worker.add_argument("group", help="HOST:PORT of its replica's gloo rendezvous (tp > 1)")
     run = roles.add_parser("run", help="the whole case on an emulated cluster (root)")
     run.add_argument("--trainer-hosts", type=int, default=2)
     run.add_argument("--ranks-per-host", type=int, default=2)
@@ -243,15 +351,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     run.add_argument("--repeats", type=int, default=3)
     run.add_argument("--link-rate", default="1gbit")
     run.add_argument("--local-workers", type=int, default=0, help="workers on the trainer's one host")
+    run.add_argument("--worker-tp", type=int, default=1, help="workers in tensor-parallel replicas of G")
     args = parser.parse_args(argv)
     if args.role == "rank":
-        rank_main(args.rank, args.world, args.init, args.host, args.mib, args.repeats, args.workers)
+        rank_main(args.rank, args.world, args.init, args.host, args.mib, args.repeats, args.workers, args.tp)
     elif args.role == "worker":
-        worker_main(args.host, args.ports, args.rank, args.mib)
+        worker_main(args.host, args.ports, args.rank, args.mib, args.tp, args.group)
     else:
         result = run_sharded(
             args.trainer_hosts, args.ranks_per_host, args.hosts, args.size, args.repeats, args.link_rate,
             progress=lambda text: print(text, file=sys.stderr, flush=True), local_workers=args.local_workers,
+            worker_tp=args.worker_tp,
         )  # fmt: skip
         print(format_sharded_table(result))
 

@@ -133,7 +133,7 @@ class _GroupSetting:
 
 
 def _plan_refusal(
-    wants: dict[int, Want], ranks: list[int], parts: tuple[Part, ...], timeout: float
+    wants: dict[int, Want], ranks: list[int], parts: tuple[Part, ...], timeout: float, model_id: str | None
 ) -> tuple[str, Any] | None:
     """Why the plan cannot be made from what the workers said they hold
     (``wants``, of worker ranks ``ranks``): the kind of error and what it
@@ -146,8 +146,8 @@ def _plan_refusal(
         return (
             "missing",
             {
-                r - 1: f"worker {r - 1} (rank {r}) did not say what it holds within {timeout:g} s "
-                "(its init_on_worker did not reach the trainer's store)"
+                r - 1: f"worker {r - 1} (model {model_id!r}) did not announce itself within {timeout:g} s: "
+                f"rank {r} did not say what it holds (its init_on_worker did not reach the trainer's store)"
                 for r in missing
             },
         )
@@ -661,7 +661,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         if group.rank == 0:
             try:
                 wants = group.wants(ranks, until)
-                said = [(wants, _plan_refusal(wants, ranks, group.parts, self.timeout))]
+                said = [(wants, _plan_refusal(wants, ranks, group.parts, self.timeout, self._model_id))]
             except Exception as exc:  # (the others hear it, and raise alike)
                 said = [({}, ("WeightSyncError", f"{type(exc).__name__}: {exc}"))]
         dist.broadcast_object_list(said, src=dist.get_global_rank(setting.group, 0), group=setting.group)

@@ -58,6 +58,7 @@ import torch
 
 from ..._digest import mismatched
 from ..._exceptions import (
+    SenderClosedError,
     SenderLostError,
     WaitTimeoutError,
     WeightMismatchError,
@@ -86,6 +87,9 @@ __all__ = [
 GROUP_MARK = b"group:"
 #: How long past a send's deadline a rank waits for the others' outcomes (s).
 GRACE = 3.0
+# A member's word in its group's round when the sender group shut down,
+# or is gone (the lower wins).
+_CLOSED, _LOST = -1, -2
 # Polls of the others' outcomes (seconds): the first, and the longest.
 _POLL = (0.0005, 0.002)
 
@@ -530,10 +534,25 @@ class PartsEndpoint:
                 await anyio.sleep(min(left, 0.02))
 
     async def next_update(self, timeout: float) -> PartsUpdate | None:
-        update = await self._whole(timeout)
-        if self._commit is not None:
+        if self._commit is None:
+            update = await self._whole(timeout)
+        else:
+            try:
+                update = await self._whole(timeout)
+            except SenderLostError as exc:
+                # The others hear it in this round, and end with this one.
+                await self._commit.agree(_CLOSED if isinstance(exc, SenderClosedError) else _LOST)
+                raise
             # The group's round: apply only what every member holds.
             agreed = await self._commit.agree(0 if update is None else update.version)
+            if agreed in (_LOST, _CLOSED):
+                kind = SenderClosedError if agreed == _CLOSED else SenderLostError
+                raise kind(
+                    f"the sender group of model {self.model_id!r} is "
+                    f"{'shut down' if agreed == _CLOSED else 'gone'}: a member of this worker's "
+                    f"tensor-parallel group {list(self.want.members)} heard so",
+                    model_id=self.model_id,
+                )
             if update is None or agreed != update.version:
                 return None  # (kept: the next round may agree on it)
         self._held = {}
