@@ -12,6 +12,8 @@ processes that hold whole copies of the model.
   the sends); each worker writes ``OUT_DIR/worker<rank>.pt`` (its model's
   state and the versions it applied, in order) once the trainer shut down.
 - ``verify``: the same, with ``verify=True``.
+- ``applier``: the same, the workers applying in the background
+  (``sync=False``), each part's update taken as it comes.
 - ``delta``: the same, with ``verify=True`` and ``delta="always"`` (each
   rank's part goes as a delta against the part the workers hold).
 - ``mismatch``: worker 2's model has a tensor of another shape: each rank
@@ -123,18 +125,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def worker_main(rank: int, port: int, out: str, wrong: bool) -> None:
+def worker_main(rank: int, port: int, out: str, wrong: bool, applier: bool = False) -> None:
     model = plain_mlp(wrong)
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
-    scheme = ws.DistributedWeightSyncScheme(timeout=TIMEOUT)
+    scheme = ws.DistributedWeightSyncScheme(timeout=TIMEOUT, sync=not applier)
     versions: list[int] = []
     error = None
     try:
         scheme.init_on_worker(
             "policy", model=model, worker_idx=rank, store_info={"host": "127.0.0.1", "port": port}
         )
+        if applier:
+            scheme.connect()  # (the background applier: each version applied as it comes)
+            versions.append(scheme.get_receiver().version)
         while True:
             try:
                 version = scheme.receive(timeout=0.2)
@@ -192,6 +197,7 @@ def rank_main(rank: int, world: int, init: str, out: str, case: str, port: int, 
                         p.add_(0.5 * (step + 1))
                 reports.append(_report(scheme.send()))
             results["reports"] = reports
+            results["store_info"] = scheme.get_store_info()  # (a pickled scheme takes it to the workers)
             results["delta"] = scheme.last_delta
             try:  # a rank's sender alone would send its part only
                 scheme.get_sender()
@@ -236,7 +242,10 @@ def main() -> None:
         ]
     else:
         procs = [
-            ctx.Process(target=worker_main, args=(rank, port, out, case == "mismatch" and rank == 2))
+            ctx.Process(
+                target=worker_main,
+                args=(rank, port, out, case == "mismatch" and rank == 2, case == "applier"),
+            )
             for rank in range(1, workers + 1)
         ]
     for proc in procs:

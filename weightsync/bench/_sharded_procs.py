@@ -36,9 +36,9 @@ __all__ = ["rank_main", "worker_main"]
 
 class _Model(nn.Module):
     """The bench's model: 8 float32 tensors of about ``mib`` MiB in all;
-    with ``mesh`` (a tensor-parallel replica's), tensor i is sharded over it
-    by rows (i even) or by columns (i odd), as a column- and a row-parallel
-    layer are."""
+    with ``mesh`` (a tensor-parallel replica's), each is sharded over it
+    along :func:`tp_dim` (rows or columns, as a column- and a row-parallel
+    layer are)."""
 
     def __init__(self, mib: float, mesh: Any = None) -> None:
         super().__init__()
@@ -47,12 +47,18 @@ class _Model(nn.Module):
             if mesh is not None:
                 from torch.distributed.tensor import Shard, distribute_tensor
 
-                value = distribute_tensor(value, mesh, [Shard(i % 2)])
+                value = distribute_tensor(value, mesh, [Shard(tp_dim(i, shape))])
             self.register_parameter(f"p{i}", nn.Parameter(value, requires_grad=False))
 
 
-#: A box of a 2-D tensor: (rows, columns), each [start, stop).
-Box = tuple[tuple[int, int], tuple[int, int]]
+#: A box of a tensor: per dimension, [start, stop).
+Box = tuple[tuple[int, int], ...]
+
+
+def tp_dim(i: int, shape: Sequence[int]) -> int:
+    """The dimension tensor-parallel members split tensor ``i`` along: rows
+    and columns in turn (a vector: its one dimension)."""
+    return i % 2 if len(shape) > 1 else 0
 
 
 def _chunk(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -65,24 +71,20 @@ def _chunk(n: int, parts: int, index: int) -> tuple[int, int]:
 def member_box(shape: Sequence[int], i: int, tp: int, index: int) -> Box:
     """The box of tensor ``i`` (of ``shape``) that tensor-parallel member
     ``index`` of ``tp`` holds (``tp`` 1: the whole)."""
-    rows, cols = (0, shape[0]), (0, shape[1])
-    if tp > 1 and i % 2 == 0:
-        rows = _chunk(shape[0], tp, index)
-    elif tp > 1:
-        cols = _chunk(shape[1], tp, index)
-    return rows, cols
+    box = [(0, n) for n in shape]
+    if tp > 1:
+        box[tp_dim(i, shape)] = _chunk(shape[tp_dim(i, shape)], tp, index)
+    return tuple(box)
 
 
-def _cut(tensor: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
+def _cut(tensor: torch.Tensor, box: Sequence[Sequence[int]], origin: Box) -> torch.Tensor:
     """``box`` of the global tensor, out of ``tensor``, which holds ``origin`` of it."""
-    (r0, r1), (c0, c1) = box
-    return tensor[r0 - origin[0][0] : r1 - origin[0][0], c0 - origin[1][0] : c1 - origin[1][0]]
+    return tensor[tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin, strict=True))]
 
 
 def _meet(a: Box, b: Box) -> Box | None:
-    rows = (max(a[0][0], b[0][0]), min(a[0][1], b[0][1]))
-    cols = (max(a[1][0], b[1][0]), min(a[1][1], b[1][1]))
-    return (rows, cols) if rows[0] < rows[1] and cols[0] < cols[1] else None
+    box = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+    return box if all(lo < hi for lo, hi in box) else None
 
 
 def _rss_mib() -> float:
@@ -231,7 +233,7 @@ def rank_main(
         mine: dict[str, Box] = {}
         for i, name in enumerate(shapes):
             start = sum(rows[r][i] for r in range(rank))
-            mine[name] = ((start, start + rows[rank][i]), (0, shapes[name][1]))
+            mine[name] = ((start, start + rows[rank][i]), *((0, n) for n in shapes[name][1:]))
 
         def check(model_name: str, tag: str) -> None:
             """Every worker holds each rank's shards, bit for bit (collective)."""

@@ -590,6 +590,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             store = connect_store(store_host, port, timeout=self.timeout)
         host = _address_towards(store_host, port) if rank != 0 or "host" not in kwargs else kwargs["host"]
         self._group = SenderGroup(self._model_id, (store_host, port), gid, rank, size, parts, self.timeout)
+        # (A scheme pickled after init_on_sender takes it to the workers.)
+        self._store_info = {"host": store_host, "port": port}
         # What the plan (made at the first connect() or send, once every
         # worker said what it holds) needs: the store, this rank's address,
         # the workers, the trainer's group.

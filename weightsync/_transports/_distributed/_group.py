@@ -294,7 +294,17 @@ class Commit:
         :raises WaitTimeoutError: a member did not come to this round within
             the scheme's timeout (it died, hangs, or calls ``receive()`` at
             other points than this one).
+        :raises SenderLostError: the trainer's store is gone.
         """
+        try:
+            return await self._agree(holds)
+        except (RuntimeError, OSError) as exc:  # (the store's errors)
+            raise SenderLostError(
+                f"the sender group's store is gone ({short_message(exc)}): this worker's tensor-parallel "
+                f"group {list(self.members)} cannot agree on a version",
+            ) from exc
+
+    async def _agree(self, holds: int) -> int:
         self.round += 1
         store, round_ = self._store, self.round
         store.set(self._key(round_, self.rank), str(holds).encode())
@@ -555,7 +565,8 @@ class PartsEndpoint:
                 )
             if update is None or agreed != update.version:
                 return None  # (kept: the next round may agree on it)
-        self._held = {}
+        if update is not None:
+            self._held = {}  # (the receiver holds its buffers now)
         return update
 
     async def reply(self, version: int, error: str | None = None) -> None:
