@@ -144,14 +144,14 @@ def worker_main(host: str, ports: list[int], rank: int, mib: float, tp: int, gro
             k = 0
             while True:
                 try:
-                    schemes["sharded"].receive()
+                    # (Waits for an update up to 50 ms, then the round.)
+                    schemes["sharded"].receive(timeout=0.05)
                 except ws.SenderLostError:
                     return
                 if ctrl.check([f"cmd/{k + 1}"]):
                     k += 1
                     if not answer(*json.loads(bytes(ctrl.get(f"cmd/{k}")))):
                         return
-                time.sleep(0.001)
         schemes["sharded"].connect()
         # The whole model's first version comes once the trainer's sharded
         # sends are done: meanwhile this thread answers the trainer's checks.
