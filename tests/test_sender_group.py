@@ -53,6 +53,7 @@ def test_every_rank_sends_its_part_and_every_worker_holds_the_full_tensors(tmp_p
     assert ranks[0]["store_info"] == ranks[1]["store_info"] and ranks[0]["store_info"]["port"] > 0, ranks
     # A rank's own sender is not handed out: it would send its part alone.
     assert "every rank sends its own part of each version" in ranks[0]["get_sender"], ranks[0]
+    assert "wait_for_workers(): this trainer is sharded" in ranks[0]["wait_for_workers"], ranks[0]
     if case == "delta":
         # Each rank's last part went as a delta against the one the workers held.
         assert ranks[0]["delta"] == [True] and ranks[1]["delta"] == [True], ranks

@@ -204,6 +204,11 @@ def rank_main(rank: int, world: int, init: str, out: str, case: str, port: int, 
                 results["get_sender"] = "returned"
             except ws.WeightSyncStateError as exc:
                 results["get_sender"] = str(exc)
+            try:  # connect() waits for the workers, collectively
+                scheme.wait_for_workers()
+                results["wait_for_workers"] = "returned"
+            except ws.WeightSyncStateError as exc:
+                results["wait_for_workers"] = str(exc)
             if dies:
                 if rank == 1:
                     os.kill(os.getpid(), signal.SIGKILL)

@@ -311,6 +311,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         # A sender group's rank, once the plan is made: per class of workers
         # it sends anything, the class, its cut of this rank's part, its sender.
         self._class_senders: list[tuple[int, Part, WeightSender]] | None = None
+        # A tensor-parallel replica's first member: the store of its rounds.
+        self._round_store: Any = None
 
     # Where the trainer's store is travels with the scheme, to the workers.
     def __getstate__(self) -> dict[str, Any]:
@@ -339,6 +341,24 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         :raises WeightSyncStateError: on a sharded trainer's rank (see :meth:`get_sender`)."""
         self._refuse_in_group("get_async_sender()")
         return super().get_async_sender()
+
+    def wait_for_workers(
+        self, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = None
+    ) -> dict[int, float]:
+        """As :meth:`WeightSyncScheme.wait_for_workers`.
+
+        :raises WeightSyncStateError: on a sharded trainer's rank, whose
+            ``connect()`` waits for the workers (collectively)."""
+        self._refuse_in_group("wait_for_workers()")
+        return super().wait_for_workers(worker_ids, timeout=timeout)
+
+    def remove_worker(self, worker_id: int) -> None:
+        """As :meth:`WeightSyncScheme.remove_worker`.
+
+        :raises WeightSyncStateError: on a sharded trainer's rank (its
+            workers are fixed when its plan is made)."""
+        self._refuse_in_group("remove_worker()")
+        super().remove_worker(worker_id)
 
     def _refuse_in_group(self, call: str) -> None:
         if self._group is not None:
@@ -822,8 +842,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         model_id, timeout = self._model_id, self.timeout
         # (Collective over a tensor-parallel worker's group: made now, at
         # the init every member of it calls.)
-        want = self._want(rank)
-        endpoint = worker_endpoint(model_id, rank, address, store, timeout, lambda: want)
+        want, rounds = self._want(rank, address)
+        endpoint = worker_endpoint(model_id, rank, address, store, timeout, lambda: want, rounds)
         if want.boxes is not None and not isinstance(endpoint, PartsEndpoint):
             endpoint.close_now()
             raise InvalidWeightsError(
@@ -835,11 +855,15 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             )
         return lambda receiver: endpoint
 
-    def _want(self, rank: int) -> Want:
+    def _want(self, rank: int, toward: tuple[str, int] | None) -> tuple[Want, tuple[str, int] | None]:
         """What this worker holds (its model's layout), and the workers that
         switch versions with it: for a tensor-parallel worker (DTensors over
         one 1-D mesh of its processes), every member's rank, gathered over
-        the mesh's group (collective: each member calls ``init_on_worker``).
+        the mesh's group (collective: each member calls ``init_on_worker``),
+        and where the replica's rounds meet: a store that its first member
+        runs, on its address towards the trainer's store (``toward``), so
+        that the rounds never queue behind a send on the trainer's NIC.
+        (None: no rounds, or, with no trainer's address, the trainer's store.)
 
         :raises InvalidWeightsError: DTensors over more than one mesh, or a
             mesh of more than one dimension.
@@ -856,7 +880,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
                     for name, t in tensors.items()
                 )
             )
-            return Want(signature, None, (rank,))
+            return Want(signature, None, (rank,)), None
         (mesh, *others) = meshes.values()
         if others or mesh.ndim != 1:
             raise InvalidWeightsError(
@@ -867,10 +891,16 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             )
         import torch.distributed as dist
 
-        members: list[Any] = [None] * mesh.size()
-        dist.all_gather_object(members, rank, group=mesh.get_group())
         index = mesh.get_local_rank()
-        return want_of(tensors, tuple(int(m) for m in members), index)
+        rounds = None
+        if index == 0 and toward is not None:
+            host = _address_towards(*toward)
+            self._round_store = self._make_store(host, 0)
+            rounds = (host, int(self._round_store.port))
+        said: list[Any] = [None] * mesh.size()
+        dist.all_gather_object(said, (rank, rounds), group=mesh.get_group())
+        members = tuple(int(member) for member, _ in said)
+        return want_of(tensors, members, index), said[0][1]
 
     def shutdown(self) -> None:
         """As :meth:`WeightSyncScheme.shutdown`. A sharded trainer's rank

@@ -300,8 +300,9 @@ class Commit:
             return await self._agree(holds)
         except (RuntimeError, OSError) as exc:  # (the store's errors)
             raise SenderLostError(
-                f"the sender group's store is gone ({short_message(exc)}): this worker's tensor-parallel "
-                f"group {list(self.members)} cannot agree on a version",
+                f"the store of this worker's tensor-parallel group {list(self.members)} is gone "
+                f"({short_message(exc)}; its first member, or the trainer, ended): the group cannot "
+                "agree on a version",
             ) from exc
 
     async def _agree(self, holds: int) -> int:
@@ -351,6 +352,7 @@ class PartsEndpoint:
         store_address: tuple[str, int],
         timeout: float,
         want: Want,
+        rounds: tuple[str, int] | None = None,
     ) -> None:
         self.model_id = model_id
         self.rank = rank
@@ -362,9 +364,10 @@ class PartsEndpoint:
         self._prefix = prefix
         self._store = connect_store(*store_address, timeout=timeout)
         self._store.set(f"{prefix}/want/{rank}", pickle.dumps(want))
-        self._commit = (
-            Commit(self._store, prefix, want.members, rank, timeout) if len(want.members) > 1 else None
-        )
+        self._commit = None
+        if len(want.members) > 1:
+            store = self._store if rounds is None else connect_store(*rounds, timeout=timeout)
+            self._commit = Commit(store, prefix, want.members, rank, timeout)
         # Filled by the joining thread once the plan is out: the trainer
         # ranks this worker takes from, its cut of each one's part, and an
         # end per rank.
@@ -611,10 +614,12 @@ def worker_endpoint(
     store: Any,
     timeout: float,
     want: Callable[[], Want],
+    rounds: tuple[str, int] | None = None,
 ) -> ChainEndpoint | PartsEndpoint:
     """Worker ``rank``'s end: of a sender group (the model's session key
-    holds :data:`GROUP_MARK`), taking what ``want()`` says it holds; else
-    the one trainer's.
+    holds :data:`GROUP_MARK`), taking what ``want()`` says it holds (its
+    replica's rounds at ``rounds``, else in the trainer's store); else the
+    one trainer's.
 
     :raises SenderLostError: the trainer's store or session did not answer in time.
     """
@@ -637,7 +642,7 @@ def worker_endpoint(
     if record is None:
         return ChainEndpoint(model_id, rank, store_address, None, left, session=session.decode())
     assert isinstance(record, GroupRecord)
-    return PartsEndpoint(model_id, rank, record, store_address, left, want())
+    return PartsEndpoint(model_id, rank, record, store_address, left, want(), rounds)
 
 
 def new_gid() -> str:
