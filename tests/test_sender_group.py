@@ -132,6 +132,7 @@ def test_tensor_parallel_workers_take_their_shards_and_a_group_never_runs_two_ve
             expected = full[name] if dim is None else torch.chunk(full[name], 2, dim)[worker["index"]]
             assert torch.equal(worker["local"][name], expected), (rank, name)
         assert worker["steps"] == sorted(worker["steps"]) and worker["steps"][-1] == 4, worker["steps"]
+        assert "a background applier has no point shared by the members" in worker["background"], worker
     # The members of a replica ran every step on one version: the same
     # steps, each on the same version.
     for first, second in ((1, 2), (3, 4)):

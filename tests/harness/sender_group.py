@@ -86,11 +86,17 @@ def tp_worker_main(rank: int, port: int, out: str, group_port: int, case: str) -
     scheme = ws.DistributedWeightSyncScheme(timeout=TIMEOUT)
     steps: list[int] = []
     error = None
+    refused = "not tried"
     version = 0
     try:
         scheme.init_on_worker(
             "policy", model=model, worker_idx=rank, store_info={"host": "127.0.0.1", "port": port}
         )
+        try:  # a background applier has no point shared by the members
+            scheme.connect(background=True)
+            refused = "connected"
+        except ws.WeightSyncStateError as exc:
+            refused = str(exc)
         held_back = False
         while version < TP_LAST:
             if case == "tp_missing" and rank == 4 and version == 1 and not held_back:
@@ -114,7 +120,7 @@ def tp_worker_main(rank: int, port: int, out: str, group_port: int, case: str) -
     finally:
         scheme.shutdown()
     local = {name: t.to_local().detach().clone() for name, t in model.state_dict().items()}
-    state = {"local": local, "index": index, "steps": steps, "error": error}
+    state = {"local": local, "index": index, "steps": steps, "error": error, "background": refused}
     torch.save(state, Path(out, f"worker{rank}.pt"))
     dist.destroy_process_group()
 

@@ -951,4 +951,19 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             worker_idx = None
         if background is None:
             background = not self.sync or self._loop_is_a_collectors()
+        if background and self._in_a_replica():
+            raise WeightSyncStateError(
+                f"{type(self).__name__}.connect(): this worker is a member of a tensor-parallel replica, "
+                "whose members switch versions together at receive() (every member at the same point of "
+                "its loop); "
+                "a background applier has no point shared by the members: use sync=True and call receive()",
+                model_id=self._model_id,
+            )
         return super().connect(worker_idx=worker_idx, weights=weights, timeout=timeout, background=background)
+
+    def _in_a_replica(self) -> bool:
+        """Whether this worker is a member of a tensor-parallel replica (of more than one)."""
+        from .._transports._distributed._group import PartsEndpoint
+
+        endpoint = self.receiver_transport
+        return isinstance(endpoint, PartsEndpoint) and len(endpoint.want.members) > 1
