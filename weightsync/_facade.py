@@ -151,8 +151,10 @@ class WeightSender:
         timeout: float | None = None,
         connect: bool = False,
     ) -> list[SendReport | Exception]:
-        """:meth:`send_as` of each ``(sender, weights)`` as ``version``, all at
-        once (one event loop, a task each), blocking until every one ended;
+        """A send of all of each ``(sender, weights)`` to every worker of its
+        sender as ``version`` (at least the next one; a sender group's ranks
+        number each version alike), all at once (one event loop, a task
+        each), blocking until every one ended;
         with ``connect``, each sender first waits for its workers (up to
         ``timeout``). What each returned or raised, in order (a
         ``BaseException`` other than an ``Exception``, Ctrl-C, is raised once
@@ -184,15 +186,6 @@ class WeightSender:
 
         RUNTIME.call(every)
         return out
-
-    def send_as(self, version: int, weights: Any, *, timeout: float | None = None) -> SendReport:
-        """:meth:`send` of all of ``weights`` to every worker as ``version``
-        (at least the next one): a sender group's rank, whose ranks number
-        each version alike. Raises as :meth:`send`."""
-        self._refuse_in_coroutine("send()", "send(...)")
-        self._check("send()")
-        machine = self._sender.machine(weights, None, SendOptions(timeout, version=version))
-        return self._drive(machine, None)
 
     def _drive(self, machine: SendMachine, action: Action | None, *, until_staged: bool = False) -> Any:
         """Drive ``machine`` (from ``action``, or its start) blocking: on

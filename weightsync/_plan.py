@@ -26,7 +26,16 @@ from typing import Any
 
 from ._packet import ALIGNMENT
 
-__all__ = ["Replicate", "Run", "Shard", "TensorLayout", "TransferPlan", "layout_of", "plan_transfers"]
+__all__ = [
+    "Replicate",
+    "Run",
+    "Shard",
+    "TensorLayout",
+    "TransferPlan",
+    "intersect",
+    "layout_of",
+    "plan_transfers",
+]
 
 
 @dataclass(frozen=True)
@@ -165,7 +174,8 @@ def _offsets(layouts: Sequence[TensorLayout], rank: int, align: int) -> tuple[tu
     return tuple(offsets), offset
 
 
-def _intersect(a: Box, b: Box) -> Box | None:
+def intersect(a: Box, b: Box) -> Box | None:
+    """The box two boxes share (None: none)."""
     box = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
     return None if any(lo >= hi for lo, hi in box) else box
 
@@ -234,7 +244,7 @@ def plan_transfers(
             rank_in_group = receiver % n_group
             want = r.box(rank_in_group)
             for box, holders in by_box.items():
-                part = _intersect(box, want)
+                part = intersect(box, want)
                 if part is None:
                     continue
                 sender = holders[(receiver + t) % len(holders)]

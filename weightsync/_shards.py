@@ -26,6 +26,7 @@ with no message, and so does the test, with no process at all.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ import torch
 
 from ._exceptions import InvalidWeightsError
 from ._packet import Manifest, Signature
-from ._plan import Box, TensorLayout, layout_of
+from ._plan import Box, TensorLayout, intersect, layout_of
 from ._strategy import is_dtensor
 
 __all__ = [
@@ -99,13 +100,14 @@ class Want:
     boxes: Boxes | None
     members: tuple[int, ...]
 
+    @functools.cached_property
+    def _by_name(self) -> dict[str, Box]:
+        return dict(self.boxes or ())
+
     def box(self, name: str, shape: tuple[int, ...]) -> Box:
         """The box of tensor ``name`` (of global ``shape``) this worker holds."""
-        if self.boxes is not None:
-            for held, box in self.boxes:
-                if held == name:
-                    return box
-        return tuple((0, n) for n in shape)
+        held = self._by_name.get(name)
+        return tuple((0, n) for n in shape) if held is None else held
 
 
 def want_of(tensors: Mapping[str, Any], members: tuple[int, ...], index: int) -> Want:
@@ -143,9 +145,8 @@ def sub_part(part: Part, want: Want) -> Part:
     to the box the worker holds (pieces it holds nothing of left out)."""
     pieces = []
     for piece in part.pieces:
-        mine = want.box(piece.name, piece.shape)
-        cut = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(piece.box, mine, strict=True))
-        if all(lo < hi for lo, hi in cut):
+        cut = intersect(piece.box, want.box(piece.name, piece.shape))
+        if cut is not None:
             pieces.append(Piece(piece.name, piece.shape, piece.dtype, cut))
     return Part(part.rank, tuple(pieces))
 

@@ -309,8 +309,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         self._owns_store = False
         self._group_setting: _GroupSetting | None = None
         # A sender group's rank, once the plan is made: per class of workers
-        # it sends anything, the class, its cut of this rank's part, its sender.
-        self._class_senders: list[tuple[int, Part, WeightSender]] | None = None
+        # it sends anything, its cut of this rank's part and its sender.
+        self._class_senders: list[tuple[Part, WeightSender]] | None = None
         # A tensor-parallel replica's first member: the store of its rounds.
         self._round_store: Any = None
 
@@ -415,7 +415,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         from .._transports._distributed._transport import ChainStaging
 
         if self._class_senders is not None:
-            stagings = [sender.async_sender.staging for _, _, sender in self._class_senders]
+            stagings = [sender.async_sender.staging for _, sender in self._class_senders]
         else:
             stagings = [self.staging]
         return [staging for staging in stagings if isinstance(staging, ChainStaging)]
@@ -700,10 +700,10 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
                 raise WeightMismatchError(what, model_id=self._model_id)
             raise WeightSyncError(what, model_id=self._model_id)
         classes = classes_of(wants)
-        senders: list[tuple[int, Any, WeightSender]] = []
+        senders: list[tuple[Part, WeightSender]] = []
         row: list[str | None] = []
         try:
-            for index, (_, members) in enumerate(classes):
+            for _, members in classes:
                 sub = sub_part(group.part, wants[members[0]])
                 if not sub.pieces:
                     row.append(None)  # (nothing of this rank's part is theirs)
@@ -733,10 +733,10 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
                         wire_dtype=self.wire_dtype,
                     )
                 )
-                senders.append((index, sub, sender))
+                senders.append((sub, sender))
                 row.append(session)
         except BaseException:
-            for _, _, sender in senders:
+            for _, sender in senders:
                 sender.shutdown()
             raise
         sessions: list[Any] = [None] * group.size
@@ -769,9 +769,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
                 connect = True
             assert self._class_senders is not None
             tensors = values_of(self._model if weights is None else weights)
-            sends = [
-                (sender, local_tensors(tensors, group.part, sub)) for _, sub, sender in self._class_senders
-            ]
+            sends = [(sender, local_tensors(tensors, group.part, sub)) for sub, sender in self._class_senders]
             results = WeightSender.send_each_as(seq, sends, timeout=wait, connect=connect)
             outcome = combine(group.rank, seq, results)
         except (WeightMismatchError, InvalidWeightsError) as exc:
@@ -908,7 +906,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         shutdown, so that none loses the store in the middle of a send."""
         group = self._group
         try:
-            for _, _, sender in self._class_senders or ():
+            for _, sender in self._class_senders or ():
                 sender.shutdown()
         finally:
             if group is not None:
@@ -916,7 +914,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             super().shutdown()
 
     def _close_at_exit(self) -> None:
-        for _, _, sender in self._class_senders or ():
+        for _, sender in self._class_senders or ():
             sender.close_at_exit()
         super()._close_at_exit()
 

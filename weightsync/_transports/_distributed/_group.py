@@ -94,6 +94,22 @@ _CLOSED, _LOST = -1, -2
 _POLL = (0.0005, 0.002)
 
 
+def _read_all(store: Any, keys: dict[int, str], until: float, longest: float) -> dict[int, bytes]:
+    """The values of ``keys`` (by label), polled (every ``_POLL[0]`` s,
+    doubling up to ``longest``) until all are set or ``until``
+    (``time.monotonic()``): those set by then."""
+    got: dict[int, bytes] = {}
+    delay = _POLL[0]
+    while True:
+        for label, key in keys.items():
+            if label not in got and (value := get_now(store, key)) is not None:
+                got[label] = value
+        if len(got) == len(keys) or time.monotonic() >= until:
+            return got
+        time.sleep(delay)
+        delay = min(delay * 2, longest)
+
+
 def group_key(model_id: str | None, gid: str) -> str:
     return f"weightsync/{model_id}/group/{gid}"
 
@@ -158,18 +174,8 @@ class SenderGroup:
     def wants(self, ranks: Sequence[int], until: float) -> dict[int, Want]:
         """(Rank 0.) What each worker (``ranks``) holds, as each said at its
         init, polled until ``until`` (``time.monotonic()``): those that said."""
-        got: dict[int, Want] = {}
-        delay = _POLL[0]
-        while True:
-            for rank in ranks:
-                if rank not in got:
-                    value = get_now(self._store, f"{self._prefix}/want/{rank}")
-                    if value is not None:
-                        got[rank] = pickle.loads(value)
-            if len(got) == len(ranks) or time.monotonic() >= until:
-                return got
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+        said = _read_all(self._store, {r: f"{self._prefix}/want/{r}" for r in ranks}, until, 0.05)
+        return {rank: pickle.loads(value) for rank, value in said.items()}
 
     def publish_plan(self, plan: GroupPlan) -> None:
         """(Rank 0, once every rank's sessions are up.) Tell the workers."""
@@ -185,18 +191,9 @@ class SenderGroup:
         got = {self.rank: outcome}
         try:
             self._store.set(self._outcome_key(seq, self.rank), pickle.dumps(outcome))
-            delay = _POLL[0]
-            while len(got) < self.size:
-                for rank in range(self.size):
-                    if rank in got:
-                        continue
-                    value = get_now(self._store, self._outcome_key(seq, rank))
-                    if value is not None:
-                        got[rank] = pickle.loads(value)
-                if len(got) == self.size or time.monotonic() >= until:
-                    break
-                time.sleep(delay)
-                delay = min(delay * 2, _POLL[1])
+            others = {r: self._outcome_key(seq, r) for r in range(self.size) if r != self.rank}
+            said = _read_all(self._store, others, until, _POLL[1])
+            got.update({rank: pickle.loads(value) for rank, value in said.items()})
             if seq > 1:
                 # Every rank read this rank's outcome of the send before: each
                 # published this one's, which it does only after reading them.
@@ -259,10 +256,9 @@ class PartsUpdate:
 
     def apply(self, model: Any, targets: list[torch.Tensor], manifest: Manifest) -> None:
         by_name = dict(zip(manifest.names, targets, strict=True))
-        boxed = None if self.want.boxes is None else self.want
         with torch.no_grad():
             for part, part_manifest, update in zip(self.parts, self.manifests, self.updates, strict=True):
-                place(by_name, part, part_manifest.views(update.buffer), boxed)
+                place(by_name, part, part_manifest.views(update.buffer), self.want)
 
 
 class Commit:
