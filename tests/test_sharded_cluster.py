@@ -6,7 +6,10 @@ its own part to a whole-copy worker on each of two other hosts
 every worker against every rank's shards (a mismatch ends the run), and
 no rank's peak RSS grows by more than its shard and the chunks in flight.
 The same trainer also sends to two tensor-parallel replicas (two members
-each, one per host), each member checked against its own shards.
+each, one per host), each member checked against its own shards. A rank
+killed in the middle of a send is named by every other rank, within the
+send's deadline and 3 s, and leaves no worker holding a mix of versions,
+nor a replica on two.
 
 Needs root and iproute2 (skipped otherwise); ``pytest -m cluster``.
 """
@@ -45,3 +48,25 @@ def test_tensor_parallel_replicas_across_hosts_each_take_their_own_shards() -> N
     row = result["row"]
     assert row["tp"] == 2 and len(row["weightsync"]) == 2 and row["gather"] == [], row
     print(format_sharded_table(result))
+
+
+@pytest.mark.parametrize("worker_tp", [1, 2])
+def test_a_rank_killed_mid_send_is_named_by_the_others_and_no_worker_holds_a_mix(worker_tp: int) -> None:
+    # Rank 3 is killed (SIGKILL) halfway into a send, to whole-copy workers
+    # (applying in the background) or to tensor-parallel replicas (in
+    # receive() rounds). Each worker is then checked box by box against
+    # every rank's shards of the version before and of the new one.
+    result = run_sharded(
+        trainer_hosts=2, ranks_per_host=2, hosts=2 * worker_tp, mib=16, repeats=2, worker_tp=worker_tp,
+        kill_rank=3,
+    )  # fmt: skip
+    print(format_sharded_table(result))
+    kill = result["row"]["kill"]
+    assert sorted(kill["outcomes"]) == ["0", "1", "2"], kill
+    for rank, (kind, text, seconds) in kill["outcomes"].items():
+        assert kind == "SenderGroupError" and "rank 3 died during it" in text, (rank, kind, text)
+        assert seconds < kill["deadline_s"] + 3.0, (rank, seconds)
+    states = kill["workers"]
+    assert len(states) == 2 * worker_tp and "mixed" not in states, states
+    # The members of a replica hold one version.
+    assert all(len(set(states[i : i + worker_tp])) == 1 for i in range(0, len(states), worker_tp)), states

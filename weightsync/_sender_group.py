@@ -6,6 +6,7 @@ transport's (``_transports._distributed._group.SenderGroup``)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 from ._exceptions import (
     AckTimeoutError,
@@ -93,10 +94,16 @@ def _prefer(a: WorkerError, b: WorkerError) -> WorkerError:
     return a
 
 
-def merge(outcomes: dict[int, Outcome], size: int, seq: int, model_id: str | None) -> SendReport:
+def merge(
+    outcomes: dict[int, Outcome],
+    size: int,
+    seq: int,
+    model_id: str | None,
+    dead: Collection[int] = (),
+) -> SendReport:
     """The one result of send ``seq`` over ``size`` ranks, the same on every
     rank that has the same ``outcomes`` (by rank; a rank missing did not
-    publish one in time).
+    publish one in time, or was found ``dead``: its process is gone).
 
     :raises SenderGroupError: a rank is missing, or raised something other
         than a worker's error.
@@ -124,7 +131,12 @@ def merge(outcomes: dict[int, Outcome], size: int, seq: int, model_id: str | Non
             }
         )
     if missing or raised:
-        said = [f"rank {r} did not finish it in time (it died, was stopped or interrupted)" for r in missing]
+        said = [
+            f"rank {r} died during it (its process is gone)"
+            if r in dead
+            else f"rank {r} did not finish it in time (it died, was stopped or interrupted)"
+            for r in missing
+        ]
         said += [f"rank {r} raised {why}" for r, why in raised.items()]
         workers = (
             f"; workers that failed: {', '.join(f'{w}: {e}' for w, e in sorted(failures.items()))}"

@@ -273,6 +273,15 @@ def _parser() -> argparse.ArgumentParser:
         help="with --sharded-trainer: the workers are replicas of a tensor-parallel policy, G hosts each "
         "(every tensor sharded over the replica); each takes in only its 1/G (default: 1, whole copies)",
     )
+    across.add_argument(
+        "--kill-rank",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --sharded-trainer: after the timed sends, trainer rank K (1 or more) is killed (SIGKILL) "
+        "halfway into one more send; prints what every other rank's send raised and when, and whether each "
+        "worker holds the version before or the new one (or a mix); no gather row",
+    )
     delta = bench.add_argument_group(
         "sending only what changed (--delta: DistributedWeightSyncScheme(delta=True) against delta=False "
         "in the same run, on one host or with --emulate-hosts N --link-rate R across hosts)"
@@ -454,6 +463,9 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
     tp = args.worker_tp
     if tp < 1 or (local or hosts) % tp:
         parser.error(f"--worker-tp {tp}: the {local or hosts} workers make no replicas of {tp}")
+    kill = args.kill_rank
+    if kill is not None and not 0 < kill < trainer_hosts * ranks:
+        parser.error(f"--kill-rank {kill}: one of ranks 1 to {trainer_hosts * ranks - 1} (rank 0 drives it)")
     why = unavailable_reason()
     if why is not None:
         print(f"weightsync bench: --emulate-hosts cannot run here: {why}", file=sys.stderr)
@@ -474,16 +486,22 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
             else f"{hosts} whole-copy workers, one per host; floor = S/B (each worker takes in S), "
             f"B = {args.link_rate} = {rate / 1e6:.0f} MB/s each way per host"
         )
+    after = (
+        f"then rank {kill} is killed (SIGKILL) halfway into one more send, and every worker checked"
+        if kill is not None
+        else "gather+send = every rank's full_tensor(), then rank 0 sends the whole model (single sender)"
+        if tp == 1
+        else "no gather row (a single sender sends whole tensors)"
+    )
     print(
         f"a sharded trainer (FSDP2: {trainer_hosts} hosts x {ranks} ranks) to {where}; median of "
-        f"{args.repeats} sends, each checked bit for bit on every worker; gather+send = every rank's "
-        "full_tensor(), then rank 0 sends the whole model (single sender)",
+        f"{args.repeats} sends, each checked bit for bit on every worker; {after}",
         flush=True,
     )
     try:
         result = run_sharded(
             trainer_hosts, ranks, hosts, mib, args.repeats, args.link_rate,
-            progress=lambda text: print(text, flush=True), local_workers=local, worker_tp=tp,
+            progress=lambda text: print(text, flush=True), local_workers=local, worker_tp=tp, kill_rank=kill,
         )  # fmt: skip
     except RuntimeError as exc:
         print(f"weightsync bench: error: {exc}", file=sys.stderr)

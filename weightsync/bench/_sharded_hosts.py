@@ -70,14 +70,18 @@ def run_sharded(
     progress: Callable[[str], None] | None = None,
     local_workers: int = 0,
     worker_tp: int = 1,
+    kill_rank: int | None = None,
 ) -> dict[str, Any]:
     """A cluster of ``trainer_hosts`` + ``hosts`` emulated hosts at ``rate``:
     ``ranks_per_host`` trainer ranks on each trainer host, one worker on
     each other host; or (``local_workers``, with ``hosts=0`` and one
     trainer host) that many workers on the trainer's host; ``worker_tp``:
     the workers are replicas of that many tensor-parallel members, on
-    consecutive hosts. Returns rank 0's row and the link rate (bytes/s).
-    Needs root.
+    consecutive hosts; ``kill_rank``: after the timed sends that trainer
+    rank (1 or more: rank 0 drives the run) is killed halfway into one more
+    send, in place of the gather rows (the row's ``kill``: every other
+    rank's outcome, and what each worker holds). Returns rank 0's row and
+    the link rate (bytes/s). Needs root.
 
     :raises RuntimeError: a process failed.
     """
@@ -88,6 +92,8 @@ def run_sharded(
     workers_count = local_workers or hosts
     if worker_tp < 1 or workers_count % worker_tp:
         raise ValueError(f"{workers_count} workers do not make replicas of {worker_tp}")
+    if kill_rank is not None and not 0 < kill_rank < world:
+        raise ValueError(f"kill_rank {kill_rank}: a rank of 1 to {world - 1} (rank 0 drives the run)")
     with (
         tempfile.TemporaryDirectory(prefix="ws-sharded-") as tmp,
         EmulatedCluster(trainer_hosts + hosts, rate) as cluster,
@@ -112,6 +118,7 @@ def run_sharded(
                 str(repeats),
                 str(workers_count),
                 str(worker_tp),
+                *(["--kill", str(kill_rank)] if kill_rank is not None else []),
             ]
             out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
             with open(os.path.join(tmp, f"rank{rank}.err"), "w") as err:
@@ -175,6 +182,31 @@ def _x(seconds: float, floor: float | None) -> str:
     return "-" if floor is None else f"{seconds / floor:.2f}x"
 
 
+def _killed(row: dict[str, Any]) -> list[str]:
+    """The lines of the killed rank's send: each other rank's outcome, and
+    what the workers (each tensor-parallel replica) hold after it."""
+    kill = row.get("kill")
+    if not kill:
+        return []
+    lines = [
+        f"rank {kill['rank']} killed (SIGKILL) {kill['after_s'] * 1e3:.0f} ms into a send of deadline "
+        f"{kill['deadline_s']:g} s:"
+    ]
+    for rank, (kind, text, seconds) in kill["outcomes"].items():
+        lines.append(f"  rank {rank}: {kind} after {seconds:.2f} s: {text[:160]}")
+    tp = int(row.get("tp", 1))
+    states = kill["workers"]
+    replicas = [states[i : i + tp] for i in range(0, len(states), tp)]
+    counts = {s: states.count(s) for s in ("old", "new", "mixed")}
+    split = sum(1 for r in replicas if len(set(r)) > 1)
+    lines.append(
+        f"  workers: {counts['old']} on the version before, {counts['new']} on the new one, "
+        f"{counts['mixed']} holding a mix"
+        + (f"; replicas of {tp} on two versions: {split} of {len(replicas)}" if tp > 1 else "")
+    )
+    return lines
+
+
 def format_sharded_table(result: dict[str, Any]) -> str:
     """Median ms of each way and x the floor S/B (each worker takes in S
     bytes through one NIC of B bytes/s; S/G for tensor-parallel members of
@@ -191,9 +223,12 @@ def format_sharded_table(result: dict[str, Any]) -> str:
             f"{row['ranks']:>5} {row['workers']:>7} {tp:>3} {row['mib']:>6g} {_ms(floor):>9} "
             f"{ws_med * 1e3:>14.0f} {_x(ws_med, floor):>7}",
             f"(each worker holds 1/{tp} of every tensor and takes in S/{tp}: floor (S/{tp})/B; no gather "
-            "row: a single sender sends whole tensors)",
+            "row: a single sender sends whole tensors)"
+            if tp > 1
+            else "(no gather row: a rank was killed instead)",
             f"peak RSS per rank over its RSS before the first send, MiB (shard "
             f"{row['bytes'] / row['ranks'] / MIB:.0f} MiB): {_growth(row, 'rss_after_sharded_mib')}",
+            *_killed(row),
         ]
         return "\n".join(lines)
     gather_med = statistics.median(row["gather"])

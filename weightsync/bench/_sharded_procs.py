@@ -13,13 +13,15 @@ tensors: no rank gathers, and no worker holds more than its shards."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import resource
+import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -94,6 +96,13 @@ def _rss_mib() -> float:
 # -- a worker ------------------------------------------------------------------
 
 
+def _connect_quietly(scheme: ws.DistributedWeightSyncScheme) -> None:
+    """``connect()``: a trainer that shut down before its first send (a
+    rank was killed, and there is no gather row) ends it quietly."""
+    with contextlib.suppress(ws.SenderLostError):
+        scheme.connect()
+
+
 def worker_main(host: str, ports: list[int], rank: int, mib: float, tp: int, group: str) -> None:
     """Worker ``rank``: a whole copy under each scheme, applied as updates
     arrive; or (``tp`` > 1) member ``(rank - 1) % tp`` of a tensor-parallel
@@ -142,12 +151,18 @@ def worker_main(host: str, ports: list[int], rank: int, mib: float, tp: int, gro
             # The group's members call receive() together: each call is a
             # round in which they agree on the version they apply.
             k = 0
+            lost = False
             while True:
-                try:
-                    # (Waits for an update up to 50 ms, then the round.)
-                    schemes["sharded"].receive(timeout=0.05)
-                except ws.SenderLostError:
-                    return
+                if lost:
+                    # (A trainer rank was killed: the checks of what this
+                    # member holds still come.)
+                    time.sleep(0.05)
+                else:
+                    try:
+                        # (Waits for an update up to 50 ms, then the round.)
+                        schemes["sharded"].receive(timeout=0.05)
+                    except ws.SenderLostError:
+                        lost = True
                 if ctrl.check([f"cmd/{k + 1}"]):
                     k += 1
                     if not answer(*json.loads(bytes(ctrl.get(f"cmd/{k}")))):
@@ -155,7 +170,7 @@ def worker_main(host: str, ports: list[int], rank: int, mib: float, tp: int, gro
         schemes["sharded"].connect()
         # The whole model's first version comes once the trainer's sharded
         # sends are done: meanwhile this thread answers the trainer's checks.
-        threading.Thread(target=schemes["gathered"].connect, daemon=True).start()
+        threading.Thread(target=_connect_quietly, args=(schemes["gathered"],), daemon=True).start()
         k = 0
         while True:
             key = f"cmd/{k + 1}"
@@ -178,13 +193,28 @@ def worker_main(host: str, ports: list[int], rank: int, mib: float, tp: int, gro
 # -- a trainer rank --------------------------------------------------------------
 
 
+#: The deadline of the send a trainer rank is killed in (s).
+KILL_DEADLINE = 10.0
+
+
 def rank_main(
-    rank: int, world: int, init: str, host: str, mib: float, repeats: int, workers: int, tp: int
+    rank: int,
+    world: int,
+    init: str,
+    host: str,
+    mib: float,
+    repeats: int,
+    workers: int,
+    tp: int,
+    kill: int | None = None,
 ) -> None:
     """Trainer rank ``rank``: FSDP2 over the ``world`` ranks, to ``workers``
     workers (``tp`` > 1: replicas of ``tp`` tensor-parallel members, which
     take the sharded sends only); rank 0 prints ``PORTS <sharded>
-    <gathered> <control>``, then the row."""
+    <gathered> <control>``, then the row. With ``kill`` (a rank other than
+    0, which drives the run), after the timed sends that rank is killed
+    (SIGKILL) halfway into one more send (deadline :data:`KILL_DEADLINE`),
+    in place of the gather rows."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -235,9 +265,11 @@ def rank_main(
             start = sum(rows[r][i] for r in range(rank))
             mine[name] = ((start, start + rows[rank][i]), *((0, n) for n in shapes[name][1:]))
 
-        def check(model_name: str, tag: str) -> None:
-            """Every worker holds each rank's shards, bit for bit (collective)."""
-            nonlocal commands
+        def expect(model_name: str, ahead: float = 0.0) -> tuple[dict[str, Any], dict[str, Any]]:
+            """(Collective.) The boxes each tensor-parallel place is asked
+            for, and their CRC32s, of every rank's shards (``ahead``: as
+            they will be once ``ahead`` is added to every element);
+            empty but on rank 0."""
             local = dict(model.state_dict())
             places = tp if model_name == "sharded" else 1
             boxes: dict[str, list[Any]] = {}
@@ -247,30 +279,45 @@ def rank_main(
                     box = _meet(mine[name], member_box(shapes[name], i, places, index))
                     if box is not None:
                         boxes.setdefault(str(index), []).append([name, box])
-                        sums.setdefault(str(index), []).append(
-                            tensor_crc(_cut(local[name].to_local(), box, mine[name]))
-                        )
+                        piece = _cut(local[name].to_local(), box, mine[name])
+                        sums.setdefault(str(index), []).append(tensor_crc(piece + ahead if ahead else piece))
             everyone: list[Any] = [None] * world
             dist.all_gather_object(everyone, [boxes, sums])
             if rank != 0:
-                return
+                return {}, {}
             asked = {str(i): [b for said, _ in everyone for b in said.get(str(i), [])] for i in range(places)}
             want = {str(i): [c for _, got in everyone for c in got.get(str(i), [])] for i in range(places)}
+            return asked, want
+
+        def ask(model_name: str, tag: str, asked: dict[str, Any]) -> list[Any]:
+            """(Rank 0.) Each worker's CRC32s of the boxes ``asked`` of its place, by worker rank - 1."""
+            nonlocal commands
             commands += 1
             ctrl.set(
                 f"cmd/{commands}",
                 json.dumps(["crc", {"model": model_name, "tag": tag, "boxes": asked}]).encode(),
             )
             keys = [f"crc/{tag}/{r}" for r in range(1, workers + 1)]
-            got = [json.loads(v) for v in wait_keys(ctrl, keys)]
+            return [json.loads(v) for v in wait_keys(ctrl, keys)]
+
+        def check(model_name: str, tag: str) -> None:
+            """Every worker holds each rank's shards, bit for bit (collective)."""
+            asked, want = expect(model_name)
+            if rank != 0:
+                return
+            places = tp if model_name == "sharded" else 1
+            got = ask(model_name, tag, asked)
             bad = [r for r, g in enumerate(got, 1) if g != want[str((r - 1) % places)]]
             if bad:
                 raise SystemExit(f"{tag}: worker ranks {bad} do not hold the trainer's weights")
 
+        def step_of(step: int) -> float:
+            return 0.25 * (step + 1)
+
         def change(step: int) -> None:
             with torch.no_grad():
                 for p in model.parameters():
-                    p.add_(0.25 * (step + 1))
+                    p.add_(step_of(step))
 
         rss_start = _rss_mib()
         scheme.connect()
@@ -284,6 +331,27 @@ def rank_main(
             times.append(time.perf_counter() - started)
             check("sharded", f"ws{step}")
         rss_sharded = _rss_mib()
+        rss: list[Any] = [None] * world
+        if kill is not None:
+            dist.all_gather_object(rss, (rss_start, rss_sharded, rss_sharded))
+            killed = _kill_case(rank, kill, scheme, ctrl, host, expect, ask, lambda: change(repeats),
+                                step_of(repeats), statistics.median(times), tp, workers)  # fmt: skip
+            if rank == 0:
+                nbytes = sum(t.numel() * 4 for t in model.state_dict().values())
+                commands += 1
+                ctrl.set(f"cmd/{commands}", json.dumps(["quit", 0]).encode())
+                row = {
+                    "ranks": world, "workers": workers, "tp": tp, "mib": mib, "bytes": nbytes,
+                    "weightsync": times, "gather": [], "single_send": [],
+                    "rss_start_mib": [r[0] for r in rss], "rss_after_sharded_mib": [r[1] for r in rss],
+                    "rss_end_mib": [r[2] for r in rss], "kill": killed,
+                }  # fmt: skip
+                if gathered is not None:
+                    gathered.shutdown()
+            scheme.shutdown()
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+            return
         first = {name: t.full_tensor() for name, t in model.state_dict().items()}
         if gathered is not None:
             gathered.connect(weights=first)
@@ -305,7 +373,6 @@ def rank_main(
                 send_times.append(sent)
             del full
             check("gathered", f"g{step}")
-        rss: list[Any] = [None] * world
         dist.all_gather_object(rss, (rss_start, rss_sharded, _rss_mib()))
         nbytes = sum(t.numel() * 4 for t in model.state_dict().values())
         if rank == 0:
@@ -326,6 +393,68 @@ def rank_main(
         dist.destroy_process_group()
 
 
+def _kill_case(
+    rank: int,
+    kill: int,
+    scheme: ws.DistributedWeightSyncScheme,
+    ctrl: Any,
+    host: str,
+    expect: Callable[..., tuple[dict[str, Any], dict[str, Any]]],
+    ask: Callable[[str, str, dict[str, Any]], list[Any]],
+    change: Callable[[], None],
+    added: float,
+    median: float,
+    tp: int,
+    workers: int,
+) -> dict[str, Any]:
+    """Rank ``kill`` is killed (SIGKILL) halfway (by ``median``, a send's
+    time) into a send of version v + 1 (deadline :data:`KILL_DEADLINE`);
+    every other rank's outcome of it (what it raised and when), and, on
+    rank 0, what each worker holds: v (``old``), v + 1 (``new``) or a mix,
+    checked box by box against every rank's shards of both versions,
+    computed before the send. Returns the record on rank 0 ({} on the others)."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    old_asked, old = expect("sharded")
+    _, new = expect("sharded", added)
+    change()
+    where: list[Any] = [(host, ctrl.port) if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    after = median / 2
+    dist.barrier()
+    if rank == kill:
+        threading.Timer(after, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    started = time.monotonic()
+    try:
+        scheme.send(timeout=KILL_DEADLINE)
+        said: list[Any] = ["none", ""]
+    except ws.WeightSyncError as exc:
+        said = [type(exc).__name__, str(exc)]
+    said.append(time.monotonic() - started)
+    if rank == kill:  # (the send ended before the timer: killed now)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank != 0:
+        ctrl_host, ctrl_port = where[0]
+        control_store(ctrl_host, ctrl_port, master=False).set(f"killed/{rank}", json.dumps(said).encode())
+        return {}
+    world = dist.get_world_size()
+    others = [r for r in range(1, world) if r != kill]
+    heard = wait_keys(ctrl, [f"killed/{r}" for r in others])
+    outcomes = {0: said} | {r: json.loads(v) for r, v in zip(others, heard, strict=True)}
+    got = ask("sharded", "killed", old_asked)
+    states = []
+    for r, sums in enumerate(got, 1):
+        place = str((r - 1) % tp)
+        states.append("old" if sums == old[place] else "new" if sums == new[place] else "mixed")
+    return {
+        "rank": kill, "after_s": after, "deadline_s": KILL_DEADLINE,
+        "outcomes": {str(r): o for r, o in sorted(outcomes.items())}, "workers": states,
+    }  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m weightsync.bench._sharded_hosts")
     roles = parser.add_subparsers(dest="role", required=True)
@@ -338,6 +467,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rank.add_argument("repeats", type=int)
     rank.add_argument("workers", type=int)
     rank.add_argument("tp", type=int)
+    rank.add_argument("--kill", type=int, default=None, help="the rank killed in a last send")
     worker = roles.add_parser("worker")
     worker.add_argument("host")
     worker.add_argument("ports", type=int, nargs=3)
@@ -354,16 +484,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     run.add_argument("--link-rate", default="1gbit")
     run.add_argument("--local-workers", type=int, default=0, help="workers on the trainer's one host")
     run.add_argument("--worker-tp", type=int, default=1, help="workers in tensor-parallel replicas of G")
+    run.add_argument("--kill-rank", type=int, default=None, help="kill this rank in a last send")
     args = parser.parse_args(argv)
     if args.role == "rank":
-        rank_main(args.rank, args.world, args.init, args.host, args.mib, args.repeats, args.workers, args.tp)
+        rank_main(
+            args.rank, args.world, args.init, args.host, args.mib, args.repeats, args.workers, args.tp,
+            args.kill,
+        )  # fmt: skip
     elif args.role == "worker":
         worker_main(args.host, args.ports, args.rank, args.mib, args.tp, args.group)
     else:
         result = run_sharded(
             args.trainer_hosts, args.ranks_per_host, args.hosts, args.size, args.repeats, args.link_rate,
             progress=lambda text: print(text, file=sys.stderr, flush=True), local_workers=args.local_workers,
-            worker_tp=args.worker_tp,
+            worker_tp=args.worker_tp, kill_rank=args.kill_rank,
         )  # fmt: skip
         print(format_sharded_table(result))
 

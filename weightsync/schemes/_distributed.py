@@ -609,7 +609,9 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         if store is None:
             store = connect_store(store_host, port, timeout=self.timeout)
         host = _address_towards(store_host, port) if rank != 0 or "host" not in kwargs else kwargs["host"]
-        self._group = SenderGroup(self._model_id, (store_host, port), gid, rank, size, parts, self.timeout)
+        self._group = SenderGroup(
+            self._model_id, (store_host, port), gid, rank, size, parts, self.timeout, host
+        )  # fmt: skip
         # (A scheme pickled after init_on_sender takes it to the workers.)
         self._store_info = {"host": store_host, "port": port}
         # What the plan (made at the first connect() or send, once every
@@ -784,10 +786,10 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             with contextlib.suppress(Exception):
                 group.exchange(seq, Outcome(group.rank, seq, error=type(exc).__name__), time.monotonic())
             raise
-        outcomes = group.exchange(seq, outcome, until)
+        outcomes, dead = group.exchange(seq, outcome, until)
         # A rank that skipped versions brings every rank's count up to it.
         group.seq = max([group.seq] + [o.version for o in outcomes.values() if o.version is not None])
-        return merge(outcomes, group.size, seq, self._model_id)
+        return merge(outcomes, group.size, seq, self._model_id, dead)
 
     def _new_transport(self, worker_id: int, channel: Any, *, replaces: bool) -> SenderTransport:
         """No channel: the new worker is rank ``worker_id + 1`` of the store."""

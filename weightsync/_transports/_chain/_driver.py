@@ -184,11 +184,18 @@ class Route(Generic[M]):
     #: connections (made on first use), so its time is not the link's.
     fresh: bool = field(default=False)
 
+    @property
+    def first(self) -> float:
+        """How long the first frame may take, at every hop: the chain may
+        still be filling, and a group's connections are made on first use,
+        so a member's first frame also waits for the next member to join."""
+        return 2 * self.stall
+
     def link(self, member: M) -> Link:
         """``member``'s place in this chain (a member of :attr:`chain`)."""
         return Link(
             self.namespace, self.generation, self.chain.index(member) + 1, len(self.chain) + 1,
-            self.stall, 2 * self.stall, self.chunk, self.encoded,
+            self.stall, self.first, self.chunk, self.encoded,
         )  # fmt: skip
 
     @property
@@ -374,6 +381,7 @@ class ChainDriver(Generic[M]):
                             count,
                             until=deadline,
                             stopped=self._stopped,
+                            first=route.first,
                         )
                     else:
                         self.sent_bytes += nbytes
@@ -386,9 +394,16 @@ class ChainDriver(Generic[M]):
                             ready,
                             until=deadline,
                             stopped=self._stopped,
+                            first=route.first,
                         )
                 except RuntimeError as exc:
                     sent_error = str(exc)
+                    # Without the trainer's bytes no member can complete: the
+                    # group goes now, so that the members still waiting on it
+                    # (one that joined late, for a frame that will not come)
+                    # fail at once and report, and are in the next chain,
+                    # rather than silent until their own limits, and left out.
+                    self.drop()
             sending = time.monotonic() - began
             reports, waiting = self._gather(route, deadline, broken=sent_error is not None)
             route.sent, route.seconds = self.sent_bytes - before, time.monotonic() - began
@@ -427,8 +442,10 @@ class ChainDriver(Generic[M]):
         control, chain = self.control, route.chain
         prefix = f"{route.namespace}{route.generation}/"
         try:
+            # (Its limit is the first frame's: a connection is made on first
+            # use, once the member at its other end joined.)
             self._group = self.link.form(
-                control.group_store(route.stall), prefix, 0, len(chain) + 1, control.address, route.stall
+                control.group_store(route.stall), prefix, 0, len(chain) + 1, control.address, route.first
             )
             self._group_members = chain
             return set()
@@ -441,7 +458,7 @@ class ChainDriver(Generic[M]):
             if not store.check([joining_key(route.namespace, route.generation, i + 1)])
         }
         names = ", ".join(control.name(m) for m in chain if m in absent) or "no member"
-        route.broke = f"the chain's group did not form ({names} did not join within {route.stall:.1f} s)"
+        route.broke = f"the chain's group did not form ({names} did not join within {route.first:.1f} s)"
         for member in absent:
             self.outcome[member] = "it did not join the chain"
             self._broke_for[member] = route.broke

@@ -29,10 +29,9 @@ def gloo_group(store: Any, prefix: str, rank: int, size: int, address: str, stal
     over ``PrefixStore(prefix, store)``: no global state, so a group with a
     dead member is simply dropped and a new one formed under another
     prefix. Its sockets bind to ``address`` and connect to a peer only when
-    first used, so a chain connects neighbours only. Blocks until every
-    member joined.
-
-    :raises RuntimeError: not every member joined within ``stall`` seconds.
+    first used, so a chain connects neighbours only. Never waits for the
+    others: the first send or receive with a peer waits for it to join
+    (up to ``stall`` seconds, then raises ``RuntimeError``).
     """
     import torch.distributed as dist
 

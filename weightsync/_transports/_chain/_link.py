@@ -50,8 +50,11 @@ class ChainLink(Protocol):
     def form(self, store: Any, prefix: str, rank: int, size: int, address: str, stall: float) -> PeerGroup:
         """This process's member (rank ``rank`` of ``size``) of a new group,
         met over ``store`` under ``prefix`` (keys of its own: no global
-        state), its connections bound to ``address``. Blocks until every
-        member joined.
+        state), its connections bound to ``address``. It may return before
+        the others joined (gloo's connections are made on first use): a
+        send or receive with a member that has not joined waits for it up
+        to ``stall`` seconds.
 
-        :raises RuntimeError: not every member joined within ``stall`` seconds.
+        :raises RuntimeError: not every member joined within ``stall``
+            seconds (a link that waits for them here).
         """

@@ -136,7 +136,7 @@ class WorkerChain:
         for leader, followers in route.fed.items():
             for rank in followers:
                 pid = self.members[leader].pid
-                self.notify(rank, FollowNotice(info, leader, pid, route.stall, 2 * route.stall))
+                self.notify(rank, FollowNotice(info, leader, pid, route.stall, route.first))
         self._counted = 0
 
     def poll(self, route: Route[int], waiting: Collection[int], wait: float) -> list[tuple[int, Report]]:

@@ -48,6 +48,7 @@ import dataclasses
 import os
 import pickle
 import select
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -92,20 +93,46 @@ GRACE = 3.0
 _CLOSED, _LOST = -1, -2
 # Polls of the others' outcomes (seconds): the first, and the longest.
 _POLL = (0.0005, 0.002)
+# How often a rank whose outcome has not come is looked at (its beacon), and
+# how long a look may take (s).
+_PROBE = 0.25
+_PROBE_WAIT = 0.25
 
 
-def _read_all(store: Any, keys: dict[int, str], until: float, longest: float) -> dict[int, bytes]:
+def _read_all(
+    store: Any,
+    keys: dict[int, str],
+    until: float,
+    longest: float,
+    dead: Callable[[int], bool] | None = None,
+) -> tuple[dict[int, bytes], set[int]]:
     """The values of ``keys`` (by label), polled (every ``_POLL[0]`` s,
     doubling up to ``longest``) until all are set or ``until``
-    (``time.monotonic()``): those set by then."""
+    (``time.monotonic()``): those set by then; and the labels whose
+    ``dead(label)`` said, at one of its looks (every :data:`_PROBE` s), that
+    no value will ever come (they are waited for no more)."""
     got: dict[int, bytes] = {}
+    gone: set[int] = set()
     delay = _POLL[0]
+    probe = time.monotonic() + _PROBE
     while True:
         for label, key in keys.items():
-            if label not in got and (value := get_now(store, key)) is not None:
+            if label not in got and label not in gone and (value := get_now(store, key)) is not None:
                 got[label] = value
-        if len(got) == len(keys) or time.monotonic() >= until:
-            return got
+        if len(got) + len(gone) == len(keys) or time.monotonic() >= until:
+            return got, gone
+        if dead is not None and time.monotonic() >= probe:
+            for label, key in keys.items():
+                # (Read once more after the look: it may have said its value
+                # and ended since the read above.)
+                if label not in got and label not in gone and dead(label):
+                    value = get_now(store, key)
+                    if value is not None:
+                        got[label] = value
+                    else:
+                        gone.add(label)
+            probe = time.monotonic() + _PROBE
+            continue
         time.sleep(delay)
         delay = min(delay * 2, longest)
 
@@ -150,6 +177,7 @@ class SenderGroup:
         size: int,
         parts: tuple[Part, ...],
         timeout: float,
+        host: str,
     ) -> None:
         self.model_id = model_id
         self.gid = gid
@@ -161,6 +189,15 @@ class SenderGroup:
         # A client of its own: the exchange never waits behind the chain's calls.
         self._store: Any = connect_store(*store_address, timeout=timeout)
         self._prefix = group_key(model_id, gid)
+        # This rank's beacon: a listening socket nobody talks to. While the
+        # process lives a connect to it succeeds (a stopped process's too:
+        # the kernel answers); once it died the kernel refuses, and the
+        # other ranks name it at once, not at the send's deadline.
+        self._beacon = socket.create_server((host, 0))
+        self._beacon.setblocking(False)
+        where = self._beacon.getsockname()
+        self._store.set(self._beacon_key(rank), f"{where[0]}:{where[1]}".encode())
+        self._beacons: dict[int, tuple[str, int]] = {}
 
     @property
     def part(self) -> Part:
@@ -174,7 +211,7 @@ class SenderGroup:
     def wants(self, ranks: Sequence[int], until: float) -> dict[int, Want]:
         """(Rank 0.) What each worker (``ranks``) holds, as each said at its
         init, polled until ``until`` (``time.monotonic()``): those that said."""
-        said = _read_all(self._store, {r: f"{self._prefix}/want/{r}" for r in ranks}, until, 0.05)
+        said, _ = _read_all(self._store, {r: f"{self._prefix}/want/{r}" for r in ranks}, until, 0.05)
         return {rank: pickle.loads(value) for rank, value in said.items()}
 
     def publish_plan(self, plan: GroupPlan) -> None:
@@ -184,15 +221,49 @@ class SenderGroup:
     def _outcome_key(self, seq: int, rank: int) -> str:
         return f"{self._prefix}/outcome/{seq}/{rank}"
 
-    def exchange(self, seq: int, outcome: Any, until: float) -> dict[int, Any]:
+    def _beacon_key(self, rank: int) -> str:
+        return f"{self._prefix}/beacon/{rank}"
+
+    def _dead(self, rank: int) -> bool:
+        """Whether rank ``rank``'s process is gone: its beacon refused a
+        connection. (No answer in time, an unreachable host: not known, so
+        not dead.)"""
+        where = self._beacons.get(rank)
+        if where is None:
+            value = get_now(self._store, self._beacon_key(rank))
+            if value is None:
+                return False
+            host, _, port = value.decode().rpartition(":")
+            where = self._beacons[rank] = (host, int(port))
+        try:
+            socket.create_connection(where, timeout=_PROBE_WAIT).close()
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+        return False
+
+    def _drain(self) -> None:
+        """Let go of the other ranks' looks at this rank's beacon."""
+        while True:
+            try:
+                conn, _ = self._beacon.accept()
+            except OSError:
+                return
+            conn.close()
+
+    def exchange(self, seq: int, outcome: Any, until: float) -> tuple[dict[int, Any], set[int]]:
         """Publish this rank's ``outcome`` of send ``seq`` (anything that
         pickles) and read every other rank's, until ``until``
-        (``time.monotonic()``); those that came, by rank."""
+        (``time.monotonic()``); those that came, by rank, and the ranks
+        found dead meanwhile (their process is gone: none will come)."""
         got = {self.rank: outcome}
+        dead: set[int] = set()
         try:
+            self._drain()
             self._store.set(self._outcome_key(seq, self.rank), pickle.dumps(outcome))
             others = {r: self._outcome_key(seq, r) for r in range(self.size) if r != self.rank}
-            said = _read_all(self._store, others, until, _POLL[1])
+            said, dead = _read_all(self._store, others, until, _POLL[1], self._dead)
             got.update({rank: pickle.loads(value) for rank, value in said.items()})
             if seq > 1:
                 # Every rank read this rank's outcome of the send before: each
@@ -202,7 +273,7 @@ class SenderGroup:
             # The store is gone (its rank died or shut down): the ranks not
             # heard from are named as such.
             pass
-        return got
+        return got, dead
 
     def close(self, owner: bool) -> None:
         """Sign off; the rank that runs the store (``owner``) first waits,
@@ -212,6 +283,7 @@ class SenderGroup:
         store, self._store = self._store, None
         if store is None:
             return
+        self._beacon.close()
         try:
             store.set(f"{self._prefix}/closed/{self.rank}", b"1")
             until = time.monotonic() + GRACE
