@@ -7,9 +7,9 @@ every worker against every rank's shards (a mismatch ends the run), and
 no rank's peak RSS grows by more than its shard and the chunks in flight.
 The same trainer also sends to two tensor-parallel replicas (two members
 each, one per host), each member checked against its own shards. A rank
-killed in the middle of a send is named by every other rank, within the
-send's deadline and 3 s, and leaves no worker holding a mix of versions,
-nor a replica on two.
+killed in the middle of a send is named by every other rank before the
+send's deadline, and leaves no worker holding a mix of versions, nor a
+replica on two.
 
 Needs root and iproute2 (skipped otherwise); ``pytest -m cluster``.
 """
@@ -52,7 +52,7 @@ def test_tensor_parallel_replicas_across_hosts_each_take_their_own_shards() -> N
 
 @pytest.mark.parametrize("worker_tp", [1, 2])
 def test_a_rank_killed_mid_send_is_named_by_the_others_and_no_worker_holds_a_mix(worker_tp: int) -> None:
-    # Rank 3 is killed (SIGKILL) halfway into a send, to whole-copy workers
+    # Rank 3 is killed (SIGKILL) a quarter of the way into a send, to whole-copy workers
     # (applying in the background) or to tensor-parallel replicas (in
     # receive() rounds). Each worker is then checked box by box against
     # every rank's shards of the version before and of the new one.
@@ -65,7 +65,10 @@ def test_a_rank_killed_mid_send_is_named_by_the_others_and_no_worker_holds_a_mix
     assert sorted(kill["outcomes"]) == ["0", "1", "2"], kill
     for rank, (kind, text, seconds) in kill["outcomes"].items():
         assert kind == "SenderGroupError" and "rank 3 died during it" in text, (rank, kind, text)
-        assert seconds < kill["deadline_s"] + 3.0, (rank, seconds)
+        # Before the deadline, not at it: each worker that lost rank 3's
+        # part tells the other ranks at once that the version cannot be
+        # whole there, and they find rank 3's beacon refused.
+        assert seconds < kill["deadline_s"], (rank, seconds)
     states = kill["workers"]
     assert len(states) == 2 * worker_tp and "mixed" not in states, states
     # The members of a replica hold one version.

@@ -279,8 +279,17 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="K",
         help="with --sharded-trainer: after the timed sends, trainer rank K (1 or more) is killed (SIGKILL) "
-        "halfway into one more send; prints what every other rank's send raised and when, and whether each "
-        "worker holds the version before or the new one (or a mix); no gather row",
+        "a quarter of the way into one more send (its parts in flight); prints what every other rank's send "
+        "raised and when, and whether each worker holds the version before or the new one (or a mix); no "
+        "gather row",
+    )
+    across.add_argument(
+        "--stop-rank",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --sharded-trainer: as --kill-rank, but rank K is stopped (SIGSTOP) until the others "
+        "raised, then continued; then every rank sends once more, and every worker must hold that version",
     )
     delta = bench.add_argument_group(
         "sending only what changed (--delta: DistributedWeightSyncScheme(delta=True) against delta=False "
@@ -463,9 +472,19 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
     tp = args.worker_tp
     if tp < 1 or (local or hosts) % tp:
         parser.error(f"--worker-tp {tp}: the {local or hosts} workers make no replicas of {tp}")
-    kill = args.kill_rank
-    if kill is not None and not 0 < kill < trainer_hosts * ranks:
-        parser.error(f"--kill-rank {kill}: one of ranks 1 to {trainer_hosts * ranks - 1} (rank 0 drives it)")
+    if args.kill_rank is not None and args.stop_rank is not None:
+        parser.error("--kill-rank and --stop-rank: one fault per run")
+    fault = (
+        ("kill", args.kill_rank)
+        if args.kill_rank is not None
+        else ("stop", args.stop_rank)
+        if args.stop_rank is not None
+        else None
+    )
+    if fault is not None and not 0 < fault[1] < trainer_hosts * ranks:
+        parser.error(
+            f"--{fault[0]}-rank {fault[1]}: one of ranks 1 to {trainer_hosts * ranks - 1} (rank 0 drives it)"
+        )
     why = unavailable_reason()
     if why is not None:
         print(f"weightsync bench: --emulate-hosts cannot run here: {why}", file=sys.stderr)
@@ -487,8 +506,9 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
             f"B = {args.link_rate} = {rate / 1e6:.0f} MB/s each way per host"
         )
     after = (
-        f"then rank {kill} is killed (SIGKILL) halfway into one more send, and every worker checked"
-        if kill is not None
+        f"then rank {fault[1]} is {'killed (SIGKILL)' if fault[0] == 'kill' else 'stopped (SIGSTOP)'} a "
+        "quarter of the way into one more send; every worker checked"
+        if fault is not None
         else "gather+send = every rank's full_tensor(), then rank 0 sends the whole model (single sender)"
         if tp == 1
         else "no gather row (a single sender sends whole tensors)"
@@ -501,7 +521,7 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
     try:
         result = run_sharded(
             trainer_hosts, ranks, hosts, mib, args.repeats, args.link_rate,
-            progress=lambda text: print(text, flush=True), local_workers=local, worker_tp=tp, kill_rank=kill,
+            progress=lambda text: print(text, flush=True), local_workers=local, worker_tp=tp, fault=fault,
         )  # fmt: skip
     except RuntimeError as exc:
         print(f"weightsync bench: error: {exc}", file=sys.stderr)

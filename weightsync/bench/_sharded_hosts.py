@@ -70,18 +70,20 @@ def run_sharded(
     progress: Callable[[str], None] | None = None,
     local_workers: int = 0,
     worker_tp: int = 1,
-    kill_rank: int | None = None,
+    fault: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     """A cluster of ``trainer_hosts`` + ``hosts`` emulated hosts at ``rate``:
     ``ranks_per_host`` trainer ranks on each trainer host, one worker on
     each other host; or (``local_workers``, with ``hosts=0`` and one
     trainer host) that many workers on the trainer's host; ``worker_tp``:
     the workers are replicas of that many tensor-parallel members, on
-    consecutive hosts; ``kill_rank``: after the timed sends that trainer
-    rank (1 or more: rank 0 drives the run) is killed halfway into one more
-    send, in place of the gather rows (the row's ``kill``: every other
-    rank's outcome, and what each worker holds). Returns rank 0's row and
-    the link rate (bytes/s). Needs root.
+    consecutive hosts; ``fault`` (``("kill", K)`` or ``("stop", K)``):
+    after the timed sends trainer rank K (1 or more: rank 0 drives the
+    run) is killed, or stopped until the others raised, a quarter of the
+    way into one more send, in place of the gather rows (the row's
+    ``fault``: each rank's outcome, what each worker holds, and for a
+    stop, the time of the send after it). Returns rank 0's row and the
+    link rate (bytes/s). Needs root.
 
     :raises RuntimeError: a process failed.
     """
@@ -92,8 +94,8 @@ def run_sharded(
     workers_count = local_workers or hosts
     if worker_tp < 1 or workers_count % worker_tp:
         raise ValueError(f"{workers_count} workers do not make replicas of {worker_tp}")
-    if kill_rank is not None and not 0 < kill_rank < world:
-        raise ValueError(f"kill_rank {kill_rank}: a rank of 1 to {world - 1} (rank 0 drives the run)")
+    if fault is not None and (fault[0] not in ("kill", "stop") or not 0 < fault[1] < world):
+        raise ValueError(f"fault {fault}: kill or stop, a rank of 1 to {world - 1} (rank 0 drives the run)")
     with (
         tempfile.TemporaryDirectory(prefix="ws-sharded-") as tmp,
         EmulatedCluster(trainer_hosts + hosts, rate) as cluster,
@@ -118,7 +120,7 @@ def run_sharded(
                 str(repeats),
                 str(workers_count),
                 str(worker_tp),
-                *(["--kill", str(kill_rank)] if kill_rank is not None else []),
+                *(["--fault", f"{fault[0]}:{fault[1]}"] if fault is not None else []),
             ]
             out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
             with open(os.path.join(tmp, f"rank{rank}.err"), "w") as err:
@@ -182,20 +184,22 @@ def _x(seconds: float, floor: float | None) -> str:
     return "-" if floor is None else f"{seconds / floor:.2f}x"
 
 
-def _killed(row: dict[str, Any]) -> list[str]:
-    """The lines of the killed rank's send: each other rank's outcome, and
-    what the workers (each tensor-parallel replica) hold after it."""
-    kill = row.get("kill")
-    if not kill:
+def _faulted(row: dict[str, Any]) -> list[str]:
+    """The lines of the faulted rank's send: each rank's outcome, what the
+    workers (each tensor-parallel replica) hold after it, and for a stop,
+    the send after it."""
+    fault = row.get("fault")
+    if not fault:
         return []
+    what = "killed (SIGKILL)" if fault["kind"] == "kill" else "stopped (SIGSTOP, until the others raised)"
     lines = [
-        f"rank {kill['rank']} killed (SIGKILL) {kill['after_s'] * 1e3:.0f} ms into a send of deadline "
-        f"{kill['deadline_s']:g} s:"
+        f"rank {fault['rank']} {what} {fault['after_s'] * 1e3:.0f} ms into a send of deadline "
+        f"{fault['deadline_s']:g} s:"
     ]
-    for rank, (kind, text, seconds) in kill["outcomes"].items():
+    for rank, (kind, text, seconds) in fault["outcomes"].items():
         lines.append(f"  rank {rank}: {kind} after {seconds:.2f} s: {text[:160]}")
     tp = int(row.get("tp", 1))
-    states = kill["workers"]
+    states = fault["workers"]
     replicas = [states[i : i + tp] for i in range(0, len(states), tp)]
     counts = {s: states.count(s) for s in ("old", "new", "mixed")}
     split = sum(1 for r in replicas if len(set(r)) > 1)
@@ -204,6 +208,10 @@ def _killed(row: dict[str, Any]) -> list[str]:
         f"{counts['mixed']} holding a mix"
         + (f"; replicas of {tp} on two versions: {split} of {len(replicas)}" if tp > 1 else "")
     )
+    if "recovered_s" in fault:
+        lines.append(
+            f"  then every rank's next send: {fault['recovered_s'] * 1e3:.0f} ms, every worker holding it"
+        )
     return lines
 
 
@@ -225,10 +233,10 @@ def format_sharded_table(result: dict[str, Any]) -> str:
             f"(each worker holds 1/{tp} of every tensor and takes in S/{tp}: floor (S/{tp})/B; no gather "
             "row: a single sender sends whole tensors)"
             if tp > 1
-            else "(no gather row: a rank was killed instead)",
+            else "(no gather row: a rank was killed or stopped instead)",
             f"peak RSS per rank over its RSS before the first send, MiB (shard "
             f"{row['bytes'] / row['ranks'] / MIB:.0f} MiB): {_growth(row, 'rss_after_sharded_mib')}",
-            *_killed(row),
+            *_faulted(row),
         ]
         return "\n".join(lines)
     gather_med = statistics.median(row["gather"])

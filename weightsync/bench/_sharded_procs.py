@@ -193,7 +193,7 @@ def worker_main(host: str, ports: list[int], rank: int, mib: float, tp: int, gro
 # -- a trainer rank --------------------------------------------------------------
 
 
-#: The deadline of the send a trainer rank is killed in (s).
+#: The deadline of the send a trainer rank is killed or stopped in (s).
 KILL_DEADLINE = 10.0
 
 
@@ -206,15 +206,15 @@ def rank_main(
     repeats: int,
     workers: int,
     tp: int,
-    kill: int | None = None,
+    fault: tuple[str, int] | None = None,
 ) -> None:
     """Trainer rank ``rank``: FSDP2 over the ``world`` ranks, to ``workers``
     workers (``tp`` > 1: replicas of ``tp`` tensor-parallel members, which
     take the sharded sends only); rank 0 prints ``PORTS <sharded>
-    <gathered> <control>``, then the row. With ``kill`` (a rank other than
-    0, which drives the run), after the timed sends that rank is killed
-    (SIGKILL) halfway into one more send (deadline :data:`KILL_DEADLINE`),
-    in place of the gather rows."""
+    <gathered> <control>``, then the row. With ``fault`` (``("kill", K)``
+    or ``("stop", K)``, K a rank other than 0, which drives the run), after
+    the timed sends that rank is killed or stopped in one more send
+    (:func:`_fault_case`), in place of the gather rows."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -332,10 +332,12 @@ def rank_main(
             check("sharded", f"ws{step}")
         rss_sharded = _rss_mib()
         rss: list[Any] = [None] * world
-        if kill is not None:
+        if fault is not None:
             dist.all_gather_object(rss, (rss_start, rss_sharded, rss_sharded))
-            killed = _kill_case(rank, kill, scheme, ctrl, host, expect, ask, lambda: change(repeats),
-                                step_of(repeats), statistics.median(times), tp, workers)  # fmt: skip
+            faulted = _fault_case(
+                rank, fault, scheme, ctrl, host, expect, ask, check, change, repeats, step_of(repeats),
+                statistics.median(times), tp,
+            )  # fmt: skip
             if rank == 0:
                 nbytes = sum(t.numel() * 4 for t in model.state_dict().values())
                 commands += 1
@@ -344,7 +346,7 @@ def rank_main(
                     "ranks": world, "workers": workers, "tp": tp, "mib": mib, "bytes": nbytes,
                     "weightsync": times, "gather": [], "single_send": [],
                     "rss_start_mib": [r[0] for r in rss], "rss_after_sharded_mib": [r[1] for r in rss],
-                    "rss_end_mib": [r[2] for r in rss], "kill": killed,
+                    "rss_end_mib": [r[2] for r in rss], "fault": faulted,
                 }  # fmt: skip
                 if gathered is not None:
                     gathered.shutdown()
@@ -393,40 +395,53 @@ def rank_main(
         dist.destroy_process_group()
 
 
-def _kill_case(
+def _fault_case(
     rank: int,
-    kill: int,
+    fault: tuple[str, int],
     scheme: ws.DistributedWeightSyncScheme,
     ctrl: Any,
     host: str,
     expect: Callable[..., tuple[dict[str, Any], dict[str, Any]]],
     ask: Callable[[str, str, dict[str, Any]], list[Any]],
-    change: Callable[[], None],
+    check: Callable[[str, str], None],
+    change: Callable[[int], None],
+    step: int,
     added: float,
     median: float,
     tp: int,
-    workers: int,
 ) -> dict[str, Any]:
-    """Rank ``kill`` is killed (SIGKILL) halfway (by ``median``, a send's
-    time) into a send of version v + 1 (deadline :data:`KILL_DEADLINE`);
-    every other rank's outcome of it (what it raised and when), and, on
-    rank 0, what each worker holds: v (``old``), v + 1 (``new``) or a mix,
-    checked box by box against every rank's shards of both versions,
-    computed before the send. Returns the record on rank 0 ({} on the others)."""
+    """Trainer rank ``fault[1]`` is killed (SIGKILL, ``fault[0]`` "kill")
+    or stopped (SIGSTOP, "stop", by rank 0) a quarter of the way (by
+    ``median``, a send's time) into a send of version v + 1 (deadline
+    :data:`KILL_DEADLINE`); each rank's outcome of it (what it raised and
+    when), and, on rank 0, what each worker holds: v (``old``), v + 1
+    (``new``) or a mix, checked box by box against every rank's shards of
+    both versions, computed before the send. A stopped rank is continued
+    (SIGCONT) once the others raised; then every rank sends once more,
+    and every worker must hold that version (``check``; its time is the
+    record's ``recovered_s``). Returns the record on rank 0 ({} on the
+    others)."""
     import os
     import signal
 
     import torch.distributed as dist
 
+    kind, target = fault
     old_asked, old = expect("sharded")
     _, new = expect("sharded", added)
-    change()
+    change(step)
     where: list[Any] = [(host, ctrl.port) if rank == 0 else None]
     dist.broadcast_object_list(where, src=0)
-    after = median / 2
+    pids: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    after = median / 4  # (its parts still in flight)
+    held = KILL_DEADLINE + 5.0  # (past the others' deadline and 3 s)
     dist.barrier()
-    if rank == kill:
+    if rank == target and kind == "kill":
         threading.Timer(after, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    if rank == 0 and kind == "stop":
+        threading.Timer(after, os.kill, (pids[target], signal.SIGSTOP)).start()
+        threading.Timer(after + held, os.kill, (pids[target], signal.SIGCONT)).start()
     started = time.monotonic()
     try:
         scheme.send(timeout=KILL_DEADLINE)
@@ -434,25 +449,43 @@ def _kill_case(
     except ws.WeightSyncError as exc:
         said = [type(exc).__name__, str(exc)]
     said.append(time.monotonic() - started)
-    if rank == kill:  # (the send ended before the timer: killed now)
+    if rank == target and kind == "kill":  # (the send ended before the timer: killed now)
         os.kill(os.getpid(), signal.SIGKILL)
+    record: dict[str, Any] = {}
     if rank != 0:
         ctrl_host, ctrl_port = where[0]
-        control_store(ctrl_host, ctrl_port, master=False).set(f"killed/{rank}", json.dumps(said).encode())
-        return {}
-    world = dist.get_world_size()
-    others = [r for r in range(1, world) if r != kill]
-    heard = wait_keys(ctrl, [f"killed/{r}" for r in others])
-    outcomes = {0: said} | {r: json.loads(v) for r, v in zip(others, heard, strict=True)}
-    got = ask("sharded", "killed", old_asked)
-    states = []
-    for r, sums in enumerate(got, 1):
-        place = str((r - 1) % tp)
-        states.append("old" if sums == old[place] else "new" if sums == new[place] else "mixed")
-    return {
-        "rank": kill, "after_s": after, "deadline_s": KILL_DEADLINE,
-        "outcomes": {str(r): o for r, o in sorted(outcomes.items())}, "workers": states,
-    }  # fmt: skip
+        control_store(ctrl_host, ctrl_port, master=False).set(f"fault/{rank}", json.dumps(said).encode())
+    else:
+        others = [r for r in range(1, len(pids)) if kind == "stop" or r != target]
+        heard = wait_keys(ctrl, [f"fault/{r}" for r in others])
+        outcomes = {0: said} | {r: json.loads(v) for r, v in zip(others, heard, strict=True)}
+        got = ask("sharded", "fault", old_asked)
+        states = []
+        for r, sums in enumerate(got, 1):
+            place = str((r - 1) % tp)
+            states.append("old" if sums == old[place] else "new" if sums == new[place] else "mixed")
+        record = {
+            "kind": kind, "rank": target, "after_s": after, "deadline_s": KILL_DEADLINE,
+            "outcomes": {str(r): o for r, o in sorted(outcomes.items())}, "workers": states,
+        }  # fmt: skip
+    if kind == "stop":
+        # The group goes on: every rank sends once more, and every worker
+        # holds that version (a mismatch ends the run).
+        change(step + 1)
+        dist.barrier()
+        started = time.monotonic()
+        scheme.send()
+        record["recovered_s"] = time.monotonic() - started
+        check("sharded", "recovered")
+    return record if rank == 0 else {}
+
+
+def _fault_arg(text: str | None) -> tuple[str, int] | None:
+    """``kill:K`` or ``stop:K`` as ``(kind, K)``."""
+    if text is None:
+        return None
+    kind, _, rank = text.partition(":")
+    return kind, int(rank)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -467,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rank.add_argument("repeats", type=int)
     rank.add_argument("workers", type=int)
     rank.add_argument("tp", type=int)
-    rank.add_argument("--kill", type=int, default=None, help="the rank killed in a last send")
+    rank.add_argument("--fault", default=None, help="kill:K or stop:K, rank K in a last send")
     worker = roles.add_parser("worker")
     worker.add_argument("host")
     worker.add_argument("ports", type=int, nargs=3)
@@ -485,11 +518,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     run.add_argument("--local-workers", type=int, default=0, help="workers on the trainer's one host")
     run.add_argument("--worker-tp", type=int, default=1, help="workers in tensor-parallel replicas of G")
     run.add_argument("--kill-rank", type=int, default=None, help="kill this rank in a last send")
+    run.add_argument("--stop-rank", type=int, default=None, help="stop this rank in a last send")
     args = parser.parse_args(argv)
     if args.role == "rank":
         rank_main(
             args.rank, args.world, args.init, args.host, args.mib, args.repeats, args.workers, args.tp,
-            args.kill,
+            _fault_arg(args.fault),
         )  # fmt: skip
     elif args.role == "worker":
         worker_main(args.host, args.ports, args.rank, args.mib, args.tp, args.group)
@@ -497,7 +531,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         result = run_sharded(
             args.trainer_hosts, args.ranks_per_host, args.hosts, args.size, args.repeats, args.link_rate,
             progress=lambda text: print(text, file=sys.stderr, flush=True), local_workers=args.local_workers,
-            worker_tp=args.worker_tp, kill_rank=args.kill_rank,
+            worker_tp=args.worker_tp,
+            fault=("kill", args.kill_rank) if args.kill_rank is not None else
+            ("stop", args.stop_rank) if args.stop_rank is not None else None,
         )  # fmt: skip
         print(format_sharded_table(result))
 

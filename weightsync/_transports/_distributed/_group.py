@@ -44,6 +44,7 @@ Their ``receive()`` calls are collective, as their forward calls are.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -454,6 +455,8 @@ class PartsEndpoint:
         self._held: dict[int, ChainUpdate] = {}
         self._checked = 0
         self._layout_id: str | None = None
+        # The ranks were told that no version can be applied here any more (once).
+        self._told = False
 
     # -- joining the plan --------------------------------------------------------
     def _join(self) -> None:
@@ -553,6 +556,7 @@ class PartsEndpoint:
                 update = end.take_update()
             except SenderLostError as exc:
                 # Without this rank's parts no version can be whole again.
+                self._refuse_next(f"trainer rank {self.ranks[i]} of its sender group is gone", skip=i)
                 raise type(exc)(
                     f"{exc} (trainer rank {self.ranks[i]} of a sender group of {len(self.record.parts)})",
                     model_id=self.model_id,
@@ -566,6 +570,25 @@ class PartsEndpoint:
         assert self._layout_id is not None
         threads = max(u.threads for u in updates)
         return PartsUpdate(newest, self._layout_id, threads, self.parts, self._manifests, updates, self.want)
+
+    def _refuse_next(self, why: str, skip: int | None = None) -> None:
+        """No version after the last one taken whole can be applied here
+        (``why``): each rank's send of the version in flight ends for this
+        worker now, with the reason, not at its deadline. Not to end
+        ``skip`` (the rank that is gone). Once; best effort (their stores
+        may be gone too)."""
+        if self._told:
+            return
+        self._told = True
+        # The newest version a part holds (a replica's member may hold one
+        # whole that its group never applied), and the one after the last
+        # taken whole: one of them is in flight.
+        newest = max((u.version for u in self._held.values()), default=0)
+        for version in sorted({newest, self._checked + 1} - {0}):
+            for j, end in enumerate(self.ends):
+                if j != skip:
+                    with contextlib.suppress(SenderLostError):
+                        end.reply_now(version, f"{why}: version {version} cannot be applied on this worker")
 
     def _corrupt(self, update: PartsUpdate) -> str | None:
         """Why a verified update's parts are not what their ranks digested (None: they are)."""
@@ -627,6 +650,13 @@ class PartsEndpoint:
             # The group's round: apply only what every member holds.
             agreed = await self._commit.agree(0 if update is None else update.version)
             if agreed in (_LOST, _CLOSED):
+                if agreed == _LOST:
+                    # (Its ranks wait for this member's ack of a version the
+                    # group will never apply.)
+                    self._refuse_next(
+                        f"a member of this worker's tensor-parallel group {list(self.want.members)} lost a "
+                        "trainer rank of the sender group"
+                    )
                 kind = SenderClosedError if agreed == _CLOSED else SenderLostError
                 raise kind(
                     f"the sender group of model {self.model_id!r} is "

@@ -693,6 +693,13 @@ class ChainEndpoint:
         return update
 
     async def reply(self, version: int, error: str | None = None) -> None:
+        self.reply_now(version, error)
+
+    def reply_now(self, version: int, error: str | None = None) -> None:
+        """:meth:`reply`, from any thread (one store write).
+
+        :raises SenderLostError: the trainer's store failed.
+        """
         try:
             self._store.append(self.keys.replies(version), encode_reply(self.rank, error))
         except RuntimeError as exc:
