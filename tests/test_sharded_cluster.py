@@ -8,8 +8,9 @@ no rank's peak RSS grows by more than its shard and the chunks in flight.
 The same trainer also sends to two tensor-parallel replicas (two members
 each, one per host), each member checked against its own shards. A rank
 killed in the middle of a send is named by every other rank before the
-send's deadline, and leaves no worker holding a mix of versions, nor a
-replica on two.
+send's deadline (one stopped, within the deadline and 3 s), and leaves no
+worker holding a mix of versions, nor a replica on two; after a stopped
+rank is continued, the group's next send reaches every worker.
 
 Needs root and iproute2 (skipped otherwise); ``pytest -m cluster``.
 """
@@ -50,26 +51,41 @@ def test_tensor_parallel_replicas_across_hosts_each_take_their_own_shards() -> N
     print(format_sharded_table(result))
 
 
-@pytest.mark.parametrize("worker_tp", [1, 2])
-def test_a_rank_killed_mid_send_is_named_by_the_others_and_no_worker_holds_a_mix(worker_tp: int) -> None:
-    # Rank 3 is killed (SIGKILL) a quarter of the way into a send, to whole-copy workers
+@pytest.mark.parametrize(("fault", "worker_tp"), [("kill", 1), ("kill", 2), ("stop", 2)])
+def test_a_rank_killed_or_stopped_mid_send_is_named_and_no_worker_holds_a_mix(
+    fault: str, worker_tp: int
+) -> None:
+    # Rank 3 is killed (SIGKILL), or stopped (SIGSTOP) until the others
+    # raised, a quarter of the way into a send, to whole-copy workers
     # (applying in the background) or to tensor-parallel replicas (in
     # receive() rounds). Each worker is then checked box by box against
     # every rank's shards of the version before and of the new one.
     result = run_sharded(
         trainer_hosts=2, ranks_per_host=2, hosts=2 * worker_tp, mib=16, repeats=2, worker_tp=worker_tp,
-        kill_rank=3,
+        fault=(fault, 3),
     )  # fmt: skip
     print(format_sharded_table(result))
-    kill = result["row"]["kill"]
-    assert sorted(kill["outcomes"]) == ["0", "1", "2"], kill
-    for rank, (kind, text, seconds) in kill["outcomes"].items():
-        assert kind == "SenderGroupError" and "rank 3 died during it" in text, (rank, kind, text)
-        # Before the deadline, not at it: each worker that lost rank 3's
-        # part tells the other ranks at once that the version cannot be
-        # whole there, and they find rank 3's beacon refused.
-        assert seconds < kill["deadline_s"], (rank, seconds)
-    states = kill["workers"]
+    record = result["row"]["fault"]
+    deadline = record["deadline_s"]
+    others = {r: o for r, o in record["outcomes"].items() if r != "3"}
+    assert sorted(others) == ["0", "1", "2"], record
+    for rank, (kind, text, seconds) in others.items():
+        assert kind == "SenderGroupError", (rank, kind, text)
+        if fault == "kill":
+            assert "rank 3 died during it" in text, (rank, text)
+            # Before the deadline, not at it: each worker that can no
+            # longer apply the version tells the ranks still sending it at
+            # once, and they find rank 3's beacon refused.
+            assert seconds < deadline, (rank, seconds)
+        else:
+            assert "rank 3 did not finish it in time" in text, (rank, text)
+            assert seconds < deadline + 3.0, (rank, seconds)
+    states = record["workers"]
     assert len(states) == 2 * worker_tp and "mixed" not in states, states
     # The members of a replica hold one version.
     assert all(len(set(states[i : i + worker_tp])) == 1 for i in range(0, len(states), worker_tp)), states
+    if fault == "stop":
+        # Continued, rank 3 raised too; then every rank's next send reached
+        # every worker, each checked box by box (a mismatch ends the run).
+        assert record["outcomes"]["3"][0] != "none", record
+        assert record["recovered_s"] > 0, record

@@ -197,7 +197,8 @@ def _faulted(row: dict[str, Any]) -> list[str]:
         f"{fault['deadline_s']:g} s:"
     ]
     for rank, (kind, text, seconds) in fault["outcomes"].items():
-        lines.append(f"  rank {rank}: {kind} after {seconds:.2f} s: {text[:160]}")
+        # (Its first sentence: the rest says what the workers hold.)
+        lines.append(f"  rank {rank}: {kind} after {seconds:.2f} s: {text.split('. ')[0][:200]}")
     tp = int(row.get("tp", 1))
     states = fault["workers"]
     replicas = [states[i : i + tp] for i in range(0, len(states), tp)]

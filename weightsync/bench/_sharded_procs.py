@@ -163,7 +163,11 @@ def worker_main(host: str, ports: list[int], rank: int, mib: float, tp: int, gro
                         schemes["sharded"].receive(timeout=0.05)
                     except ws.SenderLostError:
                         lost = True
-                if ctrl.check([f"cmd/{k + 1}"]):
+                try:
+                    came = ctrl.check([f"cmd/{k + 1}"])
+                except RuntimeError:  # (the trainer's store is gone: it ended)
+                    return
+                if came:
                     k += 1
                     if not answer(*json.loads(bytes(ctrl.get(f"cmd/{k}")))):
                         return
@@ -437,10 +441,12 @@ def _fault_case(
     after = median / 4  # (its parts still in flight)
     held = KILL_DEADLINE + 5.0  # (past the others' deadline and 3 s)
     dist.barrier()
-    if rank == target and kind == "kill":
-        threading.Timer(after, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    # (The rank faults itself, on its own clock; rank 0 continues a stopped one.)
+    if rank == target:
+        threading.Timer(
+            after, os.kill, (os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+        ).start()
     if rank == 0 and kind == "stop":
-        threading.Timer(after, os.kill, (pids[target], signal.SIGSTOP)).start()
         threading.Timer(after + held, os.kill, (pids[target], signal.SIGCONT)).start()
     started = time.monotonic()
     try:

@@ -640,7 +640,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         part of the weights (``weights``: this rank's state dict, DTensors
         as they are; None: the model given at init) to every worker, and
         every rank returns the same report or raises the same error, once
-        every rank's send ended (within ``timeout`` and 3 s more). A worker
+        every rank's send ended (within ``timeout`` and 2.5 s more). A worker
         applies the version only once every rank's part came (checked,
         with ``verify``): none holds a mix of two versions.
 

@@ -87,8 +87,10 @@ __all__ = [
 
 #: What a worker finds under the model's session key when a sender group sends it.
 GROUP_MARK = b"group:"
-#: How long past a send's deadline a rank waits for the others' outcomes (s).
-GRACE = 3.0
+#: How long past a send's deadline a rank waits for the others' outcomes
+#: (s): their calls may have begun a little later than its own; a rank that
+#: is silent is named within the deadline and 3 s, this and the merge.
+GRACE = 2.5
 # A member's word in its group's round when the sender group shut down,
 # or is gone (the lower wins).
 _CLOSED, _LOST = -1, -2
@@ -197,7 +199,10 @@ class SenderGroup:
         self._beacon = socket.create_server((host, 0))
         self._beacon.setblocking(False)
         where = self._beacon.getsockname()
-        self._store.set(self._beacon_key(rank), f"{where[0]}:{where[1]}".encode())
+        if where[0] not in ("0.0.0.0", "::"):
+            # (A wildcard address names no host the others could look at:
+            # such a rank is waited for until the deadline, as one stopped.)
+            self._store.set(self._beacon_key(rank), f"{where[0]}:{where[1]}".encode())
         self._beacons: dict[int, tuple[str, int]] = {}
 
     @property
