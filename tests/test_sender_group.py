@@ -93,8 +93,9 @@ def test_a_rank_that_dies_is_named_on_the_other_and_no_worker_holds_a_mix(tmp_pa
     kind, text = rank0["error"]
     assert kind == "SenderGroupError", text
     assert "rank 1 died during it (its process is gone)" in text, text
-    # Within the send's deadline (6 s) and 3 s more.
-    assert rank0["seconds"] < 6.0 + 3.0 + 1.0, rank0
+    # Before the send's deadline (6 s): the workers that lost rank 1's
+    # part tell rank 0 at once, and rank 0 finds rank 1's beacon refused.
+    assert rank0["seconds"] < 6.0, rank0
     for rank in (1, 2):
         worker = torch.load(tmp_path / f"worker{rank}.pt")
         # Version 3 never came whole: each worker stayed on version 2.
@@ -154,7 +155,7 @@ def test_a_rank_that_dies_leaves_every_tensor_parallel_replica_on_one_version(tm
     assert "crash" not in rank0, rank0["crash"]
     kind, text = rank0["error"]
     assert kind == "SenderGroupError" and "rank 1 died during it (its process is gone)" in text, text
-    assert rank0["seconds"] < 6.0 + 3.0 + 1.0, rank0
+    assert rank0["seconds"] < 6.0, rank0
     workers = {r: torch.load(tmp_path / f"worker{r}.pt") for r in (1, 2, 3, 4)}
     for rank, worker in workers.items():
         # Rank 0's part of version 3 came, rank 1's never did: every member

@@ -19,7 +19,8 @@ processes that hold whole copies of the model.
 - ``mismatch``: worker 2's model has a tensor of another shape: each rank
   writes the error its ``connect()`` raised.
 - ``rank_dies``: rank 1 dies (SIGKILL) after the first send; rank 0 writes
-  the error its next send raised and how long it took.
+  the error its next send (deadline :data:`DIES_TIMEOUT`) raised and how
+  long it took.
 - ``tp``: the workers are two replicas of a tensor-parallel policy, each two
   processes (worker ranks 1-2 and 3-4) with a gloo group of their own, the
   first layer column-sharded and the second row-sharded
@@ -55,6 +56,8 @@ from torch import nn
 import weightsync as ws
 
 TIMEOUT = 20.0
+#: The deadline of the send a rank dies in (``rank_dies``, ``tp_rank_dies``).
+DIES_TIMEOUT = 6.0
 
 
 def plain_mlp(wrong: bool = False, hidden: int = 5) -> nn.Module:
@@ -183,10 +186,9 @@ def rank_main(rank: int, world: int, init: str, out: str, case: str, port: int, 
                 fully_shard(layer)
         fully_shard(model)
         dies = case.endswith("rank_dies")
-        timeout = TIMEOUT if not dies else 6.0
         delta = "always" if case == "delta" else False  # (a delta whenever the workers hold a base)
         scheme = ws.DistributedWeightSyncScheme(
-            timeout=timeout, verify=case in ("verify", "delta"), delta=delta
+            timeout=TIMEOUT, verify=case in ("verify", "delta"), delta=delta
         )
         scheme.init_on_sender("policy", model=model, num_workers=workers, host="127.0.0.1", port=port)
         try:
@@ -220,7 +222,9 @@ def rank_main(rank: int, world: int, init: str, out: str, case: str, port: int, 
                     os.kill(os.getpid(), signal.SIGKILL)
                 started = time.monotonic()
                 try:
-                    scheme.send()
+                    # (A short deadline of its own: the sends before had the
+                    # scheme's, as the workers were still starting.)
+                    scheme.send(timeout=DIES_TIMEOUT)
                     results["error"] = ["none", ""]
                 except ws.WeightSyncError as exc:
                     results["error"] = [type(exc).__name__, str(exc)]

@@ -561,7 +561,9 @@ class PartsEndpoint:
                 update = end.take_update()
             except SenderLostError as exc:
                 # Without this rank's parts no version can be whole again.
-                self._refuse_next(f"trainer rank {self.ranks[i]} of its sender group is gone", skip=i)
+                # (A group that shut down has no version in flight.)
+                if not isinstance(exc, SenderClosedError):
+                    self._refuse_next(f"trainer rank {self.ranks[i]} of its sender group is gone", skip=i)
                 raise type(exc)(
                     f"{exc} (trainer rank {self.ranks[i]} of a sender group of {len(self.record.parts)})",
                     model_id=self.model_id,
@@ -592,7 +594,8 @@ class PartsEndpoint:
         for version in sorted({newest, self._checked + 1} - {0}):
             for j, end in enumerate(self.ends):
                 if j != skip:
-                    with contextlib.suppress(SenderLostError):
+                    # (Best effort: that rank's store may be gone, or its end closing.)
+                    with contextlib.suppress(Exception):
                         end.reply_now(version, f"{why}: version {version} cannot be applied on this worker")
 
     def _corrupt(self, update: PartsUpdate) -> str | None:
