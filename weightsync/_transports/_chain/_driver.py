@@ -186,9 +186,8 @@ class Route(Generic[M]):
 
     @property
     def first(self) -> float:
-        """How long the first frame may take, at every hop: the chain may
-        still be filling, and a group's connections are made on first use,
-        so a member's first frame also waits for the next member to join."""
+        """How long a member waits for its first frame: the chain may still
+        be filling (and its connections are made on first use)."""
         return 2 * self.stall
 
     def link(self, member: M) -> Link:
@@ -381,7 +380,6 @@ class ChainDriver(Generic[M]):
                             count,
                             until=deadline,
                             stopped=self._stopped,
-                            first=route.first,
                         )
                     else:
                         self.sent_bytes += nbytes
@@ -394,7 +392,6 @@ class ChainDriver(Generic[M]):
                             ready,
                             until=deadline,
                             stopped=self._stopped,
-                            first=route.first,
                         )
                 except RuntimeError as exc:
                     sent_error = str(exc)
@@ -442,10 +439,8 @@ class ChainDriver(Generic[M]):
         control, chain = self.control, route.chain
         prefix = f"{route.namespace}{route.generation}/"
         try:
-            # (Its limit is the first frame's: a connection is made on first
-            # use, once the member at its other end joined.)
             self._group = self.link.form(
-                control.group_store(route.stall), prefix, 0, len(chain) + 1, control.address, route.first
+                control.group_store(route.stall), prefix, 0, len(chain) + 1, control.address, route.stall
             )
             self._group_members = chain
             return set()
@@ -458,7 +453,7 @@ class ChainDriver(Generic[M]):
             if not store.check([joining_key(route.namespace, route.generation, i + 1)])
         }
         names = ", ".join(control.name(m) for m in chain if m in absent) or "no member"
-        route.broke = f"the chain's group did not form ({names} did not join within {route.first:.1f} s)"
+        route.broke = f"the chain's group did not form ({names} did not join within {route.stall:.1f} s)"
         for member in absent:
             self.outcome[member] = "it did not join the chain"
             self._broke_for[member] = route.broke

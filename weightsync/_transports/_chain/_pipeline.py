@@ -99,7 +99,6 @@ def send_chain(
     ready: Callable[[int], object] | None = None,
     until: float | None = None,
     stopped: Callable[[], bool] | None = None,
-    first: float | None = None,
 ) -> None:
     """Send the concatenation of ``sources`` (flat uint8 tensors) to rank
     ``dst`` in frames of ``chunk`` bytes; a frame spanning several sources
@@ -109,13 +108,10 @@ def send_chain(
     the sources may still be running when the chain starts). ``until``
     (``time.monotonic()``): the send's deadline, past which no frame
     starts and none is waited for; nor once ``stopped()`` (the send is
-    over for the trainer). ``first`` (default ``stall``): how long the
-    first frame may take to leave (a group's connections are made on
-    first use: its first frame also waits for ``dst`` to join).
+    over for the trainer).
 
-    :raises ChainBroken: a frame did not leave within ``stall`` seconds
-        (the first within ``first``), or by ``until``, or the peer is gone
-        (gloo's error).
+    :raises ChainBroken: a frame did not leave within ``stall`` seconds, or
+        by ``until``, or the peer is gone (gloo's error).
     :raises RuntimeError: what ``ready`` raised.
     """
     in_flight: list[tuple[Any, torch.Tensor, int]] = []
@@ -124,8 +120,7 @@ def send_chain(
 
     def wait(work: Any, index: int) -> None:
         started = time.monotonic()
-        allowed = first if index == 0 and first is not None else stall
-        limit = _within(allowed, until, f"sending frame {index + 1} of {last}", stopped)
+        limit = _within(stall, until, f"sending frame {index + 1} of {last}", stopped)
         try:
             work.wait(seconds(limit))
         except RuntimeError as exc:
@@ -262,31 +257,25 @@ def send_frames(
     batch_bytes: int = BATCH_BYTES,
     until: float | None = None,
     stopped: Callable[[], bool] | None = None,
-    first: float | None = None,
 ) -> None:
     """Send ``count`` encoded ``frames`` (each ``header_size`` bytes of header,
     then its payload) to rank ``dst``, in batches: each batch leaves once
     its frames reach ``batch_bytes`` (or the frames end), while the next
     frames are produced. Two batches are in flight at most.
 
-    :raises ChainBroken: a batch did not leave within ``stall`` seconds (the
-        first within ``first``), or by ``until`` (as :func:`send_chain`), or
-        the peer is gone (gloo's error).
+    :raises ChainBroken: a batch did not leave within ``stall`` seconds, or
+        by ``until`` (as :func:`send_chain`), or the peer is gone (gloo's error).
     """
     in_flight: list[tuple[list[Any], tuple[torch.Tensor, torch.Tensor], int]] = []
     batch: list[bytes] = []
     size = sent = 0
-    waited = False
 
     def wait(works: list[Any], last: int) -> None:
-        nonlocal waited
         started = time.monotonic()
         what = f"sending frame {last + 1} of {count}"
-        allowed = first if not waited and first is not None else stall
-        waited = True
         try:
             for work in works:
-                limit = _within(allowed, until, what, stopped)
+                limit = _within(stall, until, what, stopped)
                 work.wait(seconds(limit))
         except RuntimeError as exc:
             if isinstance(exc, ChainBroken):
