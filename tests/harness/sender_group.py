@@ -86,6 +86,12 @@ def tp_worker_main(rank: int, port: int, out: str, group_port: int, case: str) -
         for p in model.parameters():
             p.zero_()
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    with torch.no_grad():
+        # Warmed up first, as a policy is before it serves: a DTensor
+        # forward's first call costs seconds of CPU here, and four workers
+        # doing it at once on two cores have held their relays back past
+        # the trainer's first chain (connect() then named them).
+        model(torch.ones(2, 7))
     scheme = ws.DistributedWeightSyncScheme(timeout=TIMEOUT)
     steps: list[int] = []
     error = None
