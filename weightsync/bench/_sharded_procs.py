@@ -336,50 +336,38 @@ def rank_main(
             check("sharded", f"ws{step}")
         rss_sharded = _rss_mib()
         rss: list[Any] = [None] * world
+        gather_times: list[float] = []
+        send_times: list[float] = []
+        faulted: dict[str, Any] | None = None
         if fault is not None:
+            # (In place of the gather rows: the group does not go on without a killed rank.)
             dist.all_gather_object(rss, (rss_start, rss_sharded, rss_sharded))
             faulted = _fault_case(
                 rank, fault, scheme, ctrl, host, expect, ask, check, change, repeats, step_of(repeats),
                 statistics.median(times), tp,
             )  # fmt: skip
-            if rank == 0:
-                nbytes = sum(t.numel() * 4 for t in model.state_dict().values())
-                commands += 1
-                ctrl.set(f"cmd/{commands}", json.dumps(["quit", 0]).encode())
-                row = {
-                    "ranks": world, "workers": workers, "tp": tp, "mib": mib, "bytes": nbytes,
-                    "weightsync": times, "gather": [], "single_send": [],
-                    "rss_start_mib": [r[0] for r in rss], "rss_after_sharded_mib": [r[1] for r in rss],
-                    "rss_end_mib": [r[2] for r in rss], "fault": faulted,
-                }  # fmt: skip
-                if gathered is not None:
-                    gathered.shutdown()
-            scheme.shutdown()
-            if rank == 0:
-                print(json.dumps(row), flush=True)
-            return
-        first = {name: t.full_tensor() for name, t in model.state_dict().items()}
-        if gathered is not None:
-            gathered.connect(weights=first)
-        del first
-        gather_times, send_times = [], []
-        # (Tensor-parallel workers take the sharded sends only.)
-        for step in range(-1, repeats if tp == 1 else -1):  # a first round untimed
-            change(100 + step)
-            dist.barrier()
-            started = time.perf_counter()
-            full = {name: t.full_tensor() for name, t in model.state_dict().items()}
-            sent = time.perf_counter()
+        else:
+            first = {name: t.full_tensor() for name, t in model.state_dict().items()}
             if gathered is not None:
-                gathered.send(full)
-            sent = time.perf_counter() - sent
-            dist.barrier()
-            if step >= 0:
-                gather_times.append(time.perf_counter() - started)
-                send_times.append(sent)
-            del full
-            check("gathered", f"g{step}")
-        dist.all_gather_object(rss, (rss_start, rss_sharded, _rss_mib()))
+                gathered.connect(weights=first)
+            del first
+            # (Tensor-parallel workers take the sharded sends only.)
+            for step in range(-1, repeats if tp == 1 else -1):  # a first round untimed
+                change(100 + step)
+                dist.barrier()
+                started = time.perf_counter()
+                full = {name: t.full_tensor() for name, t in model.state_dict().items()}
+                sent = time.perf_counter()
+                if gathered is not None:
+                    gathered.send(full)
+                sent = time.perf_counter() - sent
+                dist.barrier()
+                if step >= 0:
+                    gather_times.append(time.perf_counter() - started)
+                    send_times.append(sent)
+                del full
+                check("gathered", f"g{step}")
+            dist.all_gather_object(rss, (rss_start, rss_sharded, _rss_mib()))
         nbytes = sum(t.numel() * 4 for t in model.state_dict().values())
         if rank == 0:
             commands += 1
@@ -388,7 +376,7 @@ def rank_main(
                 "ranks": world, "workers": workers, "tp": tp, "mib": mib, "bytes": nbytes,
                 "weightsync": times, "gather": gather_times, "single_send": send_times,
                 "rss_start_mib": [r[0] for r in rss], "rss_after_sharded_mib": [r[1] for r in rss],
-                "rss_end_mib": [r[2] for r in rss],
+                "rss_end_mib": [r[2] for r in rss], "fault": faulted,
             }  # fmt: skip
             if gathered is not None:
                 gathered.shutdown()
