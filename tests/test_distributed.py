@@ -3,9 +3,11 @@ and worker processes (ranks 1..N) on 127.0.0.1, the bytes along a gloo
 chain, control over the trainer's TCPStore.
 
 What is specific to the scheme: the chain (bit-exact at every worker, only
-the targeted ones in it), the host leader that feeds the host's other
-workers through shared memory (``share_on_host``, the default: here every
-worker is on one host), a worker of another user put in the chain itself,
+the targeted ones in it), the trainer that feeds the workers of its own
+host from its staging buffer in shared memory (``share_from_trainer``, the
+default: here every worker is on the trainer's host), the host leader that
+feeds the host's other workers (``share_from_trainer=False``), a worker of
+another user put in the chain itself,
 the routes formed around a killed worker or host leader, why a stopped
 worker missed its deadline, the background applier, and the refused nccl
 backend. What every scheme does (faults, cleanup and leaks, torn reads,
@@ -92,22 +94,40 @@ def workers(n: int, **options: Any) -> Iterator[Workers]:
         made.close()
 
 
-@pytest.mark.parametrize("share", [True, False], ids=["host-leader", "all-in-chain"])
-def test_every_worker_gets_the_weights_bit_for_bit(share: bool) -> None:
-    with workers(3, share_on_host=share) as w:
+#: How the workers of the trainer's host get the bytes: from the trainer's
+#: staging buffer (the default), from one of them (its host leader), or each
+#: in the chain.
+SHARING = {
+    "from-trainer": {},
+    "host-leader": {"share_from_trainer": False},
+    "all-in-chain": {"share_on_host": False},
+}
+
+
+def route(sharing: str, ranks: tuple[int, ...]) -> list[tuple[tuple[int, ...], dict[int, tuple[int, ...]]]]:
+    """The one route of a send to ``ranks`` (all alive, all on the trainer's host)."""
+    if sharing == "from-trainer":
+        return [((), {0: ranks})]  # (no chain: every one follows the trainer, rank 0)
+    if sharing == "host-leader":
+        return [((ranks[0],), {ranks[0]: ranks[1:]} if ranks[1:] else {})]
+    return [(ranks, {})]
+
+
+@pytest.mark.parametrize("sharing", list(SHARING))
+def test_every_worker_gets_the_weights_bit_for_bit(sharing: str) -> None:
+    with workers(3, **SHARING[sharing]) as w:
         w.scheme.connect()
         for _ in range(3):
             w.randomize()
             report = w.scheme.send()
             assert report.worker_ids == (0, 1, 2)
-            # One chain: rank 1 feeds the others through shared memory, or all in rank order.
-            assert w.scheme.last_routes == ([((1,), {1: (2, 3)})] if share else [((1, 2, 3), {})])
+            assert w.scheme.last_routes == route(sharing, (1, 2, 3))
         for wid in range(3):
             assert w.state(wid) == (report.version, w.expected())
         # Only the targeted workers take part; the other keeps its version.
         w.randomize()
         subset = w.scheme.send(worker_ids=[0, 2])
-        assert w.scheme.last_routes == ([((1,), {1: (3,)})] if share else [((1, 3), {})])
+        assert w.scheme.last_routes == route(sharing, (1, 3))
         assert w.state(0) == (subset.version, w.expected())
         assert w.state(2) == (subset.version, w.expected())
         assert w.state(1)[0] == report.version
@@ -135,11 +155,11 @@ def test_a_mismatch_is_refused_before_any_worker_is_touched() -> None:
         assert w.scheme.send().version == before[0][0] + 1
 
 
-@pytest.mark.parametrize("share", [True, False], ids=["host-leader", "all-in-chain"])
-def test_the_chain_goes_around_a_killed_worker(share: bool) -> None:
+@pytest.mark.parametrize("sharing", list(SHARING))
+def test_the_chain_goes_around_a_killed_worker(sharing: str) -> None:
     """(That a killed worker is named at once, by its signal, and the others
     updated is checked over every scheme: test_faults.py, test_conformance.py.)"""
-    with workers(3, share_on_host=share) as w:
+    with workers(3, **SHARING[sharing]) as w:
         w.scheme.connect()
         os.kill(w.procs[1].pid, signal.SIGKILL)
         w.procs[1].join(10)
@@ -147,10 +167,10 @@ def test_the_chain_goes_around_a_killed_worker(share: bool) -> None:
         with pytest.raises(ws.WorkerLostError) as caught:
             w.scheme.send()
         assert caught.value.worker_ids == (1,)
-        assert w.scheme.last_routes == ([((1,), {1: (3,)})] if share else [((1, 3), {})])
+        assert w.scheme.last_routes == route(sharing, (1, 3))
         w.randomize()
         report = w.scheme.send(worker_ids=[0, 2])
-        assert w.scheme.last_routes == ([((1,), {1: (3,)})] if share else [((1, 3), {})])
+        assert w.scheme.last_routes == route(sharing, (1, 3))
         assert w.state(0) == (report.version, w.expected())
         assert w.state(2) == (report.version, w.expected())
 
@@ -196,7 +216,7 @@ def test_a_removed_worker_leaves_no_descriptor_on_the_trainer() -> None:
 
 
 def test_a_killed_host_leader_is_named_and_another_feeds_the_host() -> None:
-    with workers(3) as w:
+    with workers(3, share_from_trainer=False) as w:
         w.scheme.connect()
         os.kill(w.procs[0].pid, signal.SIGKILL)
         w.procs[0].join(10)
@@ -210,28 +230,30 @@ def test_a_killed_host_leader_is_named_and_another_feeds_the_host() -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to start a worker as another user")
-def test_a_worker_that_cannot_map_its_host_leaders_memory_joins_the_chain() -> None:
-    """Worker 1 runs as user nobody: /proc/<leader>/fd is closed to it.
-    Its copy fails, the send gives it a chain of its own, and later sends
-    put it in the chain, beside the leader that feeds the third."""
-    with workers(3, uids={2: 65534}) as w:
+@pytest.mark.parametrize("sharing", ["from-trainer", "host-leader"])
+def test_a_worker_that_cannot_map_its_host_leaders_memory_joins_the_chain(sharing: str) -> None:
+    """Worker 1 runs as user nobody: /proc/<leader>/fd is closed to it (the
+    trainer's or rank 1's). Its copy fails, the send gives it a chain of its
+    own, and later sends put it in the chain, beside those its leader feeds."""
+    expected = {"from-trainer": [((2,), {0: (1, 3)})], "host-leader": [((1, 2), {1: (3,)})]}[sharing]
+    with workers(3, uids={2: 65534}, **SHARING[sharing]) as w:
         w.scheme.connect()  # (the first weights already went this way)
         w.randomize()
         report = w.scheme.send()
-        assert w.scheme.last_routes == [((1, 2), {1: (3,)})]
+        assert w.scheme.last_routes == expected
         for wid in range(3):
             assert w.state(wid) == (report.version, w.expected())
         w.randomize()
         report = w.scheme.send()
-        assert w.scheme.last_routes == [((1, 2), {1: (3,)})]
+        assert w.scheme.last_routes == expected
         for wid in range(3):
             assert w.state(wid) == (report.version, w.expected())
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("share", [True, False], ids=["host-leader", "all-in-chain"])
-def test_a_stopped_worker_misses_the_deadline_and_the_others_are_updated(share: bool) -> None:
-    with workers(3, timeout=5.0, share_on_host=share) as w:
+@pytest.mark.parametrize("sharing", list(SHARING))
+def test_a_stopped_worker_misses_the_deadline_and_the_others_are_updated(sharing: str) -> None:
+    with workers(3, timeout=5.0, **SHARING[sharing]) as w:
         w.scheme.connect()
         os.kill(w.procs[1].pid, signal.SIGSTOP)
         try:
@@ -243,7 +265,7 @@ def test_a_stopped_worker_misses_the_deadline_and_the_others_are_updated(share: 
             assert caught.value.worker_ids == (1,)
             # The error says why: where the chain broke, or that it never answered.
             message = str(caught.value)
-            if share:
+            if sharing != "all-in-chain":
                 assert re.search("(did not report|had not reported) on its chain", message), message
             else:
                 assert "the chain broke at rank 2 (host" in message, message

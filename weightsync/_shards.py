@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ._copy import copy_tensors
 from ._exceptions import InvalidWeightsError
 from ._packet import Manifest, Signature
 from ._plan import Box, TensorLayout, intersect, layout_of
@@ -43,6 +44,7 @@ __all__ = [
     "Part",
     "Piece",
     "Want",
+    "boxes_of",
     "classes_of",
     "local_tensors",
     "part_signature",
@@ -254,16 +256,29 @@ def pieces_misfit(manifest: Manifest, parts: Sequence[Part]) -> str | None:
     return f"this worker's model does not fit the trainer's sharded weights: {shown}"
 
 
-def place(
-    targets: Mapping[str, torch.Tensor], part: Part, sources: Sequence[torch.Tensor], want: Want | None = None
-) -> None:
-    """Write ``part``'s pieces (``sources``, in its manifest's order, which
-    is its pieces' order) into their boxes of ``targets`` (by name: whole
-    tensors, or the boxes ``want`` says the worker holds)."""
-    for piece, source in zip(part.pieces, sources, strict=True):
+def boxes_of(targets: Mapping[str, torch.Tensor], part: Part, want: Want | None = None) -> list[torch.Tensor]:
+    """The views of ``targets`` (by name: whole tensors, or the boxes
+    ``want`` says the worker holds) that ``part``'s pieces go into, in its
+    pieces' order."""
+    views = []
+    for piece in part.pieces:
         target = targets[piece.name]
         origin = tuple((0, n) for n in piece.shape) if want is None else want.box(piece.name, piece.shape)
-        if piece.box == origin:
-            target.copy_(source)
-        else:
-            target[_within(piece.box, origin)].copy_(source)
+        views.append(target if piece.box == origin else target[_within(piece.box, origin)])
+    return views
+
+
+def place(
+    targets: Mapping[str, torch.Tensor],
+    part: Part,
+    sources: Sequence[torch.Tensor],
+    want: Want | None = None,
+    *,
+    threads: int = 1,
+) -> None:
+    """Write ``part``'s pieces (``sources``, in its manifest's order, which
+    is its pieces' order) into their boxes of ``targets`` (see
+    :func:`boxes_of`), on up to ``threads`` threads: byte copies where a
+    box is contiguous, as a whole update's copy is (never torch's intra-op
+    pool, whose cores belong to the worker's own work)."""
+    copy_tensors(boxes_of(targets, part, want), sources, threads=threads)

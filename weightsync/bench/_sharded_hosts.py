@@ -121,6 +121,7 @@ def run_sharded(
                 str(workers_count),
                 str(worker_tp),
                 *(["--fault", f"{fault[0]}:{fault[1]}"] if fault is not None else []),
+                *(["--one-host"] if local_workers else []),
             ]
             out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
             with open(os.path.join(tmp, f"rank{rank}.err"), "w") as err:
@@ -139,7 +140,7 @@ def run_sharded(
                 # A replica's gloo group meets at its first member's host.
                 leader = host - (w - 1) % worker_tp if not local_workers else 0
                 group = f"{cluster.addresses[leader]}:{_GROUP_PORT + (w - 1) // worker_tp}"
-                argv = [*module, "worker", cluster.addresses[0], *first[1:4], str(w), str(mib)]
+                argv = [*module, "worker", cluster.addresses[0], *first[1:5], str(w), str(mib)]
                 argv += [str(worker_tp), group]
                 env = {**_QUIET, "GLOO_SOCKET_IFNAME": "eth0"} if worker_tp > 1 else _QUIET
                 workers.append(cluster.popen(host, argv, env=env, stdout=subprocess.DEVNULL))
@@ -249,6 +250,13 @@ def format_sharded_table(result: dict[str, Any]) -> str:
         if single
         else ""
     )
+    if row.get("hopped_send"):
+        hopped = statistics.median(row["hopped_send"])
+        alone += (
+            f"; through a host leader (share_from_trainer=False: the single sender before it fed its "
+            f"own host from its staging buffer): {hopped * 1e3:.0f} ms "
+            f"(weightsync / it: {ws_med / hopped:.2f}x)"
+        )
     lines = [
         f"{'ranks':>5} {'workers':>7} {'MiB':>6} {'floor ms':>9} {'weightsync ms':>14} {'x floor':>7} "
         f"{'gather+send ms':>15} {'x floor':>7} {'gather/ws':>9}",

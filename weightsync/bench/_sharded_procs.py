@@ -109,7 +109,7 @@ def worker_main(host: str, ports: list[int], rank: int, mib: float, tp: int, gro
     replica (its gloo group's rendezvous at ``group``), which takes the
     sharded trainer's sends only, in a ``receive()`` loop. Answers rank 0's
     checks."""
-    sharded_port, gathered_port, ctrl_port = ports
+    sharded_port, gathered_port, hopped_port, ctrl_port = ports
     index = (rank - 1) % tp
     if tp > 1:
         import torch.distributed as dist
@@ -122,8 +122,10 @@ def worker_main(host: str, ports: list[int], rank: int, mib: float, tp: int, gro
         models = {"sharded": _Model(mib, init_device_mesh("cpu", (tp,)))}
     else:
         models = {"sharded": _Model(mib), "gathered": _Model(mib)}
+        if hopped_port:
+            models["hopped"] = _Model(mib)
     schemes = {}
-    for name, port in (("sharded", sharded_port), ("gathered", gathered_port)):
+    for name, port in (("sharded", sharded_port), ("gathered", gathered_port), ("hopped", hopped_port)):
         if name in models:
             scheme = ws.DistributedWeightSyncScheme(sync=tp > 1, timeout=TIMEOUT)
             scheme.init_on_worker(
@@ -174,7 +176,9 @@ def worker_main(host: str, ports: list[int], rank: int, mib: float, tp: int, gro
         schemes["sharded"].connect()
         # The whole model's first version comes once the trainer's sharded
         # sends are done: meanwhile this thread answers the trainer's checks.
-        threading.Thread(target=_connect_quietly, args=(schemes["gathered"],), daemon=True).start()
+        for name in ("gathered", "hopped"):
+            if name in schemes:
+                threading.Thread(target=_connect_quietly, args=(schemes[name],), daemon=True).start()
         k = 0
         while True:
             key = f"cmd/{k + 1}"
@@ -211,11 +215,15 @@ def rank_main(
     workers: int,
     tp: int,
     fault: tuple[str, int] | None = None,
+    one_host: bool = False,
 ) -> None:
     """Trainer rank ``rank``: FSDP2 over the ``world`` ranks, to ``workers``
     workers (``tp`` > 1: replicas of ``tp`` tensor-parallel members, which
     take the sharded sends only); rank 0 prints ``PORTS <sharded>
-    <gathered> <control>``, then the row. With ``fault`` (``("kill", K)``
+    <gathered> <hopped> <control>``, then the row (``one_host``: the
+    gathered model also goes through a host leader, as the single sender
+    did before it fed its own host from its staging buffer: the
+    ``hopped`` row; else its port is 0). With ``fault`` (``("kill", K)``
     or ``("stop", K)``, K a rank other than 0, which drives the run), after
     the timed sends that rank is killed or stopped in one more send
     (:func:`_fault_case`), in place of the gather rows."""
@@ -242,6 +250,7 @@ def rank_main(
         scheme = ws.DistributedWeightSyncScheme(timeout=TIMEOUT)
         scheme.init_on_sender("sharded", model=model, num_workers=workers, host=host)
         gathered: ws.DistributedWeightSyncScheme | None = None
+        hopped: ws.DistributedWeightSyncScheme | None = None
         ctrl: Any = None
         if rank == 0:
             ctrl = control_store(host, 0, master=True)
@@ -253,7 +262,11 @@ def rank_main(
                 gathered = ws.DistributedWeightSyncScheme(timeout=TIMEOUT)
                 gathered.init_on_sender("gathered", num_workers=workers, model=whole, host=host)
                 other = gathered.get_store_info() or other
-            print(f"PORTS {info['port']} {other['port']} {ctrl.port}", flush=True)
+                if one_host:
+                    hopped = ws.DistributedWeightSyncScheme(timeout=TIMEOUT, share_from_trainer=False)
+                    hopped.init_on_sender("hopped", num_workers=workers, model=whole, host=host)
+            hop_port = 0 if hopped is None else (hopped.get_store_info() or {"port": 0})["port"]
+            print(f"PORTS {info['port']} {other['port']} {hop_port} {ctrl.port}", flush=True)
             wait_keys(ctrl, [f"up/{r}" for r in range(1, workers + 1)])
         dist.barrier()
         commands = 0
@@ -338,6 +351,7 @@ def rank_main(
         rss: list[Any] = [None] * world
         gather_times: list[float] = []
         send_times: list[float] = []
+        hop_times: list[float] = []
         faulted: dict[str, Any] | None = None
         if fault is not None:
             # (In place of the gather rows: the group does not go on without a killed rank.)
@@ -350,6 +364,8 @@ def rank_main(
             first = {name: t.full_tensor() for name, t in model.state_dict().items()}
             if gathered is not None:
                 gathered.connect(weights=first)
+            if hopped is not None:
+                hopped.connect(weights=first)
             del first
             # (Tensor-parallel workers take the sharded sends only.)
             for step in range(-1, repeats if tp == 1 else -1):  # a first round untimed
@@ -365,8 +381,15 @@ def rank_main(
                 if step >= 0:
                     gather_times.append(time.perf_counter() - started)
                     send_times.append(sent)
+                if hopped is not None:
+                    hop = time.perf_counter()
+                    hopped.send(full)
+                    if step >= 0:
+                        hop_times.append(time.perf_counter() - hop)
                 del full
                 check("gathered", f"g{step}")
+                if one_host:  # (collective: every rank checks)
+                    check("hopped", f"h{step}")
             dist.all_gather_object(rss, (rss_start, rss_sharded, _rss_mib()))
         nbytes = sum(t.numel() * 4 for t in model.state_dict().values())
         if rank == 0:
@@ -375,11 +398,13 @@ def rank_main(
             row = {
                 "ranks": world, "workers": workers, "tp": tp, "mib": mib, "bytes": nbytes,
                 "weightsync": times, "gather": gather_times, "single_send": send_times,
+                "hopped_send": hop_times,
                 "rss_start_mib": [r[0] for r in rss], "rss_after_sharded_mib": [r[1] for r in rss],
                 "rss_end_mib": [r[2] for r in rss], "fault": faulted,
             }  # fmt: skip
-            if gathered is not None:
-                gathered.shutdown()
+            for single in (gathered, hopped):
+                if single is not None:
+                    single.shutdown()
         scheme.shutdown()
         if rank == 0:
             print(json.dumps(row), flush=True)
@@ -495,9 +520,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     rank.add_argument("workers", type=int)
     rank.add_argument("tp", type=int)
     rank.add_argument("--fault", default=None, help="kill:K or stop:K, rank K in a last send")
+    rank.add_argument("--one-host", action="store_true", help="the workers are on the trainer's host")
     worker = roles.add_parser("worker")
     worker.add_argument("host")
-    worker.add_argument("ports", type=int, nargs=3)
+    worker.add_argument("ports", type=int, nargs=4)
     worker.add_argument("rank", type=int)
     worker.add_argument("mib", type=float)
     worker.add_argument("tp", type=int)
@@ -517,7 +543,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.role == "rank":
         rank_main(
             args.rank, args.world, args.init, args.host, args.mib, args.repeats, args.workers, args.tp,
-            _fault_arg(args.fault),
+            _fault_arg(args.fault), args.one_host,
         )  # fmt: skip
     elif args.role == "worker":
         worker_main(args.host, args.ports, args.rank, args.mib, args.tp, args.group)

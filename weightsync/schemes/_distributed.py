@@ -52,8 +52,8 @@ def _holds_dtensors(model: Any) -> bool:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DistributedSchemeConfig(SchemeConfig):
     """The options of :class:`DistributedWeightSyncScheme`: those of every
-    scheme, and ``backend``, ``sync``, ``share_on_host``, ``delta``,
-    ``delta_threads``, ``delta_history``
+    scheme, and ``backend``, ``sync``, ``share_on_host``,
+    ``share_from_trainer``, ``delta``, ``delta_threads``, ``delta_history``
     (older versions the trainer keeps, each a buffer of the model's size
     while a worker holds it, so that a worker that fell behind gets a
     delta against the version it holds; 0: it gets the full bytes).
@@ -68,6 +68,7 @@ class DistributedSchemeConfig(SchemeConfig):
     backend: str = "gloo"
     sync: bool = True
     share_on_host: bool = True
+    share_from_trainer: bool = True
     delta: bool | Literal["always"] = False
     delta_threads: int = 0
     delta_history: int = HISTORY
@@ -220,10 +221,14 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     S/B. With ``share_on_host`` (the default), one worker of each host is in
     the chain and writes what it receives into shared memory (a ``memfd``,
     which nothing can leave behind), from which the host's other workers
-    copy each part as it arrives: one local copy each, no loopback hop. A
-    worker that cannot map it (another user's process) is put in the chain
-    itself. With ``share_on_host=False`` every worker is in the chain, the
-    workers of a host next to each other. Versions, acks and errors go over
+    copy each part as it arrives: one local copy each, no loopback hop. On
+    the trainer's own host the trainer leads (``share_from_trainer``, the
+    default, without ``delta``): it stages each send in shared memory, and
+    the workers there copy it from the trainer's buffer with no chain and
+    no socket (``share_from_trainer=False``: one of them is in the chain,
+    as on any host). A worker that cannot map it (another user's process)
+    is put in the chain itself. With ``share_on_host=False`` every worker
+    is in the chain, the workers of a host next to each other. Versions, acks and errors go over
     the store; a TCP connection per worker tells each side at once that the
     other's process ended.
 
@@ -274,6 +279,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         verify: bool = False,
         per_worker_weights: bool = False,
         share_on_host: bool = True,
+        share_from_trainer: bool = True,
         wire_dtype: torch.dtype | None = None,
         delta: bool | Literal["always"] = False,
         delta_threads: int = 0,
@@ -294,6 +300,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             backend=backend,
             sync=sync,
             share_on_host=share_on_host,
+            share_from_trainer=share_from_trainer,
             delta=delta,
             delta_threads=delta_threads,
             delta_history=delta_history,
@@ -393,6 +400,13 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     def share_on_host(self) -> bool:
         """Whether one worker per host is in the chain and feeds the others (``config.share_on_host``)."""
         return self._config.share_on_host
+
+    @property
+    def share_from_trainer(self) -> bool:
+        """Whether the workers of the trainer's host copy each send from the
+        trainer's staging buffer, with no chain (``config.share_from_trainer``;
+        with ``share_on_host`` and no ``delta``)."""
+        return self._config.share_from_trainer
 
     @property
     def delta(self) -> bool | Literal["always"]:
@@ -547,6 +561,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             prefix,
             liveness,
             share_on_host=self.share_on_host,
+            share_from_trainer=self.share_from_trainer,
             delta=self.delta,
             delta_threads=self.delta_threads,
             delta_history=self.delta_history,

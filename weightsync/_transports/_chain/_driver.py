@@ -343,13 +343,16 @@ class ChainDriver(Generic[M]):
                 candidates, use = (holders, use) if holders else (candidates, None)
             chain, fed = control.plan(candidates)
             left = deadline - time.monotonic()
-            if len(chain) < self.min_chain or left <= 0 or self._closed or self._over:
+            if (len(chain) < self.min_chain and not fed) or left <= 0 or self._closed or self._over:
                 return
             # Nothing of a chain outlives the send's deadline: its stalls are
             # cut to the time left, and its frames stop at the deadline (a
             # thread of an abandoned send would hold the next one's staging).
             stall = min(stall_limit(left), left)
-            if self._group is None or self._group_members != tuple(chain):
+            # No chain (every member of the send follows the trainer itself):
+            # no group, no frames; the group kept stays for the next chain.
+            chained = bool(chain)
+            if chained and (self._group is None or self._group_members != tuple(chain)):
                 self.drop()
                 self._generations += 1
             route = Route(
@@ -357,7 +360,7 @@ class ChainDriver(Generic[M]):
                 encoded=None if use is None else use.encoded,
             )  # fmt: skip
             control.launch(route)
-            if self._group is None:
+            if chained and self._group is None:
                 route.fresh = True
                 absent = self._form(route)
                 if self._group is None:
@@ -366,7 +369,7 @@ class ChainDriver(Generic[M]):
             self.routes.append(route)
             sent_error: str | None = None
             before, began = self.sent_bytes, time.monotonic()
-            if nbytes:
+            if nbytes and chained:
                 try:
                     if use is not None:
                         count = use.encoded.count

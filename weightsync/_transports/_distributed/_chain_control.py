@@ -9,18 +9,23 @@ the chain driver's (``_chain``).
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 import time
 from collections.abc import Collection
 from typing import Any
 
+from ..._memory._segment import SegmentRef
 from .._chain._driver import Report, Route
 from .._chain._gloo import connect_store
 from ._host_share import UNMAPPED, plan_hosts
 from ._liveness import Liveness
 from ._protocol import (
+    TRAINER,
     CloseNotice,
     FollowNotice,
     Hello,
+    Lead,
     SendInfo,
     SessionKeys,
     UpdateNotice,
@@ -64,11 +69,20 @@ class WorkerChain:
         self._counted = 0
         # Workers that could not map their host leader's memory: in the chain themselves.
         self._direct: set[int] = set()
+        #: Where the current send is staged, when the trainer feeds the
+        #: workers of its own host from there (None: it feeds none; the
+        #: staging sets it per send).
+        self.lead: SegmentRef | None = None
+        self._host = (self.address, socket.gethostname())
 
     def alive(self, rank: int) -> bool:
         """Whether worker ``rank`` said hello and its liveness connection is not closed."""
         member = self.members.get(rank)
         return member is not None and self.liveness.state(rank, member.nonce) != "gone"
+
+    def any_on_own_host(self) -> bool:
+        """Whether a worker that said hello runs on the trainer's host."""
+        return any((m.address, m.hostname) == self._host for m in self.members.values())
 
     def group_store(self, stall: float = 0.0) -> Any:
         """The store client of the notices and the chain, made on first use
@@ -97,9 +111,10 @@ class WorkerChain:
         trainer's host first, then host by host, by rank within a host. The
         workers of a host are neighbours in the chain, so the bytes cross
         each host's NIC once in and once out, however the ranks were spread
-        over the hosts; with ``share_on_host`` only its host leader is in it.
-        The other hosts come in the order of their addresses, turned by
-        :attr:`rotate`."""
+        over the hosts; with ``share_on_host`` only its host leader is in it,
+        and with :attr:`lead` the trainer's host has none in it: the trainer
+        feeds them (as :data:`TRAINER`). The other hosts come in the order
+        of their addresses, turned by :attr:`rotate`."""
 
         def address(rank: int) -> str:
             member = self.members.get(rank)
@@ -122,7 +137,7 @@ class WorkerChain:
             member = self.members.get(rank)
             return None if member is None else (member.address, member.hostname)
 
-        return plan_hosts(ordered, host_of, self._direct)
+        return plan_hosts(ordered, host_of, self._direct, None if self.lead is None else self._host)
 
     def name(self, rank: int) -> str:
         member = self.members.get(rank)
@@ -134,8 +149,15 @@ class WorkerChain:
         for rank in route.chain:
             self.notify(rank, UpdateNotice(info, route.link(rank), rank in route.fed))
         for leader, followers in route.fed.items():
-            for rank in followers:
+            if leader == TRAINER:
+                # Before the followers are told: they look here first.
+                assert self.lead is not None
+                lead = Lead(route.generation, info.version, self.lead)
+                self.group_store().set(self.keys.lead(TRAINER), encode(lead))
+                pid = os.getpid()
+            else:
                 pid = self.members[leader].pid
+            for rank in followers:
                 self.notify(rank, FollowNotice(info, leader, pid, route.stall, route.first))
         self._counted = 0
 

@@ -3,7 +3,9 @@ each host (its *host leader*) is in the chain and receives into shared
 memory of its own (a memfd segment), from which the host's other workers
 (its *followers*) copy each part as soon as it is there. The bytes cross
 the host's NIC once and its memory bus once per worker, instead of once per
-worker through the host's loopback.
+worker through the host's loopback. On the trainer's own host the trainer
+leads: it stages each send in a segment, and its host's workers copy from
+there, with no chain and no socket between them.
 
 The trainer picks the leaders (:func:`plan_hosts`); a worker keeps two
 receive buffers (:class:`ReceiveBuffers`), in shared memory while it leads
@@ -28,7 +30,7 @@ from ..._memory._segment import BROKEN, AttachedSegments, Segment
 from ..._readiness import ProcessWatch
 from .._chain._driver import Report
 from .._chain._pipeline import short_message
-from ._protocol import FollowNotice, Lead, SessionKeys, decode, get_now
+from ._protocol import TRAINER, FollowNotice, Lead, SessionKeys, decode, get_now
 
 __all__ = ["UNMAPPED", "ReceiveBuffers", "fill_segment", "follow", "plan_hosts"]
 
@@ -41,15 +43,21 @@ _FOLLOW_POLL = (0.002, 0.008)
 
 
 def plan_hosts(
-    ordered: list[int], host_of: Callable[[int], Hashable | None], direct: set[int]
+    ordered: list[int],
+    host_of: Callable[[int], Hashable | None],
+    direct: set[int],
+    own: Hashable | None = None,
 ) -> tuple[list[int], dict[int, tuple[int, ...]]]:
     """The chain over ``ordered`` (ranks in chain order, a host's next to
     each other) with one worker per host, its host leader (the first of its
     host), and the ranks each leader feeds. ``host_of``: a rank's host (None:
-    unknown, in the chain itself); ranks in ``direct`` are in the chain themselves."""
+    unknown, in the chain itself); ranks in ``direct`` are in the chain
+    themselves. ``own``: the trainer's host, whose workers the trainer
+    feeds from its staging buffer (they follow :data:`TRAINER`, and none
+    of them is in the chain); None: the trainer feeds none."""
     chain: list[int] = []
     fed: dict[int, list[int]] = {}
-    leaders: dict[Hashable, int] = {}
+    leaders: dict[Hashable, int] = {} if own is None else {own: TRAINER}
     for rank in ordered:
         host = host_of(rank)
         if host is None or rank in direct:
@@ -156,7 +164,7 @@ def follow(
     version, generation = notice.send.version, notice.send.generation
     # (A killed leader is a zombie until its launcher reaps it: dead already.)
     with contextlib.closing(ProcessWatch(notice.leader_pid)) as watch:
-        who = f"its host leader (rank {notice.leader})"
+        who = "the trainer" if notice.leader == TRAINER else f"its host leader (rank {notice.leader})"
         deadline = time.monotonic() + notice.stall
         delay = _POLL[0]
         while True:

@@ -7,7 +7,8 @@ Keys under ``weightsync/<model>/<session>/`` (:class:`SessionKeys`)::
     hello/<rank>                 worker:  a :class:`Hello`
     in/<rank>/<n>                trainer: the n-th notice to a worker: an
                                  :class:`UpdateNotice`, :class:`FollowNotice` or :class:`CloseNotice`
-    lead/<rank>                  host leader: a :class:`Lead` (where its followers copy from)
+    lead/<rank>                  host leader: a :class:`Lead` (where its followers copy from);
+                                 lead/0 the trainer's own, when it feeds the workers of its host
     joining/<generation>/<i>     group rank i of a chain: it is joining that group
     got/<generation>/<v>/<rank>  worker:  a chain ``Report`` of version v (and ``.../count``)
     replies/<v>                  workers: appended, one pickled (rank, None or the reason
@@ -39,6 +40,7 @@ __all__ = [
     "Notice",
     "SendInfo",
     "SessionKeys",
+    "TRAINER",
     "UpdateNotice",
     "decode",
     "decode_notice",
@@ -50,6 +52,10 @@ __all__ = [
     "session_prefix",
     "wait_key",
 ]
+
+#: The trainer's rank in its session (its workers are 1 .. N): the leader
+#: named in a :class:`FollowNotice` when the trainer feeds its own host.
+TRAINER = 0
 
 # A key's polls (seconds): the first, and the longest (they double).
 _IDLE_POLL = (0.001, 0.01)
@@ -187,7 +193,8 @@ class UpdateNotice:
 
 @dataclass(frozen=True)
 class FollowNotice:
-    """Copy the send from host leader ``leader``'s shared memory as it arrives."""
+    """Copy the send from host leader ``leader``'s shared memory as it
+    arrives (:data:`TRAINER`: from the trainer's staging buffer)."""
 
     send: SendInfo
     leader: int

@@ -6,7 +6,9 @@ chain on a thread of its own (a ``ChainDriver`` over the workers of the
 send, told by notices in the store: ``_dist_chain``, ``_dist_protocol``);
 with ``share_on_host`` one worker of each host, its host leader, is in the
 chain and feeds the host's other workers through shared memory
-(``_host_share``). A worker's :class:`ChainEndpoint` has a relay thread
+(``_host_share``); the workers of the trainer's own host copy from its
+staging buffer, in shared memory then, with no chain. A worker's
+:class:`ChainEndpoint` has a relay thread
 (``_dist_relay``) that takes part in every send into one of two receive
 buffers, never the one its receiver holds, so ``receive()`` copies one
 whole version into the model at a safe point. Liveness (``_liveness``):
@@ -38,6 +40,7 @@ from ..._exceptions import SenderLostError, WorkerError, WorkerLostError
 from ..._frames import CHUNK_BYTES
 from ..._memory._pinned import DeviceCopies, PageLocks, pins, stage_from_device, staging_buffer
 from ..._memory._placement import Placement
+from ..._memory._segment import BROKEN, Segment
 from ..._memory._views import LayoutViews
 from ..._packet import Manifest, Packet
 from ..._readiness import wait_readable_any
@@ -112,6 +115,7 @@ class ChainStaging:
         liveness: Liveness,
         *,
         share_on_host: bool = True,
+        share_from_trainer: bool = True,
         chunk: int = CHUNK_BYTES,
         delta: DeltaSetting = False,
         delta_threads: int = 0,
@@ -119,6 +123,7 @@ class ChainStaging:
         rotate: int = 0,
     ) -> None:
         self.model_id = model_id
+        self._share_from_trainer = share_on_host and share_from_trainer
         # delta=True: the base (and older ones kept for workers that fell
         # behind), the whole version each worker acked last, by rank, and
         # the last send (its version, its workers by rank, whether it was
@@ -135,6 +140,10 @@ class ChainStaging:
         self.members = self.workers.members
         self.driver: ChainDriver[int] = ChainDriver(self.workers, chunk=chunk)
         self._buffer: torch.Tensor | None = None
+        # The buffer's shared memory, while the trainer feeds the workers of
+        # its own host from it (share_on_host, no delta: a delta's base
+        # takes turns with the buffer).
+        self._segment: Segment | None = None
         self._views = LayoutViews()
         # With the trainer's tensors on a GPU: the buffers kept page-locked
         # (the staging buffer and the delta base, which take turns), and the
@@ -196,17 +205,33 @@ class ChainStaging:
         self._settle_copies()
         manifest = packet.manifest
         self._keep_base(manifest.nbytes)
-        if self._buffer is None or self._buffer.numel() < manifest.nbytes:
+        shared = self._share_from_trainer and self._delta is None and self.workers.any_on_own_host()
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < manifest.nbytes or shared != (self._segment is not None):
             self._views.forget()
             self._buffer = None
-            self._buffer = staging_buffer(manifest.nbytes, packet.devices)
+            self._let_go_of_segment()
+            if shared:
+                self._segment = Segment.create(manifest.nbytes)
+                self._buffer = self._segment.data
+            else:
+                self._buffer = staging_buffer(manifest.nbytes, packet.devices)
+        assert self._buffer is not None
         views = self._views.of(self._buffer.data_ptr(), manifest, self._buffer)
         # (A buffer let go, or a base the encoder dropped, is unregistered.)
         self._pins.keep_only(self._buffer, None if self._delta is None else self._delta.memory)
+        segment = self._segment
+        if segment is not None:
+            # A follower still copying the last version sees it overwritten.
+            segment.begin_fill(packet.version)
         if pins(packet.devices):
             sums = self._from_device(views, packet, digest)
         else:
             sums = copy_out(views, packet.tensors, digest, usable_cores())
+        if segment is not None and self._copies is None:
+            segment.publish(packet.version)
+        # (Still copying from a GPU: published on the chain's thread once in.)
+        self.workers.lead = None if segment is None else segment.ref()
         threads = max(1, usable_cores() // packet.fanout)
         info = SendInfo(packet.version, manifest.layout_id, packet.subset, None, threads, manifest.nbytes, "")
         self._manifest = manifest
@@ -230,6 +255,14 @@ class ChainStaging:
             return None
         copies.wait()
         return digests(views, usable_cores())
+
+    def _let_go_of_segment(self) -> None:
+        """Close the buffer's segment, if it is in one (a follower that still
+        maps it keeps the memory until it lets go)."""
+        segment, self._segment = self._segment, None
+        self.workers.lead = None
+        if segment is not None:
+            segment.close()
 
     def _settle_copies(self) -> None:
         copies, self._copies = self._copies, None
@@ -357,6 +390,14 @@ class ChainStaging:
         # first, and may take longer than a member waits for its first frame.
         first = source.numel() if delta is not None and held is not None else self.driver.chunk
         staged = copies is None or _in_time(copies, first, deadline)
+        segment, send = self._segment, self._send
+        if segment is not None and copies is not None and send is not None:
+            # The trainer's followers copy once the whole send is in: a copy
+            # from the GPU is much shorter than any chain's first frame.
+            if _in_time(copies, source.numel(), deadline):
+                segment.publish(send.info.version)
+            else:
+                segment.filled_to(BROKEN)
         if delta is not None:
             delta.choice.behind = {}
             if held is None:
@@ -470,6 +511,7 @@ class ChainStaging:
         self._settle_copies()
         self._pins.release()
         self._buffer = None
+        self._let_go_of_segment()
         self._views.forget()
         self.workers.close()
         self.store = None
