@@ -41,7 +41,7 @@ def _run(tmp_path: Path, case: str) -> tuple[list[dict[str, Any]], dict[int, dic
 # which CI runs, keeping the default run short; tests/test_shards.py checks
 # the parts in the default run.)
 @pytest.mark.extended
-@pytest.mark.parametrize("case", ["sends", "verify", "delta", "applier"])
+@pytest.mark.parametrize("case", ["sends", "verify", "delta", "applier", "async"])
 def test_every_rank_sends_its_part_and_every_worker_holds_the_full_tensors(tmp_path: Path, case: str) -> None:
     ranks, workers = _run(tmp_path, case)
     # connect() and three sends: the same report on both ranks, every
@@ -51,8 +51,9 @@ def test_every_rank_sends_its_part_and_every_worker_holds_the_full_tensors(tmp_p
     assert all(r["worker_ids"] == [0, 1] for r in ranks[0]["reports"])
     # Every rank says where the group's store is, as a single sender does.
     assert ranks[0]["store_info"] == ranks[1]["store_info"] and ranks[0]["store_info"]["port"] > 0, ranks
-    # A rank's own sender is not handed out: it would send its part alone.
-    assert "every rank sends its own part of each version" in ranks[0]["get_sender"], ranks[0]
+    # A rank's sender is the group's: its calls are collective (a class's
+    # sender alone would send its part only).
+    assert ranks[0]["get_sender"] == "GroupSender", ranks[0]
     assert "wait_for_workers(): this trainer is sharded" in ranks[0]["wait_for_workers"], ranks[0]
     if case == "delta":
         # Each rank's last part went as a delta against the one the workers held.

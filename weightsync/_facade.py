@@ -244,10 +244,13 @@ class WeightSender:
         refuse_options(unknown, "send_async()")
         self._refuse_in_coroutine("send_async()", "send_async(...) (it returns once staged)")
         self._check("send_async()")
+        return self._stage(weights, worker_ids, SendOptions(timeout, keys, partial, verify, "send_async()"))
+
+    def _stage(self, weights: Any, worker_ids: Any, options: SendOptions) -> SendHandle:
+        """:meth:`send_async` once checked (a sender group's rank stages its
+        part of each class as the group's version, ``options.version``)."""
         try:
-            machine = self._sender.machine(
-                weights, worker_ids, SendOptions(timeout, keys, partial, verify, "send_async()")
-            )
+            machine = self._sender.machine(weights, worker_ids, options)
             self._drive(machine, None, until_staged=True)
         except Exception as exc:
             # As torchrl's send_async: the send's errors come from wait_async().

@@ -205,19 +205,28 @@ def rank_main(rank: int, world: int, init: str, out: str, case: str, port: int, 
                 results["error"] = [type(exc).__name__, str(exc)]
                 return
             steps = 3 if not dies else 1
+            sender = scheme.get_sender()  # (the rank's collective sender)
             for step in range(steps):
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(0.5 * (step + 1))
-                reports.append(_report(scheme.send()))
+                if case == "async":
+                    # Staged at send_async(): what the weights become after
+                    # it is not what the workers get.
+                    sender.send_async()
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.add_(100.0)
+                    reports.append(_report(sender.wait_async()))
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.sub_(100.0)
+                else:
+                    reports.append(_report(scheme.send()))
             results["reports"] = reports
             results["store_info"] = scheme.get_store_info()  # (a pickled scheme takes it to the workers)
             results["delta"] = scheme.last_delta
-            try:  # a rank's sender alone would send its part only
-                scheme.get_sender()
-                results["get_sender"] = "returned"
-            except ws.WeightSyncStateError as exc:
-                results["get_sender"] = str(exc)
+            results["get_sender"] = type(sender).__name__
             try:  # connect() waits for the workers, collectively
                 scheme.wait_for_workers()
                 results["wait_for_workers"] = "returned"

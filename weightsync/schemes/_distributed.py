@@ -3,12 +3,10 @@ hosts, started by ``torchrun``, SLURM or any launcher."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import pickle
 import socket
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -21,7 +19,6 @@ from .._exceptions import (
     WeightMismatchError,
     WeightSyncError,
     WeightSyncStateError,
-    WorkerError,
     combine_worker_errors,
 )
 from .._facade import WeightSender
@@ -33,6 +30,7 @@ from .._strategy import is_dtensor, values_of
 from .._transports._base import SenderTransport, Staging
 from .._transports._chain._delta_base import HISTORY
 from ._base import EndpointFactory, SchemeConfig, StrategyName, WeightSyncScheme, _num_workers
+from ._group_send import GroupSender
 
 #: The smallest frame of a sender group's chains (bytes).
 _MIN_GROUP_CHUNK = 512 << 10
@@ -318,6 +316,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         # A sender group's rank, once the plan is made: per class of workers
         # it sends anything, its cut of this rank's part and its sender.
         self._class_senders: list[tuple[Part, WeightSender]] | None = None
+        # A sender group's rank: its collective sends (get_sender()).
+        self._group_sender: GroupSender | None = None
         # A tensor-parallel replica's first member: the store of its rounds.
         self._round_store: Any = None
 
@@ -333,13 +333,12 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         worker's are its own boxes (a tensor-parallel worker), which it takes
         from a sender group (see :meth:`_want`)."""
 
-    def get_sender(self) -> WeightSender:
-        """As :meth:`WeightSyncScheme.get_sender`.
-
-        :raises WeightSyncStateError: on a sharded trainer's rank, whose
-            sends are the scheme's own collective ``send()`` (a rank's sender
-            alone would send its part only)."""
-        self._refuse_in_group("get_sender()")
+    def get_sender(self) -> WeightSender | GroupSender:  # type: ignore[override]
+        """As :meth:`WeightSyncScheme.get_sender`; on a sharded trainer's
+        rank, its :class:`GroupSender`, whose ``send()``, ``send_async()``
+        and ``wait_async()`` are collective (every rank calls them)."""
+        if self._group_sender is not None:
+            return self._group_sender
         return super().get_sender()
 
     def get_async_sender(self) -> AsyncWeightSender:
@@ -633,6 +632,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         # worker said what it holds) needs: the store, this rank's address,
         # the workers, the trainer's group.
         self._group_setting = _GroupSetting(store, (store_host, port), host, num_workers, group)
+        self._group_sender = GroupSender(self)
         if rank == 0:
             self._group.publish()
         # This rank's sends go through the senders of the plan (one per
@@ -675,7 +675,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
                 f"{type(self).__name__}: a sharded trainer's send() sends whole versions to every worker, "
                 "checked as the scheme says (verify=...): it takes no worker_ids, keys, partial or verify"
             )
-        return self._group_send(weights, timeout)
+        assert self._group_sender is not None
+        return self._group_sender._send(weights, timeout, connect=False)
 
     def _plan_group(self, until: float) -> None:
         """Make the plan (collective, once): rank 0 reads what every worker
@@ -761,50 +762,6 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         self._class_senders = senders
         if group.rank == 0:
             group.publish_plan(GroupPlan(classes, tuple(sessions)))
-
-    def _group_send(self, weights: Any, timeout: float | None, *, connect: bool = False) -> SendReport:
-        """One collective send of a sender group (see :meth:`send`); the
-        first makes the plan; with ``connect``, each rank first waits for
-        its workers (up to ``timeout`` more), and a rank whose workers did
-        not all come says so to the others as its outcome, as a send's
-        failure would."""
-        from .._sender_group import Outcome, combine, merge
-        from .._shards import local_tensors
-        from .._strategy import values_of
-        from .._transports._distributed._group import GRACE
-
-        group = self._group
-        assert group is not None
-        group.seq += 1
-        seq = group.seq
-        wait = self.timeout if timeout is None else timeout
-        planned = self._class_senders is not None
-        until = time.monotonic() + (2 * wait if connect or not planned else wait) + GRACE
-        try:
-            if not planned:
-                self._plan_group(time.monotonic() + wait)
-                connect = True
-            assert self._class_senders is not None
-            tensors = values_of(self._model if weights is None else weights)
-            sends = [(sender, local_tensors(tensors, group.part, sub)) for sub, sender in self._class_senders]
-            results = WeightSender.send_each_as(seq, sends, timeout=wait, connect=connect)
-            outcome = combine(group.rank, seq, results)
-        except (WeightMismatchError, InvalidWeightsError) as exc:
-            outcome = Outcome(group.rank, seq, error=f"{type(exc).__name__}: {exc}", refused=exc)
-        except WorkerError as exc:
-            failures = dict(exc.failures) or dict.fromkeys(exc.worker_ids, exc)
-            outcome = Outcome(group.rank, seq, failures=failures, version=exc.version)
-        except Exception as exc:
-            outcome = Outcome(group.rank, seq, error=f"{type(exc).__name__}: {exc}")
-        except BaseException as exc:
-            # (Ctrl-C on this rank: the others hear of it now, not at the deadline.)
-            with contextlib.suppress(Exception):
-                group.exchange(seq, Outcome(group.rank, seq, error=type(exc).__name__), time.monotonic())
-            raise
-        outcomes, dead = group.exchange(seq, outcome, until)
-        # A rank that skipped versions brings every rank's count up to it.
-        group.seq = max([group.seq] + [o.version for o in outcomes.values() if o.version is not None])
-        return merge(outcomes, group.size, seq, self._model_id, dead)
 
     def _new_transport(self, worker_id: int, channel: Any, *, replaces: bool) -> SenderTransport:
         """No channel: the new worker is rank ``worker_id + 1`` of the store."""
@@ -959,7 +916,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         given at init)."""
         if self._group is not None:
             # Every rank: its workers, then the first version, collectively.
-            report = self._group_send(weights, timeout, connect=True)
+            assert self._group_sender is not None
+            report = self._group_sender._send(weights, timeout, connect=True)
             self._synchronized_on_sender = True
             return report
         if self._async_receiver is not None:
