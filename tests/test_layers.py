@@ -79,6 +79,8 @@ LAYERS: list[set[str]] = [
     {"_runtime"},
     {"_facade"},
     {"schemes._base"},
+    # A sharded trainer's collective sends, under the distributed scheme.
+    {"schemes._group_send"},
     {"schemes._pipes", "schemes._ray", "schemes._none", "schemes._distributed", "schemes._rpc"},
     # A scheme built on another family's.
     {"schemes._ray_transform"},

@@ -238,6 +238,7 @@ def format_sharded_table(result: dict[str, Any]) -> str:
             else "(no gather row: a rank was killed or stopped instead)",
             f"peak RSS per rank over its RSS before the first send, MiB (shard "
             f"{row['bytes'] / row['ranks'] / MIB:.0f} MiB): {_growth(row, 'rss_after_sharded_mib')}",
+            *_busy(row),
             *_faulted(row),
         ]
         return "\n".join(lines)
@@ -267,5 +268,14 @@ def format_sharded_table(result: dict[str, Any]) -> str:
         f"weightsync sends {_growth(row, 'rss_after_sharded_mib')}, "
         f"after the gathers {_growth(row, 'rss_end_mib')}",
         alone,
+        *_busy(row),
     ]
     return "\n".join(lines)
+
+
+def _busy(row: dict[str, Any]) -> list[str]:
+    """The machine's CPU use during the timed sends (every emulated host
+    shares its cores): near 100 %, the CPU, not the links, bounds them."""
+    if row.get("cpu_busy") is None:
+        return []
+    return [f"the machine's cores were busy {row['cpu_busy']:.0%} of the time during weightsync's sends"]

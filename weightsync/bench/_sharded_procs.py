@@ -96,6 +96,14 @@ def _rss_mib() -> float:
 # -- a worker ------------------------------------------------------------------
 
 
+def _jiffies() -> tuple[int, int]:
+    """The machine's CPU time so far (all cores; every emulated host shares
+    them): busy and all, in clock ticks."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # (less idle and iowait)
+
+
 def _connect_quietly(scheme: ws.DistributedWeightSyncScheme) -> None:
     """``connect()``: a trainer that shut down before its first send (a
     rank was killed, and there is no gather row) ends it quietly."""
@@ -340,12 +348,15 @@ def rank_main(
         scheme.connect()
         check("sharded", "first")
         times = []
+        busy = every = 0
         for step in range(repeats):
             change(step)
             dist.barrier()
-            started = time.perf_counter()
+            started, ticks = time.perf_counter(), _jiffies()
             scheme.send()
             times.append(time.perf_counter() - started)
+            after = _jiffies()
+            busy, every = busy + after[0] - ticks[0], every + after[1] - ticks[1]
             check("sharded", f"ws{step}")
         rss_sharded = _rss_mib()
         rss: list[Any] = [None] * world
@@ -398,7 +409,7 @@ def rank_main(
             row = {
                 "ranks": world, "workers": workers, "tp": tp, "mib": mib, "bytes": nbytes,
                 "weightsync": times, "gather": gather_times, "single_send": send_times,
-                "hopped_send": hop_times,
+                "hopped_send": hop_times, "cpu_busy": busy / every if every else None,
                 "rss_start_mib": [r[0] for r in rss], "rss_after_sharded_mib": [r[1] for r in rss],
                 "rss_end_mib": [r[2] for r in rss], "fault": faulted,
             }  # fmt: skip
