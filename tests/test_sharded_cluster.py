@@ -89,3 +89,22 @@ def test_a_rank_killed_or_stopped_mid_send_is_named_and_no_worker_holds_a_mix(
         # every worker, each checked box by box (a mismatch ends the run).
         assert record["outcomes"]["3"][0] != "none", record
         assert record["recovered_s"] > 0, record
+
+
+def test_a_soak_of_stopped_ranks_and_workers_keeps_every_promise() -> None:
+    # Seven sends of a 2x2 sender group to two whole-copy workers, under the
+    # seeded faults of seed 4: calm, trainer rank 1 stopped, worker rank 2
+    # stopped, three calm sends, then rank 1 killed. Each send is judged
+    # (_sharded_procs.judge_round): a calm one reaches every worker; a
+    # faulted one raises the same error on every rank but the faulted one,
+    # naming it, within the deadline and 3 s; no worker ever holds a mix.
+    result = run_sharded(
+        trainer_hosts=2, ranks_per_host=2, hosts=2, mib=4, repeats=2, fault=("soak", 7), seed=4
+    )  # fmt: skip
+    print(format_sharded_table(result))
+    soak = result["row"]["fault"]
+    kinds = [r["kind"] for r in soak["rounds"]]
+    assert kinds == ["none", "stop-rank", "stop-worker", "none", "none", "none", "kill-rank"], kinds
+    assert soak["violations"] == [], soak["violations"]
+    # The group went on after each stop: the calm sends after them reached every worker.
+    assert all(r["workers"] == ["new", "new"] for r in soak["rounds"] if r["kind"] == "none"), soak

@@ -49,8 +49,8 @@ def test_bench_under_torchrun_on_one_host(tmp_path: Path) -> None:
     assert "all cases:" in result.stdout
     (row,) = json.loads(out.read_text())["rows"]
     assert row["workers"] == 2
-    # One host: rank 1 is in the chain and feeds rank 2 through shared memory.
-    assert (row["chain"], row["fed"]) == ([1], {"1": [2]})
+    # One host: ranks 1 and 2 copy from the trainer's (rank 0's) shared memory, with no chain.
+    assert (row["chain"], row["fed"]) == ([], {"0": [1, 2]})
     for way in ("weightsync", "gloo_bcast", "gloo_star"):
         assert len(row[way]) == 2 and all(s > 0 for s in row[way])
 
@@ -80,6 +80,7 @@ def test_bench_under_torchrun_across_emulated_hosts(tmp_path: Path) -> None:
     assert codes == [0, 0, 0], [o[0][-2000:] + o[1][-2000:] for o in outputs]
     (row,) = json.loads(out.read_text())["rows"]
     assert row["workers"] == 5
-    assert (row["chain"], row["fed"]) == ([1, 2, 4], {"2": [3], "4": [5]})
+    # Rank 1 shares the trainer's host: it copies from the trainer's shared memory.
+    assert (row["chain"], row["fed"]) == ([2, 4], {"0": [1], "2": [3], "4": [5]})
     for way in ("weightsync", "gloo_bcast", "gloo_star"):
         assert len(row[way]) == 2 and all(s > 0 for s in row[way])

@@ -291,6 +291,18 @@ def _parser() -> argparse.ArgumentParser:
         help="with --sharded-trainer: as --kill-rank, but rank K is stopped (SIGSTOP) until the others "
         "raised, then continued; then every rank sends once more, and every worker must hold that version",
     )
+    across.add_argument(
+        "--soak",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --sharded-trainer: after the timed sends, N more sends of deadline 6 s under seeded "
+        "faults (--soak-seed): half calm, the others a trainer rank stopped (SIGSTOP) or, with whole copies, "
+        "a worker stopped, each continued once the others raised; the last kills a trainer rank. Each send "
+        "is judged: every rank raises the same error naming the faulted one in time, no worker or replica "
+        "holds a mix; exits 1 on a violation",
+    )
+    across.add_argument("--soak-seed", type=int, default=0, metavar="S", help="the seed of --soak's faults")
     delta = bench.add_argument_group(
         "sending only what changed (--delta: DistributedWeightSyncScheme(delta=True) against delta=False "
         "in the same run, on one host or with --emulate-hosts N --link-rate R across hosts)"
@@ -472,8 +484,8 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
     tp = args.worker_tp
     if tp < 1 or (local or hosts) % tp:
         parser.error(f"--worker-tp {tp}: the {local or hosts} workers make no replicas of {tp}")
-    if args.kill_rank is not None and args.stop_rank is not None:
-        parser.error("--kill-rank and --stop-rank: one fault per run")
+    if sum(x is not None for x in (args.kill_rank, args.stop_rank, args.soak)) > 1:
+        parser.error("--kill-rank, --stop-rank and --soak: one of them per run")
     fault = (
         ("kill", args.kill_rank)
         if args.kill_rank is not None
@@ -481,7 +493,11 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
         if args.stop_rank is not None
         else None
     )
-    if fault is not None and not 0 < fault[1] < trainer_hosts * ranks:
+    if args.soak is not None:
+        if args.soak < 1:
+            parser.error(f"--soak {args.soak}: one send or more")
+        fault = ("soak", args.soak)
+    elif fault is not None and not 0 < fault[1] < trainer_hosts * ranks:
         parser.error(
             f"--{fault[0]}-rank {fault[1]}: one of ranks 1 to {trainer_hosts * ranks - 1} (rank 0 drives it)"
         )
@@ -506,7 +522,9 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
             f"B = {args.link_rate} = {rate / 1e6:.0f} MB/s each way per host"
         )
     after = (
-        f"then rank {fault[1]} is {'killed (SIGKILL)' if fault[0] == 'kill' else 'stopped (SIGSTOP)'} a "
+        f"then {fault[1]} sends under seeded faults (seed {args.soak_seed}), each judged"
+        if fault is not None and fault[0] == "soak"
+        else f"then rank {fault[1]} is {'killed (SIGKILL)' if fault[0] == 'kill' else 'stopped (SIGSTOP)'} a "
         "quarter of the way into one more send; every worker checked"
         if fault is not None
         else "gather+send = every rank's full_tensor(), then rank 0 sends the whole model (single sender)"
@@ -522,6 +540,7 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
         result = run_sharded(
             trainer_hosts, ranks, hosts, mib, args.repeats, args.link_rate,
             progress=lambda text: print(text, flush=True), local_workers=local, worker_tp=tp, fault=fault,
+            seed=args.soak_seed,
         )  # fmt: skip
     except RuntimeError as exc:
         print(f"weightsync bench: error: {exc}", file=sys.stderr)
@@ -530,7 +549,9 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=1)
     print(format_sharded_table(result))
-    return 0
+    # (A soak that broke a promise fails the command, as a test would.)
+    fault = result["row"].get("fault") or {}
+    return 1 if fault.get("violations") else 0
 
 
 def _delta(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -71,6 +71,7 @@ def run_sharded(
     local_workers: int = 0,
     worker_tp: int = 1,
     fault: tuple[str, int] | None = None,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """A cluster of ``trainer_hosts`` + ``hosts`` emulated hosts at ``rate``:
     ``ranks_per_host`` trainer ranks on each trainer host, one worker on
@@ -82,8 +83,10 @@ def run_sharded(
     run) is killed, or stopped until the others raised, a quarter of the
     way into one more send, in place of the gather rows (the row's
     ``fault``: each rank's outcome, what each worker holds, and for a
-    stop, the time of the send after it). Returns rank 0's row and the
-    link rate (bytes/s). Needs root.
+    stop, the time of the send after it); or ``("soak", N)``: N more sends
+    under the seeded faults of ``_sharded_procs.soak_schedule`` (``seed``),
+    each judged (the row's ``fault``: each round, and the violations).
+    Returns rank 0's row and the link rate (bytes/s). Needs root.
 
     :raises RuntimeError: a process failed.
     """
@@ -94,7 +97,10 @@ def run_sharded(
     workers_count = local_workers or hosts
     if worker_tp < 1 or workers_count % worker_tp:
         raise ValueError(f"{workers_count} workers do not make replicas of {worker_tp}")
-    if fault is not None and (fault[0] not in ("kill", "stop") or not 0 < fault[1] < world):
+    if fault is not None and fault[0] == "soak":
+        if fault[1] < 1:
+            raise ValueError(f"a soak of {fault[1]} sends")
+    elif fault is not None and (fault[0] not in ("kill", "stop") or not 0 < fault[1] < world):
         raise ValueError(f"fault {fault}: kill or stop, a rank of 1 to {world - 1} (rank 0 drives the run)")
     with (
         tempfile.TemporaryDirectory(prefix="ws-sharded-") as tmp,
@@ -120,7 +126,7 @@ def run_sharded(
                 str(repeats),
                 str(workers_count),
                 str(worker_tp),
-                *(["--fault", f"{fault[0]}:{fault[1]}"] if fault is not None else []),
+                *(["--fault", f"{fault[0]}:{fault[1]}", "--seed", str(seed)] if fault is not None else []),
                 *(["--one-host"] if local_workers else []),
             ]
             out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
@@ -192,6 +198,8 @@ def _faulted(row: dict[str, Any]) -> list[str]:
     fault = row.get("fault")
     if not fault:
         return []
+    if fault["kind"] == "soak":
+        return _soaked(fault)
     what = "killed (SIGKILL)" if fault["kind"] == "kill" else "stopped (SIGSTOP, until the others raised)"
     lines = [
         f"rank {fault['rank']} {what} {fault['after_s'] * 1e3:.0f} ms into a send of deadline "
@@ -214,6 +222,24 @@ def _faulted(row: dict[str, Any]) -> list[str]:
         lines.append(
             f"  then every rank's next send: {fault['recovered_s'] * 1e3:.0f} ms, every worker holding it"
         )
+    return lines
+
+
+def _soaked(soak: dict[str, Any]) -> list[str]:
+    """The lines of a soak: a line per send (its fault, each rank's outcome
+    in short, what the workers hold), then the violations."""
+    lines = [f"soak of {len(soak['rounds'])} sends (seed {soak['seed']}), deadline 6 s each:"]
+    for i, record in enumerate(soak["rounds"]):
+        kind, target = record["kind"], record["rank"]
+        what = "calm" if kind == "none" else f"{kind.replace('-', ' ')} {target}"
+        said = ", ".join(
+            f"{rank}: {'ok' if o[0] == 'none' else o[0]} {o[2]:.1f} s"
+            for rank, o in record["outcomes"].items()
+        )
+        held = "/".join(record["workers"])
+        lines.append(f"  {i:>2} {what:<14} ranks {said}; workers {held}")
+    violations = soak["violations"]
+    lines.append(f"violations: {len(violations)}" + "".join(f"\n  {v}" for v in violations))
     return lines
 
 

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
+import os
+import random
 import resource
+import signal
 import statistics
 import sys
 import threading
@@ -141,7 +145,7 @@ def worker_main(host: str, ports: list[int], rank: int, mib: float, tp: int, gro
             )
             schemes[name] = scheme
     ctrl = control_store(host, ctrl_port, master=False)
-    ctrl.set(f"up/{rank}", b"1")
+    ctrl.set(f"up/{rank}", str(os.getpid()).encode())  # (a soak stops it by its pid)
 
     def answer(command: str, tag: Any) -> bool:
         if command == "quit":
@@ -224,6 +228,7 @@ def rank_main(
     tp: int,
     fault: tuple[str, int] | None = None,
     one_host: bool = False,
+    seed: int = 0,
 ) -> None:
     """Trainer rank ``rank``: FSDP2 over the ``world`` ranks, to ``workers``
     workers (``tp`` > 1: replicas of ``tp`` tensor-parallel members, which
@@ -259,6 +264,7 @@ def rank_main(
         scheme.init_on_sender("sharded", model=model, num_workers=workers, host=host)
         gathered: ws.DistributedWeightSyncScheme | None = None
         hopped: ws.DistributedWeightSyncScheme | None = None
+        worker_pids: list[int] = []
         ctrl: Any = None
         if rank == 0:
             ctrl = control_store(host, 0, master=True)
@@ -275,7 +281,7 @@ def rank_main(
                     hopped.init_on_sender("hopped", num_workers=workers, model=whole, host=host)
             hop_port = 0 if hopped is None else (hopped.get_store_info() or {"port": 0})["port"]
             print(f"PORTS {info['port']} {other['port']} {hop_port} {ctrl.port}", flush=True)
-            wait_keys(ctrl, [f"up/{r}" for r in range(1, workers + 1)])
+            worker_pids = [int(v) for v in wait_keys(ctrl, [f"up/{r}" for r in range(1, workers + 1)])]
         dist.barrier()
         commands = 0
 
@@ -367,10 +373,9 @@ def rank_main(
         if fault is not None:
             # (In place of the gather rows: the group does not go on without a killed rank.)
             dist.all_gather_object(rss, (rss_start, rss_sharded, rss_sharded))
-            faulted = _fault_case(
-                rank, fault, scheme, ctrl, host, expect, ask, check, change, repeats, step_of(repeats),
-                statistics.median(times), tp,
-            )  # fmt: skip
+            median = statistics.median(times)
+            rounds = _Round(rank, scheme, ctrl, host, expect, ask, change, step_of, median, tp, worker_pids)
+            faulted = _fault_case(rounds, fault, check, repeats, seed, workers, tp)
         else:
             first = {name: t.full_tensor() for name, t in model.state_dict().items()}
             if gathered is not None:
@@ -423,91 +428,203 @@ def rank_main(
         dist.destroy_process_group()
 
 
-def _fault_case(
-    rank: int,
-    fault: tuple[str, int],
-    scheme: ws.DistributedWeightSyncScheme,
-    ctrl: Any,
-    host: str,
-    expect: Callable[..., tuple[dict[str, Any], dict[str, Any]]],
-    ask: Callable[[str, str, dict[str, Any]], list[Any]],
-    check: Callable[[str, str], None],
-    change: Callable[[int], None],
-    step: int,
-    added: float,
-    median: float,
-    tp: int,
-) -> dict[str, Any]:
-    """Trainer rank ``fault[1]`` is killed (SIGKILL, ``fault[0]`` "kill")
-    or stopped (SIGSTOP, "stop", by rank 0) a quarter of the way (by
-    ``median``, a send's time) into a send of version v + 1 (deadline
-    :data:`KILL_DEADLINE`); each rank's outcome of it (what it raised and
-    when), and, on rank 0, what each worker holds: v (``old``), v + 1
-    (``new``) or a mix, checked box by box against every rank's shards of
-    both versions, computed before the send. A stopped rank is continued
-    (SIGCONT) once the others raised; then every rank sends once more,
-    and every worker must hold that version (``check``; its time is the
-    record's ``recovered_s``). Returns the record on rank 0 ({} on the
-    others)."""
-    import os
-    import signal
+#: The deadline of each send of a soak (s): a stopped rank or worker holds
+#: its round until it passes.
+SOAK_DEADLINE = 6.0
+#: How long past a send's deadline a rank may take to raise, naming the
+#: faulted one (GRACE and the merge, with room for a loaded machine).
+NAMED_WITHIN = 3.0
 
-    import torch.distributed as dist
 
-    kind, target = fault
-    old_asked, old = expect("sharded")
-    _, new = expect("sharded", added)
-    change(step)
-    where: list[Any] = [(host, ctrl.port) if rank == 0 else None]
-    dist.broadcast_object_list(where, src=0)
-    pids: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(pids, os.getpid())
-    after = median / 4  # (its parts still in flight)
-    held = KILL_DEADLINE + 5.0  # (past the others' deadline and 3 s)
-    dist.barrier()
-    # (The rank faults itself, on its own clock; rank 0 continues a stopped one.)
-    if rank == target:
-        threading.Timer(
-            after, os.kill, (os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
-        ).start()
-    if rank == 0 and kind == "stop":
-        threading.Timer(after + held, os.kill, (pids[target], signal.SIGCONT)).start()
-    started = time.monotonic()
-    try:
-        scheme.send(timeout=KILL_DEADLINE)
-        said: list[Any] = ["none", ""]
-    except ws.WeightSyncError as exc:
-        said = [type(exc).__name__, str(exc)]
-    said.append(time.monotonic() - started)
-    if rank == target and kind == "kill":  # (the send ended before the timer: killed now)
-        os.kill(os.getpid(), signal.SIGKILL)
-    record: dict[str, Any] = {}
-    if rank != 0:
-        ctrl_host, ctrl_port = where[0]
-        control_store(ctrl_host, ctrl_port, master=False).set(f"fault/{rank}", json.dumps(said).encode())
-    else:
-        others = [r for r in range(1, len(pids)) if kind == "stop" or r != target]
-        heard = wait_keys(ctrl, [f"fault/{r}" for r in others])
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One round's fault: ``kind`` "none", "stop-rank" or "kill-rank" (trainer
+    rank ``target``), or "stop-worker" (worker rank ``target``)."""
+
+    kind: str
+    target: int = 0
+
+
+def soak_schedule(seed: int, rounds: int, world: int, workers: int, tp: int) -> list[Fault]:
+    """The seeded faults of a soak's ``rounds`` sends (every rank computes
+    the same): half the rounds calm, the others a stopped trainer rank or
+    (whole-copy workers) a stopped worker, and in the last a trainer rank
+    killed (the group does not go on without it)."""
+    rng = random.Random(seed)
+    kinds = ["none", "none", "stop-rank"] + (["stop-worker"] if tp == 1 else [])
+    plan = []
+    for _ in range(rounds - 1):
+        kind = rng.choice(kinds)
+        target = 0 if kind == "none" else rng.randrange(1, world if kind == "stop-rank" else workers + 1)
+        plan.append(Fault(kind, target))
+    return [*plan, Fault("kill-rank", rng.randrange(1, world))]
+
+
+class _Round:
+    """What a rank needs to run rounds of faulted sends: its scheme, the
+    control store, the helpers of :func:`rank_main` (the expected CRC32s,
+    the workers' answers, the weights' changes), and every process's pid."""
+
+    def __init__(
+        self,
+        rank: int,
+        scheme: ws.DistributedWeightSyncScheme,
+        ctrl: Any,
+        host: str,
+        expect: Callable[..., tuple[dict[str, Any], dict[str, Any]]],
+        ask: Callable[[str, str, dict[str, Any]], list[Any]],
+        change: Callable[[int], None],
+        step_of: Callable[[int], float],
+        median: float,
+        tp: int,
+        worker_pids: list[int],
+    ) -> None:
+        import torch.distributed as dist
+
+        self.rank, self.scheme, self.expect, self.ask = rank, scheme, expect, ask
+        self.change, self.step_of, self.tp = change, step_of, tp
+        where: list[Any] = [(host, ctrl.port) if rank == 0 else None]
+        dist.broadcast_object_list(where, src=0)
+        self.ctrl = ctrl if rank == 0 else control_store(where[0][0], where[0][1], master=False)
+        self.pids: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(self.pids, os.getpid())
+        self.worker_pids = worker_pids
+        self.after = median / 4  # (its parts still in flight)
+
+    def run(self, tag: str, step: int, fault: Fault, deadline: float) -> dict[str, Any]:
+        """One send of the next version, ``fault`` injected ``after`` s into
+        it: a faulted trainer rank faults itself, on its own clock; rank 0
+        stops a worker, and continues whatever was stopped once the
+        others raised (past the deadline and :data:`NAMED_WITHIN`). Returns,
+        on rank 0, each rank's outcome (what it raised and when) and what
+        each worker holds: the version before (``old``), this one
+        (``new``) or a mix, checked box by box against every rank's shards
+        of both, computed before the send ({} on the other ranks)."""
+        import torch.distributed as dist
+
+        old_asked, old = self.expect("sharded")
+        _, new = self.expect("sharded", self.step_of(step))
+        self.change(step)
+        held = self.after + deadline + NAMED_WITHIN + 2.0
+        dist.barrier()
+        timers = []
+        if fault.kind in ("stop-rank", "kill-rank") and self.rank == fault.target:
+            sig = signal.SIGKILL if fault.kind == "kill-rank" else signal.SIGSTOP
+            timers.append(threading.Timer(self.after, os.kill, (os.getpid(), sig)))
+        if self.rank == 0 and fault.kind == "stop-rank":
+            timers.append(threading.Timer(held, os.kill, (self.pids[fault.target], signal.SIGCONT)))
+        if self.rank == 0 and fault.kind == "stop-worker":
+            pid = self.worker_pids[fault.target - 1]
+            timers.append(threading.Timer(self.after, os.kill, (pid, signal.SIGSTOP)))
+            timers.append(threading.Timer(held, os.kill, (pid, signal.SIGCONT)))
+        for timer in timers:
+            timer.start()
+        started = time.monotonic()
+        try:
+            self.scheme.send(timeout=deadline)
+            said: list[Any] = ["none", ""]
+        except ws.WeightSyncError as exc:
+            said = [type(exc).__name__, str(exc)]
+        said.append(time.monotonic() - started)
+        if fault.kind == "kill-rank" and self.rank == fault.target:  # (the send ended before the timer)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.rank != 0:
+            self.ctrl.set(f"said/{tag}/{self.rank}", json.dumps(said).encode())
+            return {}
+        others = [
+            r for r in range(1, len(self.pids)) if not (fault.kind == "kill-rank" and r == fault.target)
+        ]
+        heard = wait_keys(self.ctrl, [f"said/{tag}/{r}" for r in others])
         outcomes = {0: said} | {r: json.loads(v) for r, v in zip(others, heard, strict=True)}
-        got = ask("sharded", "fault", old_asked)
+        for timer in timers:
+            timer.join()  # (whatever was stopped runs again: it answers)
+        got = self.ask("sharded", tag, old_asked)
         states = []
         for r, sums in enumerate(got, 1):
-            place = str((r - 1) % tp)
+            place = str((r - 1) % self.tp)
             states.append("old" if sums == old[place] else "new" if sums == new[place] else "mixed")
-        record = {
-            "kind": kind, "rank": target, "after_s": after, "deadline_s": KILL_DEADLINE,
+        return {
+            "kind": fault.kind, "rank": fault.target, "after_s": self.after, "deadline_s": deadline,
             "outcomes": {str(r): o for r, o in sorted(outcomes.items())}, "workers": states,
         }  # fmt: skip
-    if kind == "stop":
-        # The group goes on: every rank sends once more, and every worker
-        # holds that version (a mismatch ends the run).
-        change(step + 1)
-        dist.barrier()
-        started = time.monotonic()
-        scheme.send()
-        record["recovered_s"] = time.monotonic() - started
-        check("sharded", "recovered")
-    return record if rank == 0 else {}
+
+
+def judge_round(record: dict[str, Any], tp: int) -> list[str]:
+    """What a round broke of what a sender group promises (empty: nothing):
+    no worker holds a mix of two versions, nor a replica two versions; a
+    calm send reaches every worker; a faulted one raises on every rank but
+    the faulted one, the same error, naming the faulted rank or worker,
+    within the deadline and :data:`NAMED_WITHIN` s, and leaves every worker
+    it reached on the new version and the others on the old."""
+    kind, target, states = record["kind"], record["rank"], record["workers"]
+    where = f"{kind} {target}" if kind != "none" else "calm"
+    bad = [
+        f"{where}: worker rank {r} holds a mix of two versions"
+        for r, s in enumerate(states, 1)
+        if s == "mixed"
+    ]
+    for first in range(0, len(states), tp):
+        if len(set(states[first : first + tp])) > 1:
+            bad.append(f"{where}: the replica of worker ranks {first + 1}-{first + tp} runs two versions")
+    outcomes = {int(r): o for r, o in record["outcomes"].items()}
+    if kind == "none":
+        bad += [f"calm: rank {r} raised {o[0]}: {o[1][:200]}" for r, o in outcomes.items() if o[0] != "none"]
+        bad += [f"calm: worker rank {r} holds {s}" for r, s in enumerate(states, 1) if s != "new"]
+        return bad
+    judged = {r: o for r, o in outcomes.items() if not (kind.endswith("-rank") and r == target)}
+    name = f"rank {target}" if kind.endswith("-rank") else f"worker {target - 1}"
+    for r, (error, text, seconds) in judged.items():
+        if error == "none" or name not in text:
+            bad.append(f"{where}: rank {r} did not raise naming {name}: {error} {text[:200]}")
+        if seconds > record["deadline_s"] + NAMED_WITHIN:
+            bad.append(f"{where}: rank {r} raised after {seconds:.2f} s")
+    if len({(o[0], o[1]) for o in judged.values()}) > 1:
+        bad.append(f"{where}: the ranks raised different errors: {sorted({o[0] for o in judged.values()})}")
+    if kind == "stop-worker" and states[target - 1] != "old":
+        bad.append(f"{where}: the stopped worker holds {states[target - 1]}")
+    return bad
+
+
+def _fault_case(
+    rounds: _Round,
+    fault: tuple[str, int],
+    check: Callable[[str, str], None],
+    step: int,
+    seed: int,
+    workers: int,
+    tp: int,
+) -> dict[str, Any]:
+    """(Every rank.) ``fault``: trainer rank K killed (``("kill", K)``) or
+    stopped (``("stop", K)``, continued once the others raised) in a send
+    of deadline :data:`KILL_DEADLINE`; or a soak (``("soak", N)``): N sends
+    of deadline :data:`SOAK_DEADLINE` under the faults of
+    :func:`soak_schedule` (``seed``), each judged (:func:`judge_round`).
+    After a stop, every rank sends once more and every worker must hold
+    that version (``check``; its time is ``recovered_s``). Returns the
+    record on rank 0 ({} on the others)."""
+    import torch.distributed as dist
+
+    kind, count = fault
+    if kind != "soak":
+        record = rounds.run("fault", step, Fault(f"{kind}-rank", count), KILL_DEADLINE)
+        if kind == "stop":
+            # The group goes on: every rank sends once more, and every
+            # worker holds that version (a mismatch ends the run).
+            rounds.change(step + 1)
+            dist.barrier()
+            started = time.monotonic()
+            rounds.scheme.send()
+            record["recovered_s"] = time.monotonic() - started
+            check("sharded", "recovered")
+        return record
+    plan = soak_schedule(seed, count, dist.get_world_size(), workers, tp)
+    records = [rounds.run(f"soak{i}", step + i, f, SOAK_DEADLINE) for i, f in enumerate(plan)]
+    if rounds.rank != 0:
+        return {}
+    return {
+        "kind": "soak", "seed": seed, "rounds": records,
+        "violations": [v for r in records for v in judge_round(r, tp)],
+    }  # fmt: skip
 
 
 def _fault_arg(text: str | None) -> tuple[str, int] | None:
@@ -530,7 +647,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     rank.add_argument("repeats", type=int)
     rank.add_argument("workers", type=int)
     rank.add_argument("tp", type=int)
-    rank.add_argument("--fault", default=None, help="kill:K or stop:K, rank K in a last send")
+    rank.add_argument(
+        "--fault", default=None, help="kill:K or stop:K, rank K in a last send; soak:N, N sends"
+    )
+    rank.add_argument("--seed", type=int, default=0, help="the soak's faults")
     rank.add_argument("--one-host", action="store_true", help="the workers are on the trainer's host")
     worker = roles.add_parser("worker")
     worker.add_argument("host")
@@ -554,7 +674,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.role == "rank":
         rank_main(
             args.rank, args.world, args.init, args.host, args.mib, args.repeats, args.workers, args.tp,
-            _fault_arg(args.fault), args.one_host,
+            _fault_arg(args.fault), args.one_host, args.seed,
         )  # fmt: skip
     elif args.role == "worker":
         worker_main(args.host, args.ports, args.rank, args.mib, args.tp, args.group)
