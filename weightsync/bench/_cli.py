@@ -550,8 +550,8 @@ def _sharded_across_hosts(args: argparse.Namespace, parser: argparse.ArgumentPar
             json.dump(result, handle, indent=1)
     print(format_sharded_table(result))
     # (A soak that broke a promise fails the command, as a test would.)
-    fault = result["row"].get("fault") or {}
-    return 1 if fault.get("violations") else 0
+    soak = result["row"].get("fault") or {}
+    return 1 if soak.get("violations") else 0
 
 
 def _delta(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -33,6 +33,7 @@ from torch import nn
 
 import weightsync as ws
 
+from ._chaos_hosts import RECOVERY
 from ._dist_hosts import control_store, wait_keys
 from ._model import mlp_shapes, tensor_crc
 from ._sharded_hosts import MIB, TIMEOUT, format_sharded_table, run_sharded
@@ -150,13 +151,19 @@ def worker_main(host: str, ports: list[int], rank: int, mib: float, tp: int, gro
     def answer(command: str, tag: Any) -> bool:
         if command == "quit":
             return False
-        # The boxes rank 0 asks of this worker's place, of its own tensors.
-        state = {name: t.to_local() if tp > 1 else t for name, t in models[tag["model"]].state_dict().items()}
-        shapes = {name: tuple(t.shape) for name, t in models[tag["model"]].state_dict().items()}
-        sums = []
-        for name, box in tag["boxes"][str(index)]:
-            i = list(shapes).index(name)
-            sums.append(tensor_crc(_cut(state[name], box, member_box(shapes[name], i, tp, index))))
+        # The boxes rank 0 asks of this worker's place, of its own tensors,
+        # read as a step of the model reads them: no update is applied in
+        # the background meanwhile (one stopped and continued may be
+        # finishing one), as none is during a forward call.
+        scheme = schemes[tag["model"]]
+        with contextlib.nullcontext() if tp > 1 else scheme.get_receiver().step():
+            model = models[tag["model"]]
+            state = {name: t.to_local() if tp > 1 else t for name, t in model.state_dict().items()}
+            shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+            sums = []
+            for name, box in tag["boxes"][str(index)]:
+                i = list(shapes).index(name)
+                sums.append(tensor_crc(_cut(state[name], box, member_box(shapes[name], i, tp, index))))
         ctrl.set(f"crc/{tag['tag']}/{rank}", json.dumps(sums).encode())
         return True
 
@@ -490,6 +497,10 @@ class _Round:
         dist.all_gather_object(self.pids, os.getpid())
         self.worker_pids = worker_pids
         self.after = median / 4  # (its parts still in flight)
+        # (Rank 0.) The CRC32s of the boxes each worker holds, as of the
+        # last round: a round's "old" is what the worker held before it,
+        # whatever the rounds before it failed to deliver.
+        self.held: list[Any] | None = None
 
     def run(self, tag: str, step: int, fault: Fault, deadline: float) -> dict[str, Any]:
         """One send of the next version, ``fault`` injected ``after`` s into
@@ -497,9 +508,11 @@ class _Round:
         stops a worker, and continues whatever was stopped once the
         others raised (past the deadline and :data:`NAMED_WITHIN`). Returns,
         on rank 0, each rank's outcome (what it raised and when) and what
-        each worker holds: the version before (``old``), this one
-        (``new``) or a mix, checked box by box against every rank's shards
-        of both, computed before the send ({} on the other ranks)."""
+        each worker holds: what it held before (``old``: the version of the
+        round before, or of the last one that reached it), this version
+        (``new``) or a mix, checked box by box against every rank's shards,
+        computed before the send ({} on the other ranks). After a stop,
+        rank 0 waits ``RECOVERY`` s (the others at the next round)."""
         import torch.distributed as dist
 
         old_asked, old = self.expect("sharded")
@@ -539,10 +552,19 @@ class _Round:
         for timer in timers:
             timer.join()  # (whatever was stopped runs again: it answers)
         got = self.ask("sharded", tag, old_asked)
+        places = [str((r - 1) % self.tp) for r in range(1, len(got) + 1)]
+        before = self.held if self.held is not None else [old[place] for place in places]
         states = []
-        for r, sums in enumerate(got, 1):
-            place = str((r - 1) % self.tp)
-            states.append("old" if sums == old[place] else "new" if sums == new[place] else "mixed")
+        for r, sums in enumerate(got):
+            states.append("old" if sums == before[r] else "new" if sums == new[places[r]] else "mixed")
+            if states[-1] == "new":
+                before[r] = sums
+        self.held = before
+        if fault.kind.startswith("stop"):
+            # Healed: what it stopped may still be named for a while (the
+            # chain it woke into ends within its first-frame wait), as in
+            # the single sender's soak; the next round is judged after it.
+            time.sleep(RECOVERY)
         return {
             "kind": fault.kind, "rank": fault.target, "after_s": self.after, "deadline_s": deadline,
             "outcomes": {str(r): o for r, o in sorted(outcomes.items())}, "workers": states,
