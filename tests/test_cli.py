@@ -276,6 +276,11 @@ def test_bench_sharded_trainer_says_what_it_needs(capsys: pytest.CaptureFixture[
             ["--sharded-trainer", "2x2", "--emulate-hosts", "5", "--worker-tp", "2"],
             "the 3 workers make no replicas of 2",
         ),
+        (
+            ["--sharded-trainer", "2x2", "--emulate-hosts", "4", "--soak", "5", "--kill-rank", "1"],
+            "--kill-rank, --stop-rank and --soak: one of them per run",
+        ),
+        (["--sharded-trainer", "2x2", "--emulate-hosts", "4", "--soak", "0"], "--soak 0: one send or more"),
     ]
     for args, said in cases:
         with pytest.raises(SystemExit) as exc:
