@@ -237,7 +237,12 @@ def trainer_main(host: str, workers: int, path: str, wire: str, nic: str) -> Non
     source = _views(flat, _DTYPES[wire])
     schemes = {}
     for model_id in ("delta", "full"):
-        scheme = ws.DistributedWeightSyncScheme(timeout=_TIMEOUT, delta=model_id == "delta")
+        # Both along the chain, like for like: with delta, the trainer does
+        # not feed its own host's workers from its buffer, so neither does
+        # the full one (on one host it would send nothing over the link).
+        scheme = ws.DistributedWeightSyncScheme(
+            timeout=_TIMEOUT, delta=model_id == "delta", share_from_trainer=False
+        )
         scheme.init_on_sender(model_id, num_workers=workers, model=source, host=host)
         schemes[model_id] = scheme
     ctrl = control_store(host, 0, master=True)
