@@ -44,7 +44,6 @@ __all__ = [
     "Part",
     "Piece",
     "Want",
-    "boxes_of",
     "classes_of",
     "local_tensors",
     "part_signature",
@@ -256,7 +255,9 @@ def pieces_misfit(manifest: Manifest, parts: Sequence[Part]) -> str | None:
     return f"this worker's model does not fit the trainer's sharded weights: {shown}"
 
 
-def boxes_of(targets: Mapping[str, torch.Tensor], part: Part, want: Want | None = None) -> list[torch.Tensor]:
+def _boxes_of(
+    targets: Mapping[str, torch.Tensor], part: Part, want: Want | None = None
+) -> list[torch.Tensor]:
     """The views of ``targets`` (by name: whole tensors, or the boxes
     ``want`` says the worker holds) that ``part``'s pieces go into, in its
     pieces' order."""
@@ -278,7 +279,7 @@ def place(
 ) -> None:
     """Write ``part``'s pieces (``sources``, in its manifest's order, which
     is its pieces' order) into their boxes of ``targets`` (see
-    :func:`boxes_of`), on up to ``threads`` threads: byte copies where a
+    :func:`_boxes_of`), on up to ``threads`` threads: byte copies where a
     box is contiguous, as a whole update's copy is (never torch's intra-op
     pool, whose cores belong to the worker's own work)."""
-    copy_tensors(boxes_of(targets, part, want), sources, threads=threads)
+    copy_tensors(_boxes_of(targets, part, want), sources, threads=threads)

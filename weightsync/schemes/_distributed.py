@@ -24,7 +24,6 @@ from .._exceptions import (
 from .._facade import WeightSender
 from .._frames import CHUNK_BYTES
 from .._packing import Keys
-from .._send import refuse_options
 from .._sender import DEFAULT_TIMEOUT, AsyncWeightSender, SendReport
 from .._strategy import is_dtensor, values_of
 from .._transports._base import SenderTransport, Staging
@@ -632,7 +631,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         # worker said what it holds) needs: the store, this rank's address,
         # the workers, the trainer's group.
         self._group_setting = _GroupSetting(store, (store_host, port), host, num_workers, group)
-        self._group_sender = GroupSender(self)
+        self._group_sender = GroupSender(self, self._group)
         if rank == 0:
             self._group.publish()
         # This rank's sends go through the senders of the plan (one per
@@ -669,14 +668,10 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             return super().send(
                 weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify, **unknown
             )
-        refuse_options(unknown, "send()")
-        if worker_ids is not None or keys is not None or partial or verify is not None:
-            raise ValueError(
-                f"{type(self).__name__}: a sharded trainer's send() sends whole versions to every worker, "
-                "checked as the scheme says (verify=...): it takes no worker_ids, keys, partial or verify"
-            )
         assert self._group_sender is not None
-        return self._group_sender._send(weights, timeout, connect=False)
+        return self._group_sender.send(
+            weights, worker_ids, timeout=timeout, keys=keys, partial=partial, verify=verify, **unknown
+        )
 
     def _plan_group(self, until: float) -> None:
         """Make the plan (collective, once): rank 0 reads what every worker

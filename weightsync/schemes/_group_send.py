@@ -53,10 +53,11 @@ class GroupSender:
     ``connect()`` go through it.
     """
 
-    def __init__(self, scheme: Any) -> None:
-        # (The rank's DistributedWeightSyncScheme: its group, its plan and
-        # its class senders, which it owns.)
+    def __init__(self, scheme: Any, group: Any) -> None:
+        # (The rank's DistributedWeightSyncScheme, which owns the plan and
+        # the class senders, and its SenderGroup.)
         self._scheme = scheme
+        self._group = group
         self._staged: _Staged | None = None
         # Sends of a version that Ctrl-C ended on this rank before their
         # acks were gathered: the next call waits for them to end first
@@ -119,8 +120,7 @@ class GroupSender:
         :raises WeightSyncStateError: a ``send_async()`` is pending.
         """
         self._refuse("send_async()", unknown, worker_ids, keys, partial, verify)
-        scheme, group = self._scheme, self._scheme._group
-        assert group is not None
+        scheme = self._scheme
         seq, wait, until, first = self._begin(timeout, connect=False)
         handles: list[SendHandle] = []
         early: Outcome | None = None
@@ -224,8 +224,7 @@ class GroupSender:
         whether it is the first (its plan is made first)."""
         from .._transports._distributed._group import GRACE
 
-        scheme, group = self._scheme, self._scheme._group
-        assert group is not None
+        scheme, group = self._scheme, self._group
         group.seq += 1
         wait = scheme.timeout if timeout is None else timeout
         first = scheme._class_senders is None
@@ -234,21 +233,18 @@ class GroupSender:
 
     def _parts(self, weights: Any) -> Iterable[tuple[WeightSender, Any]]:
         """Each class's sender, and this rank's part of ``weights`` cut to the class."""
-        scheme, group = self._scheme, self._scheme._group
-        assert group is not None and scheme._class_senders is not None
+        scheme, group = self._scheme, self._group
+        assert scheme._class_senders is not None
         tensors = values_of(scheme._model if weights is None else weights)
         for sub, sender in scheme._class_senders:
             yield sender, local_tensors(tensors, group.part, sub)
 
     def _combined(self, seq: int, results: list[SendReport | Exception]) -> Outcome:
-        group = self._scheme._group
-        assert group is not None
-        return combine(group.rank, seq, results)
+        return combine(self._group.rank, seq, results)
 
     def _failed(self, seq: int, exc: Exception) -> Outcome:
         """This rank's outcome of send ``seq`` that raised ``exc``."""
-        group = self._scheme._group
-        assert group is not None
+        group = self._group
         if isinstance(exc, WeightMismatchError | InvalidWeightsError):
             return Outcome(group.rank, seq, error=f"{type(exc).__name__}: {exc}", refused=exc)
         if isinstance(exc, WorkerError):
@@ -258,17 +254,15 @@ class GroupSender:
 
     def _interrupted(self, seq: int, exc: BaseException) -> None:
         """Ctrl-C on this rank: the others hear of it now, not at the deadline."""
-        group = self._scheme._group
-        assert group is not None
+        group = self._group
         with contextlib.suppress(Exception):
             group.exchange(seq, Outcome(group.rank, seq, error=type(exc).__name__), time.monotonic())
 
     def _finish(self, seq: int, outcome: Outcome, until: float) -> SendReport:
         """Publish this rank's ``outcome``, read the others' (until
         ``until``), and return the group's report or raise its error."""
-        scheme, group = self._scheme, self._scheme._group
-        assert group is not None
+        group = self._group
         outcomes, dead = group.exchange(seq, outcome, until)
         # A rank that skipped versions brings every rank's count up to it.
         group.seq = max([group.seq] + [o.version for o in outcomes.values() if o.version is not None])
-        return merge(outcomes, group.size, seq, scheme._model_id, dead)
+        return merge(outcomes, group.size, seq, self._scheme._model_id, dead)

@@ -58,7 +58,6 @@ from typing import Any
 import anyio
 import torch
 
-from ..._copy import copy_tensors
 from ..._digest import mismatched
 from ..._exceptions import (
     SenderClosedError,
@@ -67,7 +66,7 @@ from ..._exceptions import (
     WeightMismatchError,
 )
 from ..._packet import Manifest, Signature
-from ..._shards import Boxes, Part, Want, boxes_of, part_signature, pieces_misfit, sub_part
+from ..._shards import Boxes, Part, Want, part_signature, pieces_misfit, place, sub_part
 from .._chain._gloo import connect_store
 from .._chain._pipeline import short_message
 from ._protocol import get_now, session_key, wait_key
@@ -335,14 +334,9 @@ class PartsUpdate:
 
     def apply(self, model: Any, targets: list[torch.Tensor], manifest: Manifest) -> None:
         by_name = dict(zip(manifest.names, targets, strict=True))
-        boxes: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
-        for part, part_manifest, update in zip(self.parts, self.manifests, self.updates, strict=True):
-            boxes += boxes_of(by_name, part, self.want)
-            sources += part_manifest.views(update.buffer)
-        # (One copy of every part, spread over the threads as a whole update's.)
         with torch.no_grad():
-            copy_tensors(boxes, sources, threads=self.threads)
+            for part, part_manifest, update in zip(self.parts, self.manifests, self.updates, strict=True):
+                place(by_name, part, part_manifest.views(update.buffer), self.want, threads=self.threads)
 
 
 class Commit:
