@@ -54,7 +54,7 @@ def test_a_model_that_does_not_fit_the_parts_is_told_why() -> None:
 def test_pieces_are_written_into_their_boxes() -> None:
     part = Part(1, (Piece("w", (4, 3), "float32", ((0, 4), (1, 3))),))
     target = {"w": torch.zeros(4, 3)}
-    place(target, part, [torch.ones(4, 2)])
+    place(target, [(part, [torch.ones(4, 2)])])
     assert torch.equal(target["w"][:, 0], torch.zeros(4)) and torch.equal(
         target["w"][:, 1:], torch.ones(4, 2)
     )
@@ -75,7 +75,7 @@ def test_a_tensor_parallel_worker_takes_only_the_box_it_holds() -> None:
     assert torch.equal(sent["w"], local[:, 2:4]) and sent["w"].data_ptr() == local[:, 2:].data_ptr()
     # ... which the worker writes into rows 0..3 of its 8 x 2 local shard.
     targets = {"b": torch.zeros(4), "w": torch.zeros(8, 2)}
-    place(targets, sub, [sent["b"], sent["w"].contiguous()], want)
+    place(targets, [(sub, [sent["b"], sent["w"].contiguous()])], want)
     assert torch.equal(targets["w"][:4], local[:, 2:4]) and torch.equal(targets["w"][4:], torch.zeros(4, 2))
     assert torch.equal(targets["b"], torch.ones(4))
     # A worker holding rows 4..8 takes nothing of this rank's weight.

@@ -255,31 +255,25 @@ def pieces_misfit(manifest: Manifest, parts: Sequence[Part]) -> str | None:
     return f"this worker's model does not fit the trainer's sharded weights: {shown}"
 
 
-def _boxes_of(
-    targets: Mapping[str, torch.Tensor], part: Part, want: Want | None = None
-) -> list[torch.Tensor]:
-    """The views of ``targets`` (by name: whole tensors, or the boxes
-    ``want`` says the worker holds) that ``part``'s pieces go into, in its
-    pieces' order."""
-    views = []
-    for piece in part.pieces:
-        target = targets[piece.name]
-        origin = tuple((0, n) for n in piece.shape) if want is None else want.box(piece.name, piece.shape)
-        views.append(target if piece.box == origin else target[_within(piece.box, origin)])
-    return views
-
-
 def place(
     targets: Mapping[str, torch.Tensor],
-    part: Part,
-    sources: Sequence[torch.Tensor],
+    parts: Sequence[tuple[Part, Sequence[torch.Tensor]]],
     want: Want | None = None,
     *,
     threads: int = 1,
 ) -> None:
-    """Write ``part``'s pieces (``sources``, in its manifest's order, which
-    is its pieces' order) into their boxes of ``targets`` (see
-    :func:`_boxes_of`), on up to ``threads`` threads: byte copies where a
-    box is contiguous, as a whole update's copy is (never torch's intra-op
-    pool, whose cores belong to the worker's own work)."""
-    copy_tensors(_boxes_of(targets, part, want), sources, threads=threads)
+    """Write each part's pieces (its ``sources``, in its manifest's order,
+    which is its pieces' order) into their boxes of ``targets`` (by name:
+    whole tensors, or the boxes ``want`` says the worker holds), all parts
+    in one copy on up to ``threads`` threads: byte copies where a box is
+    contiguous, as a whole update's copy is (never torch's intra-op pool,
+    whose cores belong to the worker's own work)."""
+    boxes: list[torch.Tensor] = []
+    froms: list[torch.Tensor] = []
+    for part, sources in parts:
+        for piece, source in zip(part.pieces, sources, strict=True):
+            target = targets[piece.name]
+            origin = tuple((0, n) for n in piece.shape) if want is None else want.box(piece.name, piece.shape)
+            boxes.append(target if piece.box == origin else target[_within(piece.box, origin)])
+            froms.append(source)
+    copy_tensors(boxes, froms, threads=threads)

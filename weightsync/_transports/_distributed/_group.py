@@ -334,9 +334,12 @@ class PartsUpdate:
 
     def apply(self, model: Any, targets: list[torch.Tensor], manifest: Manifest) -> None:
         by_name = dict(zip(manifest.names, targets, strict=True))
+        parts = [
+            (part, part_manifest.views(update.buffer))
+            for part, part_manifest, update in zip(self.parts, self.manifests, self.updates, strict=True)
+        ]
         with torch.no_grad():
-            for part, part_manifest, update in zip(self.parts, self.manifests, self.updates, strict=True):
-                place(by_name, part, part_manifest.views(update.buffer), self.want, threads=self.threads)
+            place(by_name, parts, self.want, threads=self.threads)
 
 
 class Commit:
