@@ -80,8 +80,8 @@ def run_sharded(
     the workers are replicas of that many tensor-parallel members, on
     consecutive hosts; ``fault`` (``("kill", K)`` or ``("stop", K)``):
     after the timed sends trainer rank K (1 or more: rank 0 drives the
-    run) is killed, or stopped until the others raised, a quarter of the
-    way into one more send, in place of the gather rows (the row's
+    run) is killed, or stopped until the others raised, a quarter of its
+    fastest timed send into one more send, in place of the gather rows (the row's
     ``fault``: each rank's outcome, what each worker holds, and for a
     stop, the time of the send after it); or ``("soak", N)``: N more sends
     under the seeded faults of ``_sharded_procs.soak_schedule`` (``seed``),
