@@ -41,7 +41,9 @@ class FakeWorker:
         version = 0
         while self.theirs.poll(0.05):
             message = self.theirs.recv()
-            assert message[0] == "update"
+            # (After the first, a notice like the last but for its version
+            # is only that: "again".)
+            assert message[0] in ("update", "again")
             version = message[1]
         return version
 
@@ -284,17 +286,81 @@ def test_a_notice_is_framed_once_and_carries_each_sends_version() -> None:
     notice pickled whole, whatever the version (and a descriptor that holds
     the version's mark itself falls back to framing each notice whole)."""
     from weightsync._memory._segment import SegmentRef
-    from weightsync._transports._pipes._transport import _MARK_BYTES, EncodedUpdates
+    from weightsync._transports._pipes._transport import _MARK_BYTES, EncodedUpdates, VersionedFrames
 
     for token in (b"\x00" * 16, _MARK_BYTES * 3 + b"x"):
+        frames = VersionedFrames()
         notices = EncodedUpdates()
         ref = SegmentRef(os.getpid(), 5, 1 << 20, token)
+        told = None
         for version in (1, 2, 255, 256, 65536, 2**31 - 1, 2**31, 2**40):
             message = ("update", version, "layout", ref, 2, os.getpid(), None, None)
-            data = notices.encoded(message)
+            data = frames.encoded(message)
             assert int.from_bytes(data[:4], "big") == len(data) - 4  # Connection's framing
             assert pickle.loads(data[4:]) == message
-            assert notices.encoded(message) is data  # every worker of the send: the same bytes
+            assert frames.encoded(message) is data  # every worker of the send: the same bytes
+            # A worker told this notice before, but for its version, is told the version only.
+            said = pickle.loads(notices.encoded(message, told)[4:])
+            assert said == (message if told is None else ("again", version))
+            told = message[:1] + message[2:]
+        moved = ("update", 2**40 + 1, "layout", SegmentRef(os.getpid(), 6, 2 << 20, token), 2, 1, None, None)
+        assert pickle.loads(notices.encoded(moved, told)[4:]) == moved  # (another segment: whole)
+
+
+def test_a_worker_is_told_the_version_only_while_the_rest_stays_and_whole_after_a_hello(
+    worker: FakeWorker,
+) -> None:
+    """In the steady state a notice is ("again", version); once the sender
+    read the worker's new hello it tells it the whole notice (an "again"
+    it posted before reading the hello is passed over by the worker)."""
+    kinds = []
+    for _ in range(3):
+        worker.sender.send_async()
+        assert worker.theirs.poll(5)
+        message = worker.theirs.recv()
+        kinds.append(message[0])
+        worker.theirs.send(("ack", message[1], None))
+        assert worker.sender.wait_async().version == message[1]
+    assert kinds == ["update", "again", "again"], kinds
+    signature = Manifest.of(worker.model.state_dict()).signature
+    worker.theirs.send(("hello", "policy", os.getpid(), signature, ("cpu",)))
+    worker.sender.send_async()
+    said = []
+    while not said or said[-1][0] != "update":
+        assert worker.theirs.poll(5), said
+        said.append(worker.theirs.recv())
+    assert [m[0] for m in said] in (["update"], ["again", "update"]), said
+    assert len({m[1] for m in said}) == 1, said
+    worker.theirs.send(("ack", said[-1][1], None))
+    worker.sender.wait_async()
+
+
+def test_a_worker_reads_again_as_its_last_notice_with_the_new_version() -> None:
+    """The worker's end keeps the last whole notice it read: an "again"
+    is that notice with another version; one before any whole notice (sent
+    before the sender heard this endpoint's hello) is passed over."""
+    from weightsync._memory._segment import SegmentRef
+    from weightsync._transports._pipes._channel import frame
+    from weightsync._transports._pipes._copy_staging import CopyReader
+    from weightsync._transports._pipes._transport import PipeEndpoint
+
+    ours, theirs = mp.Pipe()
+    endpoint = PipeEndpoint(ours, "policy", CopyReader())
+    try:
+        fd = theirs.fileno()
+        os.write(fd, frame(("again", 3)))
+        assert endpoint.take_ready() is None
+        ref = SegmentRef(os.getpid(), 5, 1 << 20, b"\x00" * 16)
+        os.write(fd, frame(("update", 4, "layout", ref, 2, os.getpid(), None, None)) + frame(("again", 5)))
+        update = endpoint.take_ready()
+        assert update is not None
+        assert (update.version, update.layout_id, update.descriptor) == (5, "layout", ref)
+        os.write(fd, frame(("again", 6)))
+        update = endpoint.take_ready()
+        assert update is not None and (update.version, update.descriptor, update.threads) == (6, ref, 2)
+    finally:
+        ours.close()
+        theirs.close()
 
 
 def test_the_channel_reads_frames_split_or_together() -> None:

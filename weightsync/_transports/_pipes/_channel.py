@@ -87,6 +87,9 @@ class PipeChannel:
         # Bytes read but not yet taken as messages (the start of a frame
         # whose rest has not come, or the frames after the one taken).
         self._pending = bytearray()
+        # wait_ready() saw the pipe readable, and nothing read since: the
+        # next read need not ask again (one system call less per message).
+        self._readable_seen = False
 
     def watch(self, pid: int) -> None:
         """Start watching process ``pid`` (the peer) for its exit."""
@@ -195,24 +198,44 @@ class PipeChannel:
         extent = self._extent()
         return extent is not None and len(self._pending) >= extent[1]
 
+    def _read_some(self) -> bool:
+        """Read what the pipe holds into the buffer, without waiting; False
+        if it held nothing."""
+        try:
+            seen, self._readable_seen = self._readable_seen, False
+            if not seen and not _readable(self._fd):
+                return False
+            extent = self._extent()
+            want = _READ_SIZE if extent is None else max(_READ_SIZE, extent[1] - len(self._pending))
+            got = os.read(self._fd, want)
+        except (OSError, ValueError) as exc:
+            raise self._closed(exc) from exc
+        if not got:
+            raise self._closed(EOFError(""))
+        self._pending += got
+        return True
+
     def poll(self) -> tuple[Any, ...] | None:
         """The next message if one is ready, without waiting."""
         data = self._frame()
         if data is None:
-            try:
-                if not _readable(self._fd):
-                    return None
-                extent = self._extent()
-                want = _READ_SIZE if extent is None else max(_READ_SIZE, extent[1] - len(self._pending))
-                got = os.read(self._fd, want)
-            except (OSError, ValueError) as exc:
-                raise self._closed(exc) from exc
-            if not got:
-                raise self._closed(EOFError(""))
-            self._pending += got
+            if not self._read_some():
+                return None
             data = self._frame()
             if data is None:
                 return None  # (the rest of the frame is still to come)
+        return self._decode(data)
+
+    def poll_all(self) -> list[tuple[Any, ...]]:
+        """Every message the pipe holds now, in order, without waiting (one
+        read, where the pipe is readable)."""
+        self._read_some()
+        messages = []
+        while (data := self._frame()) is not None:
+            messages.append(self._decode(data))
+        return messages
+
+    def _decode(self, data: bytes) -> tuple[Any, ...]:
         try:
             # Trusted: the pipe the user set up between their own processes
             # (unpickling runs code; see docs/usage.md on what the channel trusts).
@@ -264,9 +287,11 @@ class PipeChannel:
                     return True
             return False
         try:
-            return bool(select.select(fds, [], [], timeout)[0])
+            ready = select.select(fds, [], [], timeout)[0]
         except (OSError, ValueError):
             return True  # closed: the next read reports it
+        self._readable_seen = self._fd in ready
+        return bool(ready)
 
     def close(self) -> None:
         self._fds = None

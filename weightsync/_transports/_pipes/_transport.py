@@ -14,6 +14,8 @@ travel here::
     sender -> worker   ("update", version, layout_id, descriptor, copy_threads, sender_pid, subset, digests)
                        subset: a partial update's signature, or None
                        digests: the tensors' digests (verify=True), or None
+                       ("again", version)             the last "update" sent to this worker
+                                                      but its version (the steady state)
                        ("close",)
 
 The sender checks every message it reads (:class:`WorkerProtocolError` for
@@ -43,7 +45,7 @@ from .._base import EVERY_VERSION, DeviceAwareStaging, Staging, StagingReader, w
 from .._peer import describe_exit, exit_status, started_here
 from ._channel import PipeChannel, frame
 
-__all__ = ["EncodedUpdates", "PipeEndpoint", "PipeSenderTransport", "PipeUpdate"]
+__all__ = ["EncodedUpdates", "PipeEndpoint", "VersionedFrames", "PipeSenderTransport", "PipeUpdate"]
 
 
 # -- the sender's channel to one worker ----------------------------------------
@@ -68,13 +70,13 @@ _MARK_BYTES = b"J" + struct.pack("<i", _MARK)
 _VERSION = struct.Struct("<i")
 
 
-class EncodedUpdates:
-    """The update notices of one sender, framed: the workers of one send
-    are told the same thing (the staging's descriptor is one for all of
-    them), and from send to send only the version changes. So a notice is
-    framed once per layout and descriptor, with a mark where the version
-    goes, and each send writes its version over the mark: no pickling on
-    a send's path."""
+class VersionedFrames:
+    """Framed messages whose second field is a version, where from one
+    message to the next usually only the version changes (a sender's
+    update notices, one for all the workers of a send; a worker's acks).
+    Each is framed once per rest, with a mark where the version goes, and
+    each message writes its version over the mark: no pickling on a
+    send's path."""
 
     def __init__(self) -> None:
         # (message without its version, the framed template, the mark's offset or -1)
@@ -91,7 +93,7 @@ class EncodedUpdates:
             template = frame((message[0], _MARK, *message[2:]))
             at = template.find(_MARK_BYTES)
             if at < 0 or template.find(_MARK_BYTES, at + 1) >= 0:
-                at = -1  # (the mark is not there once: frame each notice whole)
+                at = -1  # (the mark is not there once: frame each message whole)
             last = self._last = (rest, template, at)
         version, (_, template, at) = message[1], last
         if at < 0 or not 0 <= version < 2**31:
@@ -102,6 +104,26 @@ class EncodedUpdates:
             data = bytes(patched)
         self._framed = (message, data)
         return data
+
+
+class EncodedUpdates:
+    """The update notices of one sender, framed (:class:`VersionedFrames`):
+    the workers of one send are told the same thing (the staging's
+    descriptor is one for all of them). A worker told the same notice
+    before, but for its version, is told only the version (``("again",
+    version)``): it keeps the rest of the last notice it read (the pipe
+    delivers in order, so both ends agree on which that is)."""
+
+    def __init__(self) -> None:
+        self._full = VersionedFrames()
+        self._again = VersionedFrames()
+
+    def encoded(self, message: tuple[Any, ...], told: tuple[Any, ...] | None) -> bytes:
+        """``message`` framed for a worker last told ``told`` (its notice
+        without the version; None: nothing yet)."""
+        if told is not None and told == message[:1] + message[2:]:
+            return self._again.encoded(("again", message[1]))
+        return self._full.encoded(message)
 
 
 class PipeSenderTransport:
@@ -135,6 +157,10 @@ class PipeSenderTransport:
         # it tells how the worker ended even after the user joined it.
         self._process: multiprocessing.process.BaseProcess | None = None
         self._posted = 0
+        # The last notice this worker was sent, without its version (None:
+        # none since it announced itself): the next one like it is only
+        # its version (see EncodedUpdates).
+        self._told: tuple[Any, ...] | None = None
         # The worker re-initialised since the current update was posted.
         self._resend = False
         self._closed = False
@@ -202,6 +228,7 @@ class PipeSenderTransport:
         except Exception as exc:
             raise self._garbled(f"it announced a model that cannot be read ({exc})") from exc
         self.worker_pid = pid
+        self._told = None  # (a fresh worker knows no notice)
         self._process = started_here(pid)
         self._channel.watch(pid)
         self.devices = devices
@@ -240,7 +267,9 @@ class PipeSenderTransport:
         )
 
     def post(self, packet: Packet) -> bool:
-        if self._channel.try_send_framed(self._updates.encoded(self._update(packet))):
+        update = self._update(packet)
+        if self._channel.try_send_framed(self._updates.encoded(update, self._told)):
+            self._told = update[:1] + update[2:]
             self._posted = packet.version
             self._resend = False
             return True
@@ -255,7 +284,10 @@ class PipeSenderTransport:
         while True:
             if self._untold(packet):
                 self._resend = False
-                await self._channel.send(self._update(packet))
+                update = self._update(packet)
+                self._told = None  # (if the send is cut short, the worker may not have it whole)
+                await self._channel.send(update)
+                self._told = update[:1] + update[2:]
                 self._posted = packet.version
             message = await self._channel.recv()
             if message is not None and self._take(message, packet):
@@ -381,6 +413,11 @@ class PipeEndpoint:
         self.reader = reader
         self._channel = PipeChannel(pipe, self.lost, self.lost)
         self._closed = False
+        # The last full notice read, but for its version: an "again" is it
+        # with another version (see EncodedUpdates).
+        self._told: tuple[Any, ...] | None = None
+        # Acks, framed once and patched with each version.
+        self._acks = VersionedFrames()
 
     def lost(self, reason: str) -> SenderLostError:
         return SenderLostError(
@@ -393,12 +430,20 @@ class PipeEndpoint:
 
     def _handle(self, message: tuple, latest: PipeUpdate | None) -> PipeUpdate | None:
         kind = message[0]
+        if kind == "again":
+            told = self._told
+            if told is None:
+                # (Sent before the sender read this endpoint's hello: it
+                # tells this worker again, in full, once it has.)
+                return latest
+            return PipeUpdate(message[1], *told)
         if kind == "update":
             if len(message) != 8:
                 raise self.lost(f"it sent {message!r:.80}, which is not a message")
             _, version, layout_id, descriptor, threads, sender_pid, subset, digests = message
             self._channel.watch(sender_pid)
-            return PipeUpdate(version, layout_id, descriptor, threads, self, subset, digests)
+            self._told = (layout_id, descriptor, threads, self, subset, digests)
+            return PipeUpdate(version, *self._told)
         if kind == "close":
             # A slot on the trainer's GPU lives only as long as its process:
             # the model keeps running on copies of its own, and the worker
@@ -416,7 +461,7 @@ class PipeEndpoint:
         # partial update is never skipped so: the sender moves on from one
         # only once this worker acked it, or no longer sends partial
         # updates to it.)
-        while (message := self._channel.poll()) is not None:
+        for message in self._channel.poll_all():
             latest = self._handle(message, latest)
         return latest
 
@@ -441,7 +486,10 @@ class PipeEndpoint:
         await self._channel.send(self._reply(version, error))
 
     def try_reply(self, version: int, error: str | None = None) -> bool:
-        return self._channel.try_send(self._reply(version, error))
+        reply = self._reply(version, error)
+        if error is not None:
+            return self._channel.try_send(reply)
+        return self._channel.try_send_framed(self._acks.encoded(reply))
 
     def wait_ready(self, timeout: float) -> bool:
         return self._channel.wait_ready(timeout)
