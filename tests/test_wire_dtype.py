@@ -137,3 +137,26 @@ def test_a_float32_worker_is_refused_before_anything_moves() -> None:
     finally:
         worker.shutdown()
         scheme.shutdown()
+
+
+def test_a_kept_read_casts_into_the_same_list_and_a_callers_own_is_not_held() -> None:
+    """A module's read, kept from send to send, casts into the same list
+    object (so the staging's copy plan for it is kept, not made again per
+    send); the caller's own tensors are cast into a new list each time and
+    not held once the call returned."""
+    import gc
+    import weakref
+
+    wire = WireCast(torch.bfloat16)
+    kept = [torch.randn(64), torch.arange(4)]
+    first = wire.cast(kept, keep=True)
+    assert wire.cast(kept, keep=True) is first
+    assert first[1] is kept[1] and first[0].dtype == torch.bfloat16
+    assert torch.equal(first[0], kept[0].to(torch.bfloat16))
+    own = [torch.randn(64), torch.arange(4)]
+    alive = weakref.ref(own[1])
+    cast = wire.cast(own)
+    assert cast is not wire.cast(own) and torch.equal(cast[0], own[0].to(torch.bfloat16))
+    del own, cast
+    gc.collect()
+    assert alive() is None

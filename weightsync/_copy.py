@@ -231,13 +231,19 @@ class PlanCache:
         self._sources_move = sources_move
         self._last: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], CopyPlan] | None = None
 
-    def plan(self, destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> CopyPlan:
+    def plan(
+        self, destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], *, unmoved: bool = False
+    ) -> CopyPlan:
+        """The plan for these lists. ``unmoved``: the caller checked, just
+        now, that no tensor of either list moved since it last passed them
+        (a sender's read of its model checks every tensor's address): they
+        are not asked again."""
         last = self._last
         if (
             last is None
             or last[0] is not destinations
             or last[1] is not sources
-            or not last[2].still_valid(sources=self._sources_move)
+            or (not unmoved and not last[2].still_valid(sources=self._sources_move))
         ):
             last = self._last = (destinations, sources, CopyPlan(destinations, sources))
         return last[2]
@@ -282,21 +288,27 @@ class WireCast:
             raise ValueError(f"wire_dtype must be a floating dtype narrower than float32, not {dtype}")
         self.dtype = dtype
         self._buffers: dict[int, torch.Tensor] = {}
+        # The list the last cast returned.
+        self._out: list[torch.Tensor] = []
 
     def wire_dtype_of(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a tensor of ``dtype`` travels as (only float32 is cast)."""
         return self.dtype if dtype == torch.float32 else dtype
 
     def cast(
-        self, tensors: Sequence[torch.Tensor], threads: int = 1, stream: Any = None
+        self, tensors: Sequence[torch.Tensor], threads: int = 1, stream: Any = None, *, keep: bool = False
     ) -> list[torch.Tensor]:
         """``tensors`` with every float32 one replaced by its cast (a buffer
         of this object's, valid until the next call). ``stream``: the
         caller's CUDA stream, which casts on a GPU are enqueued on (None:
-        that GPU's current stream); they are not waited for. Blocks for the
-        casts in host memory; an interruption is raised only once every
-        helper thread ended."""
+        that GPU's current stream); they are not waited for. ``keep``:
+        ``tensors`` is a read kept from send to send (a module's), and so
+        may the list returned be: the same list object while the same
+        buffers and tensors make it up (a copy plan kept for it stays).
+        Blocks for the casts in host memory; an interruption is raised only
+        once every helper thread ended."""
         out: list[torch.Tensor] = []
+        last = self._out
         pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         for index, tensor in enumerate(tensors):
             if tensor.dtype != torch.float32:
@@ -320,6 +332,12 @@ class WireCast:
         parts = max(1, min(threads, len(pieces) * _TORCH_GRAIN * 4 // PARALLEL_COPY_BYTES))
         shares = [pieces[i::parts] for i in range(parts)]
         run_on_threads([functools.partial(_cast_pieces, share) for share in shares], (tensors, out))
+        if not keep:
+            self._out = []  # (the caller's own tensors are not held past its send)
+            return out
+        if len(out) == len(last) and all(a is b for a, b in zip(out, last, strict=True)):
+            return last
+        self._out = out
         return out
 
 

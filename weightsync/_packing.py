@@ -134,7 +134,7 @@ class Packer:
         sums: tuple[int, ...] | None = None
         if self._wire is not None:
             # Cast once, here: every staging then moves the cast bytes.
-            cast = self._wire.cast(packet.tensors, usable_cores(), packet.stream)
+            cast = self._wire.cast(packet.tensors, usable_cores(), packet.stream, keep=packet.reused)
             packet = dataclasses.replace(packet, tensors=cast)
         if staging is not None:
             # A staging digests what it stages, each block as it is copied.

@@ -191,7 +191,8 @@ class Segment:
             if digest:
                 sums = copy_out(views, packet.tensors, True, usable_cores())
             else:
-                self._plans.plan(views, packet.tensors).run(usable_cores())
+                # (A reused read was checked for moved tensors as it was taken.)
+                self._plans.plan(views, packet.tensors, unmoved=packet.reused).run(usable_cores())
                 if not packet.reused:
                     self._plans.clear()  # (the caller's tensors, not to be held past the send)
                 sums = None
