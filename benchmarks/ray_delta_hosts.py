@@ -89,24 +89,24 @@ def _driver(hosts: int, mib: float, steps: int, trajectory: str, delta_only: boo
         # agents start with the first): with delta=True, until one went as
         # a delta to every host, which then all hold the base.
         for _ in range(4):
-            scheme.send()
-            if scheme.last_delta == [delta]:
+            chain = scheme.send().chain
+            if chain is not None and chain.delta == (delta,):
                 break
         row: dict[str, Any] = {"delta": delta, "bytes": nbytes, "times": [], "wire": []}
         row.update(chains=[], why=[])
         for step in range(1, steps + 1):
             want = load(step)
             started = time.perf_counter()
-            scheme.send()
+            chain = scheme.send().chain or ws.ChainReport()
             elapsed = time.perf_counter() - started
             got = ray.get([a.checksums.remote() for a in actors])
             bad = [i for i, sums in enumerate(got) if sums != want]
             if bad:
                 raise SystemExit(f"step {step}: actors {bad} do not hold the trainer's weights")
             row["times"].append(elapsed)
-            row["wire"].append(scheme.last_wire_bytes)
-            row["chains"].append(scheme.last_delta)
-            row["why"].append(scheme.last_delta_choice.get("why", ""))
+            row["wire"].append(chain.wire_bytes)
+            row["chains"].append(list(chain.delta))
+            row["why"].append(chain.delta_choice.get("why", ""))
         scheme.shutdown()
         print(json.dumps(row), flush=True)
     ray.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import subprocess
@@ -254,6 +255,20 @@ def test_a_check_once_still_fails_when_a_worker_holds_other_weights(name: str) -
         run_bench(config, corrupt_worker=1)
     with pytest.raises(ValueError, match="check_once is for worker processes"):
         BenchConfig(schemes=("ray",), check_once=True)
+
+
+def test_by_default_bare_tight_is_checked_after_every_round_as_weightsync_is() -> None:
+    """Like for like: by default both sides check every worker after each
+    send, each worker right after its ack (or echo); a wrong worker fails
+    the first round, not only the last."""
+    from weightsync.bench import BenchConfig, VerificationError, run_bench
+
+    config = BenchConfig(schemes=(), compare=("bare-tight",), sizes_mib=(0.25,), workers=(2,), repeats=2)
+    wrong = "worker 1 does not hold the trainer's weights after version 1"
+    with pytest.raises(VerificationError, match=wrong):
+        run_bench(config, corrupt_worker=1)
+    result = run_bench(dataclasses.replace(config, repeats=3))
+    assert [len(r.send_s) for r in result.results] == [3]
 
 
 def test_bench_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:

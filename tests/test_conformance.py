@@ -35,8 +35,32 @@ def test_workers_announce_their_device_and_the_report_says_how_each_was_reached(
     cluster.bump()
     report = cluster.sender.send()
     assert report.placements == {0: "host", 1: "host", 2: "host"}
+    assert report.worker_bytes == dict.fromkeys((0, 1, 2), report.nbytes)
     report = cluster.sender.send(worker_ids=[1])
     assert report.placements == {1: "host"}
+    assert report.worker_bytes == {1: report.nbytes}
+
+
+def test_the_report_says_how_the_chains_carried_the_send(cluster: Cluster) -> None:
+    """A chain's routes and wire bytes are the send's own, in its report
+    (the scheme's last_* only repeat the last send's); a send with no
+    chain says so with None."""
+    cluster.bump()
+    report = cluster.sender.send()
+    if cluster.scheme_name != "distributed":
+        assert report.chain is None  # (Ray: every actor on this one node, no relay)
+        return
+    chain = report.chain
+    assert chain is not None
+    assert [(tuple(c), dict(f)) for c, f in chain.routes] == [
+        (tuple(c), dict(f)) for c, f in cluster.scheme.last_routes
+    ]
+    assert chain.wire_bytes == cluster.scheme.last_wire_bytes == sum(chain.sent)
+    assert chain.delta == tuple(cluster.scheme.last_delta) and not any(chain.delta)
+    # Every worker was reached, in a chain or fed on its host.
+    reached = {m for members, _ in chain.routes for m in members}
+    reached |= {w for _, fed in chain.routes for followers in fed.values() for w in followers}
+    assert {1, 2, 3} <= reached, chain
 
 
 def test_versions_increase_and_acks_match(cluster: Cluster) -> None:
@@ -370,3 +394,8 @@ def test_a_finished_send_holds_neither_itself_nor_the_callers_weights(cluster: C
     del weights
     gc.collect()
     assert all(ref.expired() for ref in memory)
+    # Nor is the send itself (its machine, what a chain was handed) held.
+    from weightsync._send import SendMachine, _Outgoing
+
+    held = [type(o).__name__ for o in gc.get_objects() if isinstance(o, SendMachine | _Outgoing)]
+    assert held == [], held

@@ -36,7 +36,7 @@ from ._legacy import MultiProcessedRemoteWeightUpdate, RemoteWeightUpdaterBase
 
 # Async core
 from ._receiver import AsyncWeightReceiver
-from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, PendingSend, SendReport
+from ._sender import DEFAULT_TIMEOUT, AsyncWeightSender, ChainReport, PendingSend, SendReport
 
 # Strategies
 from ._strategy import WeightStrategy
@@ -62,6 +62,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "AckTimeoutError",
     "BlockingCallError",
+    "ChainReport",
     "AsyncWeightReceiver",
     "AsyncWeightSender",
     "DeltaFrameError",

@@ -144,7 +144,7 @@ class SendIO:
                 answers[wid] = exc
 
         # One cancel scope for all: the deadline is the same for every worker.
-        with anyio.move_on_after(max(action.deadline - anyio.current_time(), 0)):
+        with anyio.move_on_after(max(action.deadline - time.monotonic(), 0)):
             if len(action.worker_ids) == 1:
                 await one(action.worker_ids[0])
             else:
@@ -156,7 +156,7 @@ class SendIO:
     async def hand_over(self, action: HandOver) -> None:
         handler = self.staging
         assert isinstance(handler, SendHandler)
-        with anyio.move_on_after(max(action.deadline - anyio.current_time(), 0)):
+        with anyio.move_on_after(max(action.deadline - time.monotonic(), 0)):
             await handler.handle_send(action.send, self.transports)
 
     async def listen(self, action: Listen) -> dict[int, Any]:
@@ -171,7 +171,7 @@ class SendIO:
                     if heard:
                         return heard
                     watch.drop(ready - wanted)  # (a worker of another send, or done already)
-                left = action.deadline - anyio.current_time()
+                left = action.deadline - time.monotonic()
                 if left <= 0:
                     return {}
                 with anyio.move_on_after(left):

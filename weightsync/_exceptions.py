@@ -237,6 +237,10 @@ class WorkerError(WeightSyncError):
         #: What to check, when the likely causes are known (e.g. of a worker
         #: never heard of); it ends the message.
         self.advice = ""
+        #: What the failed send did all the same (a ``SendReport`` whose
+        #: ``worker_ids`` are the workers that applied the version, with
+        #: how its chains carried it), where a sender raised it; else None.
+        self.report: Any = None
 
     @property
     def reason(self) -> str:

@@ -37,12 +37,14 @@ from ._memory._placement import Placement, caller_stream, route
 from ._packet import Packet
 from ._packing import Keys, Packer
 from ._targets import Workers
+from ._transports._base import ChainReport
 
 __all__ = [
     "STAGED",
     "refuse_options",
     "Action",
     "Announce",
+    "ChainReport",
     "Deliver",
     "Done",
     "HandOver",
@@ -129,6 +131,12 @@ class SendReport:
     #: stages in host memory), ``"mixed"`` (a side over several devices), by
     #: worker id.
     placements: Mapping[int, str] = field(default_factory=dict)
+    #: The bytes each worker was sent (the staged bytes it reads; with
+    #: per-worker weights, its own), by worker id.
+    worker_bytes: Mapping[int, int] = field(default_factory=dict)
+    #: How the chains carried the send (the cross-host schemes; None
+    #: where a send has no chain, or no worker needed one).
+    chain: ChainReport | None = None
 
 
 # -- the actions a driver performs ---------------------------------------------------
@@ -290,6 +298,12 @@ class _Outgoing:
             return self._acked
         return frozenset(w for w in self.worker_ids if w in self._machine.acked)
 
+    def carried(self, chain: ChainReport) -> None:
+        """How the handler's chains carried this send (for its report; the
+        last word counts; ignored once the send is over)."""
+        if self._machine is not None:
+            self._machine.chain = chain
+
     def over(self) -> None:
         """The send is over: keep who acked, and let go of the machine (and
         with it the caller's weights), which a staging may hold this past
@@ -353,6 +367,10 @@ class SendMachine:
         #: it, workers still announcing themselves included.
         self.deadline: float = clock() + self.timeout
         self.nbytes = 0
+        #: The bytes each worker was sent, and how the chains carried the
+        #: send (told by the handler, :meth:`_Outgoing.carried`).
+        self.worker_bytes: dict[int, int] = {}
+        self.chain: ChainReport | None = None
         self.staged_seconds = 0.0
         self.announce_seconds = 0.0
         self._steps = self._run()
@@ -518,6 +536,7 @@ class SendMachine:
         self._late(packet, reachable)
         self._workers.record(packet, reachable, [w for w in reachable if w in self.failures])
         self.placements.update((w, placements[w].value) for w in reachable)
+        self.worker_bytes.update(dict.fromkeys(reachable, packet.nbytes))
 
     def _join(
         self, packet: Packet, late: list[int], placements: dict[int, Placement]
@@ -630,14 +649,19 @@ class SendMachine:
 
         :raises WorkerError: a worker failed (see ``AsyncWeightSender.send``).
         """
-        if self.failures:
-            raise combine_worker_errors(self.failures, model_id=self.model_id, version=self.version)
-        return SendReport(
+        report = SendReport(
             self.version,
-            self.worker_ids,
+            self.worker_ids if not self.failures else tuple(w for w in self.worker_ids if w in self.acked),
             self.nbytes,
             time.perf_counter() - self._started,
             self.staged_seconds,
             self.announce_seconds,
             self.placements,
+            self.worker_bytes,
+            self.chain,
         )
+        if self.failures:
+            error = combine_worker_errors(self.failures, model_id=self.model_id, version=self.version)
+            error.report = report
+            raise error
+        return report

@@ -26,7 +26,7 @@ from ._exit import closed as exit_closed
 from ._loops import require_asyncio
 from ._packet import DEFAULT_TIMEOUT
 from ._packing import Keys, Packer
-from ._send import STAGED, Action, SendMachine, SendOptions, SendReport, Sends, refuse_options
+from ._send import STAGED, Action, ChainReport, SendMachine, SendOptions, SendReport, Sends, refuse_options
 from ._strategy import WeightStrategy
 from ._targets import Workers
 from ._transports._base import EVERY_VERSION, DeviceAwareStaging, SenderTransport, SendHandler, Staging
@@ -35,6 +35,7 @@ from ._transports._base import EVERY_VERSION, DeviceAwareStaging, SenderTranspor
 __all__ = [
     "DEFAULT_TIMEOUT",
     "AsyncWeightSender",
+    "ChainReport",
     "Keys",
     "PendingSend",
     "SendOptions",

@@ -43,8 +43,16 @@ def _joined(reports: list[SendReport]) -> SendReport:
     rank's) as one report: every worker acked in any, the bytes of all, the
     time of the slowest."""
     first = reports[0]
+    chains = [r.chain for r in reports if r.chain is not None]
+    chain = chains[0] if chains else None
+    for more in chains[1:]:
+        assert chain is not None
+        chain = chain.joined(more)
     return dataclasses.replace(
         first,
+        placements={w: p for r in reports for w, p in r.placements.items()},
+        worker_bytes={w: n for r in reports for w, n in r.worker_bytes.items()},
+        chain=chain,
         worker_ids=tuple(sorted({w for r in reports for w in r.worker_ids})),
         nbytes=sum(r.nbytes for r in reports),
         seconds=max(r.seconds for r in reports),

@@ -24,7 +24,7 @@ cancellable.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -36,6 +36,7 @@ from .._packet import Manifest, Packet, Signature
 
 __all__ = [
     "EVERY_VERSION",
+    "ChainReport",
     "Applier",
     "ChannelTransport",
     "DeviceAwareStaging",
@@ -208,6 +209,38 @@ class ChannelTransport(SenderTransport, Protocol):
         """
 
 
+@dataclass(frozen=True)
+class ChainReport:
+    """How a send's chains carried it (the cross-host schemes: a
+    torch.distributed chain, Ray's relay between nodes)."""
+
+    #: Each chain formed (a repair forms more than one): its members in
+    #: chain order (worker ranks; Ray's relay: node ids), and whom each
+    #: host leader of it fed through shared memory (``{leader:
+    #: (followers...)}``).
+    routes: tuple[tuple[tuple[Any, ...], Mapping[Any, tuple[Any, ...]]], ...] = ()
+    #: The bytes the trainer put on the chains (the encoded frames of a delta).
+    wire_bytes: int = 0
+    #: Per chain, as ``routes``: whether it carried a delta (``delta=True``).
+    delta: tuple[bool, ...] = ()
+    #: Per chain, as ``routes``: the bytes the trainer put on it.
+    sent: tuple[int, ...] = ()
+    #: ``delta=True``: why the send went as a delta or whole, and the rates
+    #: weighed (``{"delta": bool, "why": str, "rates": {...}}``); empty
+    #: otherwise.
+    delta_choice: Mapping[str, Any] = field(default_factory=dict)
+
+    def joined(self, other: ChainReport) -> ChainReport:
+        """This and ``other`` (another staging's chains of one version) as one."""
+        return ChainReport(
+            self.routes + other.routes,
+            self.wire_bytes + other.wire_bytes,
+            self.delta + other.delta,
+            self.sent + other.sent,
+            self.delta_choice or other.delta_choice,
+        )
+
+
 class Outgoing(Protocol):
     """One send, as a :class:`SendHandler` takes it: the staged packet, the
     workers to tell, and where each one's answer goes. The send keeps the
@@ -230,6 +263,9 @@ class Outgoing(Protocol):
     @property
     def acked(self) -> frozenset[int]:
         """The workers that acked so far (all of them, once the send is over)."""
+
+    def carried(self, chain: ChainReport) -> None:
+        """How the handler's chains carried the send, for its report."""
 
 
 @runtime_checkable

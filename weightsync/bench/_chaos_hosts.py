@@ -277,12 +277,11 @@ class _Trainer:
         failure = f"{type(exc).__name__}: {exc}"[:400]
         _emit({"add_failed": failure, "wid": wid, "known": known, "t1": time.monotonic()})
 
-    def _chains(self) -> tuple[list[list[int]], list[int]]:
-        """The last send's chains, each as its workers' ranks (worker id + 1)
-        in order, and the bytes the trainer put on each."""
+    def _chains(self, chain: ws.ChainReport) -> tuple[list[list[int]], list[int]]:
+        """A send's chains (its report's), each as its workers' ranks
+        (worker id + 1) in order, and the bytes the trainer put on each."""
         # (With share_on_host, a host's one worker is its chain member.)
-        routes = self.scheme.staging.driver.routes
-        return [list(route.chain) for route in routes], [route.sent for route in routes]
+        return [list(members) for members, _ in chain.routes], list(chain.sent)
 
     def poll(self) -> None:
         """Between two sends: nothing (a Ray trainer adds the actors that came up)."""
@@ -304,6 +303,8 @@ class _Trainer:
             "targets": sorted(worker_ids or self.scheme.sender_transports),
         }
         record["t0"] = time.monotonic()
+        # What the send did, as its report says (a failed send's error carries one).
+        report: ws.SendReport | None = None
         try:
             handle = self.sender.send_async(worker_ids=worker_ids, timeout=self.timeout)
             record["staged"] = time.monotonic()
@@ -312,6 +313,7 @@ class _Trainer:
         except KeyboardInterrupt:
             record.update(interrupted=True)
         except ws.WorkerError as exc:
+            report = exc.report
             record.update(
                 version=exc.version,
                 ok=False,
@@ -321,11 +323,12 @@ class _Trainer:
         except Exception as exc:  # not a worker's: a problem of the run (judge() says so)
             record.update(ok=False, unexpected=f"{type(exc).__name__}: {exc}"[:400])
         record["t1"] = time.monotonic()
-        record["wire"] = self.scheme.last_wire_bytes
-        record["delta"] = list(self.scheme.last_delta)
-        record["chains"], record["chain_wire"] = self._chains()
+        chain = ws.ChainReport() if report is None or report.chain is None else report.chain
+        record["wire"] = chain.wire_bytes
+        record["delta"] = list(chain.delta)
+        record["chains"], record["chain_wire"] = self._chains(chain)
         if self.delta:  # (why the send went as it did, and what hosts behind were sent)
-            choice = self.scheme.last_delta_choice
+            choice = chain.delta_choice
             record["why"] = {"base": choice.get("why"), "behind": choice.get("behind")}
         if self.sends % 25 == 0:
             record.update(_resources())
@@ -493,18 +496,14 @@ class _RayTrainer(_Trainer):
     def removed(self, wid: int) -> None:
         self.actors.pop(wid, None)
 
-    def _chains(self) -> tuple[list[list[int]], list[int]]:
+    def _chains(self, chain: ws.ChainReport) -> tuple[list[list[int]], list[int]]:
         # The relay's chains are of nodes: each as the ranks of its actors.
-        staging = self.scheme.staging
-        driver = None if staging.relay is None else staging.relay._driver
-        if driver is None or not self.scheme.last_delta:  # (this send did not use the relay)
-            return [], []
-        where = sorted(staging.node_of.items())
+        where = sorted(self.scheme.staging.node_of.items())
         ranks = [
-            [wid + 1 for node in route.chain for wid, at in where if at == node and wid in self.actors]
-            for route in driver.routes
+            [wid + 1 for node in members for wid, at in where if at == node and wid in self.actors]
+            for members, _ in chain.routes
         ]
-        return ranks, [route.sent for route in driver.routes]
+        return ranks, list(chain.sent)
 
     def states(self) -> dict[str, Any]:
         import ray

@@ -158,9 +158,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--check-once",
         action="store_true",
-        help="check each worker of weightsync's cases once, after the last send, instead of after "
-        "every send, so that no worker's check runs while another still applies a timed send (as "
-        "bare-tight checks; worker processes only, not ray)",
+        help="check each worker once, after the last send, instead of after every send (weightsync's "
+        "cases and bare-tight alike), so that no worker's check runs while another still applies a "
+        "timed send (worker processes only, not ray)",
     )
     for side, who in (("trainer", "the trainer's model"), ("worker", "every worker's model")):
         bench.add_argument(

@@ -25,10 +25,12 @@ shared-buffer figure is never read as a private-copy one:
   the same shared buffer, then one byte written to each worker's socket
   (no framing, no poll); each worker blocks in ``os.read``, copies the
   tensors out into its model and writes one byte back, which the trainer
-  reads from each worker in turn. Nothing is checked between rounds: the
-  model still changes before each round (outside the timing), and every
-  worker's checksums and count of applied rounds are compared with the
-  trainer's once, after the last round. CPU only. Private copy.
+  reads from each worker in turn. The model changes before each round
+  (outside the timing); every worker's checksums and count of applied
+  rounds are compared with the trainer's after each round (each worker
+  checksums right after its echo, as a weightsync worker does after its
+  ack), or with ``--check-once`` (as weightsync's then) once, after the
+  last round. CPU only. Private copy.
 - ``cuda-ipc`` (a CUDA device on either side): the hand-written GPU loop
   torchrl's schemes stand for: one staging tensor on the GPU (the
   trainer's, else the workers'), shared once with every worker through
@@ -399,8 +401,9 @@ def _run_tight(
     result: CaseResult,
 ) -> None:
     """``bare-tight``: every round timed on its own, the model changed
-    before each (outside the timing), every worker checked once after the
-    last."""
+    before each (outside the timing), every worker checked after each
+    round, as weightsync's are (each right after its echo), or
+    (``check_once``) only once, after the last."""
     case = pool.cases[index]
     what = f"{case.scheme} round of {case.size_mib:g} MiB to {case.workers} worker(s)"
     conns = pool.pipes(index)
@@ -411,7 +414,8 @@ def _run_tight(
     rounds = config.warmup + config.repeats
     ended = False
     try:
-        pool.start_alternative(index, case.scheme, shapes, staging.payload, serve_tight)
+        every_round = not config.check_once
+        pool.start_alternative(index, case.scheme, shapes, (staging.payload, every_round), serve_tight)
         for fd in fds:
             _bound_reads(fd, config.timeout)
         clock = time.perf_counter
@@ -436,6 +440,8 @@ def _run_tight(
                 if step >= config.warmup:
                     result.send_s.append(elapsed)
                     result.cpu_s.append(cpu)
+                if every_round:
+                    pool.verify(step + 1, list(named), tensor_checksums(named))
         result.packet_nbytes = staging.packet_nbytes
         expected = tensor_checksums(named)
         ended = True
@@ -573,9 +579,12 @@ def serve_tight(
     corrupt: bool,
 ) -> None:
     """A bench worker's side of ``bare-tight``: for each byte "go" on
-    ``pipe``'s socket, copy the shared buffer ``payload`` into its model and
-    write the byte back; at "end" (or the trainer's exit), report the rounds
-    it applied and its checksums over ``ctrl``, once."""
+    ``pipe``'s socket, copy the shared buffer into its model and write the
+    byte back; at "end" (or the trainer's exit), report the rounds it
+    applied and its checksums over ``ctrl``. ``payload``: (the buffer,
+    whether to report after every round too, right after the echo, as a
+    weightsync worker reports after its ack)."""
+    payload, every_round = payload
     model = GeneratedMLP(shapes, dtype=dtype, device=device)
     sources = _views(payload, shapes, dtype)
     named = model.state_dict()
@@ -590,6 +599,11 @@ def serve_tight(
                     target.copy_(source)
                 os.write(fd, _GO)
                 applied += 1
+                if every_round:
+                    tensors = model.state_dict()
+                    if corrupt:
+                        corrupt_model(tensors)
+                    ctrl.send(("applied", applied, tensor_checksums(tensors)))
         tensors = model.state_dict()
         if corrupt:
             corrupt_model(tensors)

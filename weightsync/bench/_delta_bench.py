@@ -289,18 +289,18 @@ def trainer_main(host: str, workers: int, path: str, wire: str, nic: str) -> Non
             started = time.perf_counter()
             sender.send_async()
             staged = time.perf_counter()
-            sender.wait_async()
+            chain = sender.wait_async().chain or ws.ChainReport()
             done = time.perf_counter()
             got["nic"].append(_tx_bytes(nic) - tx)
             got["cpu"].append(cpu_seconds_in(inodes) - cpu if inodes else 0.0)
             got["time"].append(done - started)
             got["stall"].append(staged - started)
-            got["sent"].append(scheme.last_wire_bytes)
-            got["delta"].append(all(scheme.last_delta) and bool(scheme.last_delta))
-            choice = getattr(scheme.staging, "delta_choice", None)
-            got["rates"].append({} if choice is None or not got["delta"][-1] else dict(choice.rates))
-            if choice is not None:
-                got.setdefault("why", []).append(choice.why)
+            got["sent"].append(chain.wire_bytes)
+            got["delta"].append(all(chain.delta) and bool(chain.delta))
+            choice = chain.delta_choice
+            got["rates"].append(dict(choice["rates"]) if choice and got["delta"][-1] else {})
+            if choice:
+                got.setdefault("why", []).append(choice["why"])
             check(f"{model_id}{step}")
             row["checked"] += workers
     command("quit", "")

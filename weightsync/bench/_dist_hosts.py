@@ -174,12 +174,13 @@ def trainer_main(
     scheme.connect()
     scheme.send()  # untimed: every buffer touched once
     times, cpu = [], 0.0
+    report: ws.SendReport | None = None
     hosts_here = namespace_inodes(os.environ.get(NAMESPACES_ENV, "").split())
     for step in range(repeats):
         change(step)
         before = cpu_seconds_in(hosts_here) if hosts_here else 0.0
         started = time.perf_counter()
-        scheme.send()
+        report = scheme.send()
         times.append(time.perf_counter() - started)
         cpu += cpu_seconds_in(hosts_here) - before if hosts_here else 0.0
         check(f"ws{step}")
@@ -187,8 +188,8 @@ def trainer_main(
     if hosts_here:
         # The share of this machine's CPUs the emulated hosts used during the sends.
         row["cpu"] = cpu / (sum(times) * (os.cpu_count() or 1))
-    if scheme.last_routes:
-        chain, fed = scheme.last_routes[-1]
+    if report is not None and report.chain is not None and report.chain.routes:
+        chain, fed = report.chain.routes[-1]
         row["chain"], row["fed"] = list(chain), {str(k): list(v) for k, v in fed.items()}
     if peers:
         for r, address in zip(ranks, addresses, strict=True):

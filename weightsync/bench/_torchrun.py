@@ -63,6 +63,8 @@ class _Case:
         self.nbytes = sum(t.numel() * 4 for t in self.tensors.values())
         self.mib, self.repeats, self.rank, self.world = mib, repeats, rank, world
         self.steps = 0
+        # Rank 0: the report of its last send (how the chain went).
+        self.report: ws.SendReport | None = None
 
     def timed(self, way: str, send: Callable[[], None]) -> list[float]:
         """``send()`` on every rank (``repeats`` times after one untimed
@@ -94,7 +96,7 @@ class _Case:
 
     def _on_trainer(self, send: Callable[[], Any]) -> None:
         if self.rank == 0:
-            send()
+            self.report = send()
 
     def weightsync(self, row: dict[str, Any]) -> None:
         scheme = ws.DistributedWeightSyncScheme(sync=False, timeout=_TIMEOUT)
@@ -106,8 +108,9 @@ class _Case:
             scheme.connect()
             # (The workers wait at the barrier: rank 0's send returns once every worker acked.)
             row["weightsync"] = self.timed("weightsync", lambda: self._on_trainer(scheme.send))
-            if scheme.last_routes:  # (rank 0)
-                chain, fed = scheme.last_routes[-1]
+            chain_report = self.report.chain if self.report is not None else None
+            if chain_report is not None and chain_report.routes:  # (rank 0)
+                chain, fed = chain_report.routes[-1]
                 row["chain"], row["fed"] = list(chain), {str(k): list(v) for k, v in fed.items()}
         finally:
             scheme.shutdown()

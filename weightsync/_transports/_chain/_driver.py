@@ -39,6 +39,7 @@ from ..._copy import usable_cores
 from ..._delta import HEADER_SIZE, DeltaDecoder, read_header
 from ..._exceptions import DeltaFrameError
 from ..._frames import CHUNK_BYTES
+from .._base import ChainReport
 from ._gloo import GLOO
 from ._link import ChainLink, PeerGroup
 from ._pipeline import (
@@ -274,6 +275,18 @@ class ChainDriver(Generic[M]):
         self._broke_for: dict[M, str] = {}
         # The members whose report on the running chain has not come, and since when.
         self._silent: tuple[set[M], float] = (set(), 0.0)
+
+    def report(self, choice: Any = None) -> ChainReport:
+        """How the chains of the current send carried it, so far (``choice``:
+        the delta's ``DeltaChoice``, if any)."""
+        routes = self.routes
+        return ChainReport(
+            tuple((route.chain, dict(route.fed)) for route in routes),
+            self.sent_bytes,
+            tuple(route.encoded is not None for route in routes),
+            tuple(route.sent for route in routes),
+            {} if choice is None else choice.summary(),
+        )
 
     def why(self, member: M) -> str | None:
         """Why ``member`` did not get the last send (None: it did, or it was

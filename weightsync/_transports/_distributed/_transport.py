@@ -130,7 +130,9 @@ class ChainStaging:
         # whole, who acked it).
         self._delta = DeltaBase.of(delta, chunk, delta_threads, delta_history)
         self._held: dict[int, int] = {}
-        self._last: tuple[int, dict[int, int], bool, Outgoing] | None = None
+        # (Who acked it is taken as the send ends: nothing of the send, nor
+        # the caller's weights, is held past it.)
+        self._last: tuple[int, dict[int, int], bool, frozenset[int]] | None = None
         self.store = store
         self.prefix = prefix
         self.keys = SessionKeys(prefix)
@@ -280,8 +282,7 @@ class ChainStaging:
         delta, buffer = self._delta, self._buffer
         if delta is None or last is None or buffer is None or not delta.fits(nbytes):
             return
-        version, ranks, whole, outgoing = last
-        done = outgoing.acked
+        version, ranks, whole, done = last
         holders = [rank for rank, wid in ranks.items() if wid in done]
         if not whole or not holders:
             return
@@ -341,6 +342,9 @@ class ChainStaging:
             # Every worker answered (or the deadline passed): the chain has
             # nothing left to do for this send.
             self.driver.end_send()
+            if self._last is not None and self._last[0] == send.packet.version:
+                self._last = (*self._last[:3], send.acked)
+            send.carried(self.driver.report(None if self._delta is None else self._delta.choice))
 
     def _start(self, outgoing: Outgoing) -> None:
         """Start the chain of the current send over its workers (never
@@ -356,7 +360,7 @@ class ChainStaging:
         held: dict[int, int] | None = None
         if self._delta is not None:
             whole = send.info.subset is None
-            self._last = (send.info.version, dict(send.ranks), whole, outgoing)
+            self._last = (send.info.version, dict(send.ranks), whole, frozenset())
             manifest = self._manifest
             if whole and manifest is not None:
                 if not self._delta.fit(manifest.nbytes, element_size(manifest)):

@@ -67,6 +67,7 @@ import torch
 
 from ..._frames import CHUNK_BYTES
 from ..._memory._segment import Segment
+from .._base import ChainReport
 from .._chain._delta_base import HISTORY, DeltaBase, DeltaChoice, DeltaSetting
 from .._chain._driver import ChainDriver, ChainMember, EncodedSend, Link, Report, Route
 from .._chain._gloo import connect_store
@@ -406,6 +407,12 @@ class HostRelay:
     def last_wire_bytes(self) -> int:
         """The bytes the trainer put on the chains of the last send."""
         return 0 if self._driver is None else self._driver.sent_bytes
+
+    def report(self) -> ChainReport:
+        """How the chains of the current send carried it, so far."""
+        if self._driver is None:
+            return ChainReport()
+        return self._driver.report(self.delta_choice)
 
     @property
     def delta_choice(self) -> DeltaChoice | None:

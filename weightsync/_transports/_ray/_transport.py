@@ -162,9 +162,10 @@ class RayStaging:
         self.replies: dict[int, Any] = {}
         self.failed: dict[int, ray.exceptions.RayError] = {}
         self._finished: set[int] = set()
-        # The current send, as handed over (its ``acked`` is the send's
-        # record of who acked it), and what a delta needs to know of it.
-        self._outgoing: Outgoing | None = None
+        # Whether an actor the relay fed acked the current send (taken as
+        # it ends: nothing of the send is held past it), and what a delta
+        # needs to know of it.
+        self._relay_acked = False
         self._kind: SendKind | None = None
         # Of a trainer on a GPU: the host buffer each send is copied into
         # before it is put (page-locked), and its views for the last layout.
@@ -190,8 +191,7 @@ class RayStaging:
         base, held by the agents that say so; the others, which missed it,
         go on holding what they held)."""
         if self.relay is not None and self.version:
-            acked = self._outgoing is not None and bool(self.deferred & self._outgoing.acked)
-            self.relay.settle(self.version, acked)
+            self.relay.settle(self.version, self._relay_acked)
 
     def _on_host(self, packet: Packet) -> Sequence[torch.Tensor]:
         """``packet``'s tensors in host memory: as they are, or, where some
@@ -218,7 +218,7 @@ class RayStaging:
         sums = digests(tensors, usable_cores()) if digest else None
         self._settle()
         self.calls, self.replies, self.failed, self._finished = {}, {}, {}, set()
-        self._outgoing = None
+        self._relay_acked = False
         threads = max(1, usable_cores() // packet.fanout)
         # Everything an actor needs is in the one stored object, the same for
         # all actors: each call then has just two arguments (the function
@@ -274,12 +274,11 @@ class RayStaging:
 
     async def route(self, worker_id: int) -> Any:
         """What worker ``worker_id``'s apply call carries: its node's copy
-        once the relay brought it (the first caller starts the relay, for
+        once the relay brought it (started by :meth:`handle_send`, for
         every deferred worker of the send), or the trainer's own object
         where the relay is not used or could not reach the node."""
         assert self.ref is not None, "write() comes first"
-        routes = self._start_routes()
-        future = routes.get(self.node_of[worker_id])
+        future = (self._routes or {}).get(self.node_of[worker_id])
         if future is None:
             return self.ref
         routed = await asyncio.wrap_future(future)
@@ -289,17 +288,15 @@ class RayStaging:
             return (self.header, routed, [self.ref])
         return routed
 
-    def _start_routes(self) -> dict[str, concurrent.futures.Future[Any]]:
+    def _start_routes(self, deadline: float) -> dict[str, concurrent.futures.Future[Any]]:
         """Start the relay for the deferred workers' nodes (once per send;
-        never waits), under the caller's deadline."""
+        never waits), until the send's ``deadline`` (``time.monotonic()``)."""
         if self._routes is None:
             assert self.ref is not None, "write() comes first"
             nodes = list(dict.fromkeys(self.node_of[w] for w in sorted(self.deferred)))
             if len(nodes) < 2:
                 self._routes = {}
             else:
-                deadline = anyio.current_effective_deadline()
-                left = 3600.0 if deadline == float("inf") else deadline - anyio.current_time()
                 if self.relay is None:
                     self.relay = HostRelay(
                         self.model_id,
@@ -307,9 +304,7 @@ class RayStaging:
                         delta_threads=self.delta_threads,
                         delta_history=self.delta_history,
                     )
-                self._routes = self.relay.start(
-                    self.ref, self.header, nodes, time.monotonic() + left, self._kind
-                )
+                self._routes = self.relay.start(self.ref, self.header, nodes, deadline, self._kind)
         return self._routes
 
     async def handle_send(self, send: Outgoing, channels: Mapping[int, SenderTransport]) -> None:
@@ -318,7 +313,6 @@ class RayStaging:
         and gather their replies (see :class:`~._base.SendHandler`)."""
         assert self.ref is not None and self.version == send.packet.version, "write() comes first"
         version = send.packet.version
-        self._outgoing = send
         links: dict[int, RaySenderTransport] = {}
         failed: set[int] = set()
         for wid in send.worker_ids:
@@ -337,9 +331,9 @@ class RayStaging:
                 failed.add(wid)
                 self.released(wid, version)
         if self.deferred:
-            self._start_routes()  # the chain runs while the other actors' calls are waited for
+            self._start_routes(send.deadline)  # the chain runs while the other actors' calls are waited for
         elif inline_allowed():
-            self.wait_all()
+            self.wait_all(send.deadline)
 
         async def answer(wid: int, link: RaySenderTransport) -> None:
             try:
@@ -368,6 +362,10 @@ class RayStaging:
             # has nothing left to do for this send, and stops at its next step.
             if self.relay is not None:
                 self.relay.end_send()
+            self._relay_acked = bool(self.deferred & send.acked)
+            if self._routes:
+                assert self.relay is not None
+                send.carried(self.relay.report())
 
     def why(self, worker_id: int) -> str | None:
         """Why the relay did not bring worker ``worker_id``'s node its copy
@@ -376,9 +374,9 @@ class RayStaging:
             return None
         return self.relay.why(self.node_of[worker_id])
 
-    def wait_all(self) -> None:
+    def wait_all(self, deadline: float) -> None:
         """Block until every call of the current send returned, or until the
-        caller's deadline (the enclosing cancel scope's), and collect each
+        send's ``deadline`` (``time.monotonic()``), and collect each
         returned call's reply, or its error (:attr:`failed`).
 
         Only for a caller that is blocked anyway, and a send with no relayed
@@ -393,8 +391,7 @@ class RayStaging:
         pending = [w for w in self.calls if w not in self.replies and w not in self.failed]
         if not pending:
             return
-        deadline = anyio.current_effective_deadline()
-        timeout = None if deadline == float("inf") else max(deadline - anyio.current_time(), 0.0)
+        timeout = max(deadline - time.monotonic(), 0.0)
         refs = [self.calls[w] for w in pending]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
         done = set(ready)
