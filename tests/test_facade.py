@@ -267,3 +267,28 @@ async def test_two_concurrent_async_sends_are_refused_not_mixed(make_cluster) ->
         await anyio.to_thread.run_sync(c.resume, 0)
     assert sum(isinstance(o, ws.SendReport) for o in outcomes) == 1
     assert sum(isinstance(o, ws.WeightSyncStateError) for o in outcomes) == 1
+
+
+def test_send_async_tells_every_worker_before_it_returns(cluster: Cluster) -> None:
+    """Once send_async() returned, every worker was told (the pipes): they
+    apply the version while the trainer does other work, before anyone
+    waits. The acks are gathered where the caller waits; done() never
+    blocks, and hands the gathering to the background."""
+    cluster.bump()
+    handle = cluster.sender.send_async()
+    deadline = time.monotonic() + 20
+    for i in range(3):
+        while handle.version not in cluster.state(i)["applied"]:
+            assert time.monotonic() < deadline, f"worker {i} was not told before wait_async()"
+            time.sleep(0.01)
+    while not handle.done():
+        assert time.monotonic() < deadline, "the acks were not gathered in the background"
+        time.sleep(0.01)
+    assert cluster.sender.wait_async().version == handle.version
+    # And the usual way: the acks gathered by the waiting thread itself.
+    cluster.bump()
+    handle = cluster.sender.send_async()
+    assert handle.wait().version == handle.version
+    expected = cluster.expected()
+    for i in range(3):
+        cluster.assert_has(i, expected)

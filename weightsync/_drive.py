@@ -253,14 +253,19 @@ def drive_blocking(
     enter_loop: Callable[[Callable[[], Awaitable[Any]]], Any],
     interrupted: Callable[[], bool],
     until_staged: bool = False,
+    until_waiting: bool = False,
     action: Action | None = None,
-) -> SendReport | None:
+) -> SendReport | Action | None:
     """Perform ``machine``'s actions on the calling thread, with no event
     loop (``action``: from where another driver stopped), until it is
     done: its report. An action that needs a loop runs through
     ``enter_loop`` (a coroutine function: run it to its end on a loop,
     blocking). ``until_staged``: stop once the weights are staged (None);
-    either driver goes on from there (``action=STAGED``). Looks at
+    either driver goes on from there (``action=STAGED``).
+    ``until_waiting``: go on past the staging while the actions do not
+    wait (the notices: every worker is told), and return the first that
+    would wait (for acks, or a chain's whole send), unperformed, or the
+    report if none is left; either driver goes on from it. Looks at
     ``interrupted()`` after every action and while it waits; once true,
     the send is abandoned (``machine.close()``) and KeyboardInterrupt
     raised: after the staging's copy, never during it.
@@ -270,7 +275,10 @@ def drive_blocking(
     try:
         if action is None:
             action = machine.start()
+        staged = False
         while True:
+            if staged and until_waiting and isinstance(action, Listen | Announce | Deliver | HandOver):
+                return action
             match action:
                 case Listen():
                     result: Any = io.listen_blocking(action, interrupted)
@@ -281,6 +289,7 @@ def drive_blocking(
                 case Staged():
                     if until_staged:
                         return None
+                    staged = True
                     result = None
                 case Done():
                     return action.report

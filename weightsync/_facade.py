@@ -31,7 +31,7 @@ from ._loops import NEEDS_LOOP
 from ._packet import DEFAULT_TIMEOUT
 from ._receiver import AsyncWeightReceiver
 from ._runtime import RUNTIME
-from ._send import STAGED, Action, SendMachine, refuse_options
+from ._send import STAGED, Action, Listen, SendMachine, refuse_options
 from ._sender import AsyncWeightSender, Keys, SendOptions, SendReport
 from ._stepguard import StepGuard
 
@@ -187,19 +187,35 @@ class WeightSender:
         RUNTIME.call(every)
         return out
 
-    def _drive(self, machine: SendMachine, action: Action | None, *, until_staged: bool = False) -> Any:
+    def _drive(
+        self,
+        machine: SendMachine,
+        action: Action | None,
+        *,
+        until_staged: bool = False,
+        until_waiting: bool = False,
+    ) -> Any:
         """Drive ``machine`` (from ``action``, or its start) blocking: on
         this thread with no event loop where it runs none (the one choice
         of driver), else through weightsync's loop thread. Returns its
-        report, or None once staged (``until_staged``)."""
+        report, or None once staged (``until_staged``), or (``until_waiting``,
+        on this thread only) the first action past the staging that waits
+        (see ``drive_blocking``)."""
         io = self._sender.io
         try:
             if RUNTIME.blocks_here():
                 # One Ctrl-C guard for the whole send: no moment between two
                 # steps where an interruption would leave it half done.
                 return RUNTIME.run_waiting(
-                    drive_blocking, machine, io, until_staged=until_staged, action=action
+                    drive_blocking,
+                    machine,
+                    io,
+                    until_staged=until_staged,
+                    until_waiting=until_waiting,
+                    action=action,
                 )
+            if until_waiting:
+                until_staged = True  # (the loop thread's driver stops there; STAGED goes on)
 
             async def in_loop() -> SendReport | None:
                 first = machine.start() if action is None else action
@@ -251,29 +267,48 @@ class WeightSender:
         part of each class as the group's version, ``options.version``)."""
         try:
             machine = self._sender.machine(weights, worker_ids, options)
-            self._drive(machine, None, until_staged=True)
+            # Staged, and every worker told where a notice is all it takes
+            # (the pipes): what is left waits for the acks.
+            waiting = self._drive(machine, None, until_waiting=True)
         except Exception as exc:
             # As torchrl's send_async: the send's errors come from wait_async().
             failed: concurrent.futures.Future[SendReport] = concurrent.futures.Future()
             failed.set_exception(exc)
             self._pending = SendHandle(self, failed, None)
             return self._pending
+        if isinstance(waiting, SendReport):
+            done: concurrent.futures.Future[SendReport] = concurrent.futures.Future()
+            done.set_result(waiting)
+            self._pending = SendHandle(self, done, None)
+        elif isinstance(waiting, Listen):
+            # Only the acks are left: gathered where the caller waits for
+            # them (wait_async() on this thread, or ``await handle`` on
+            # weightsync's loop thread), with no thread woken meanwhile.
+            self._pending = SendHandle(self, concurrent.futures.Future(), machine, waiting)
+        else:
+            # A chain's whole send, or a worker to tell on the loop: now, in
+            # the background.
+            self._pending = SendHandle(self, self._gather(machine, waiting or STAGED), machine)
+        return self._pending
+
+    def _gather(self, machine: SendMachine, action: Action) -> concurrent.futures.Future[SendReport]:
+        """Go on with ``machine`` from ``action`` on weightsync's loop thread,
+        in the background: the future of its report."""
         io = self._sender.io
+
+        async def gather() -> SendReport:
+            report = await resume(machine, io, action)
+            assert report is not None
+            return report
+
         try:
-
-            async def gather() -> SendReport:
-                report = await resume(machine, io, STAGED)
-                assert report is not None
-                return report
-
-            self._pending = SendHandle(self, RUNTIME.start(gather), machine)
+            return RUNTIME.start(gather)
         except BaseException:
             # Staged: finish it here rather than leave the sender busy with
             # a send nobody waits for.
             with contextlib.suppress(Exception):
-                self._drive(machine, STAGED)
+                self._drive(machine, action)
             raise
-        return self._pending
 
     def wait_async(self, timeout: float | None = None) -> SendReport:
         """Block until the pending ``send_async()`` is done; re-raise its error.
@@ -401,15 +436,40 @@ class SendHandle:
         sender: WeightSender,
         future: concurrent.futures.Future[SendReport],
         machine: SendMachine | None,
+        held: Action | None = None,
     ) -> None:
         self._sender = sender
+        # The send's outcome.
         self._future = future
-        # The send, while the loop thread may not have started gathering its
-        # acks yet (see wait()); None once a waiter took it over, or for a
-        # send refused before anything moved.
-        self._unstarted = machine
+        # A send whose acks are all that is left (``held``: the action that
+        # waits for them), handed to no thread yet: the first wait gathers
+        # them (see _hand_off).
+        self._held = None if machine is None or held is None else (machine, held)
+        # A send handed to the loop thread, while it may not have started
+        # gathering its acks yet (see wait()); None once a waiter took it
+        # over, or for a send held or refused before anything moved.
+        self._unstarted = machine if held is None else None
         self._version = machine.version if machine is not None else None
         self._worker_ids = machine.worker_ids if machine is not None else ()
+
+    def _hand_off(self) -> None:
+        """A held send goes on in the background, on weightsync's loop
+        thread (a wait with a timeout, ``await handle``, :meth:`done`)."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        result = self._future
+        started = self._sender._gather(*held)
+
+        def copy(done: concurrent.futures.Future[SendReport]) -> None:
+            if done.cancelled():
+                result.cancel()
+            elif done.exception() is not None:
+                result.set_exception(done.exception())
+            else:
+                result.set_result(done.result())
+
+        started.add_done_callback(copy)
 
     @property
     def version(self) -> int | None:
@@ -423,7 +483,10 @@ class SendHandle:
         return self._worker_ids
 
     def done(self) -> bool:
-        """Whether the send is over (waiting returns or raises at once). Never blocks."""
+        """Whether the send is over (waiting returns or raises at once). Never
+        blocks: a send whose acks nobody gathers yet is handed to
+        weightsync's loop thread, which gathers them from then on."""
+        self._hand_off()
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> SendReport:
@@ -441,6 +504,23 @@ class SendHandle:
             "await the handle itself (await handle)",
             model_id=self._sender.async_sender.model_id,
         )
+        held, self._held = self._held, None
+        if held is not None and timeout is None:
+            # Only the acks are left, and nobody gathers them yet: this
+            # thread, which would only block, gathers them.
+            try:
+                report: SendReport = self._sender._drive(*held)
+            except BaseException as exc:
+                self._future.set_exception(exc)
+                raise
+            else:
+                self._future.set_result(report)
+                return report
+            finally:
+                self._over()
+        if held is not None:
+            self._held = held
+            self._hand_off()  # (a wait with a limit: the send goes on past it)
         future, unstarted = self._future, self._unstarted
         self._unstarted = None
         if timeout is None and unstarted is not None and future.cancel():
@@ -451,7 +531,7 @@ class SendHandle:
             # about as much as the whole send of a small model.
             self._future = concurrent.futures.Future()
             try:
-                report: SendReport = self._sender._drive(unstarted, STAGED)
+                report = self._sender._drive(unstarted, STAGED)
             except BaseException as exc:
                 self._future.set_exception(exc)
                 raise
@@ -470,8 +550,9 @@ class SendHandle:
         return self._awaited().__await__()
 
     async def _awaited(self) -> SendReport:
-        # The loop thread gathers the acks (it was handed the send at
-        # send_async()); this loop only waits for its outcome.
+        # The loop thread gathers the acks (handed the send at send_async(),
+        # or now); this loop only waits for its outcome.
+        self._hand_off()
         self._unstarted = None
         try:
             return await asyncio.wrap_future(self._future)
@@ -481,15 +562,22 @@ class SendHandle:
 
     def finish(self) -> None:
         """Let the send end, its errors ignored (the sender is shutting down)."""
+        held, self._held = self._held, None
         self._unstarted = None
         with contextlib.suppress(BaseException):
-            self._future.result()
+            if held is not None:
+                self._sender._drive(*held)
+            else:
+                self._future.result()
         self._over()
 
     def abandon(self, timeout: float) -> None:
         """Stop the send where it is, its outcome unread (the interpreter is
         exiting): the loop thread stops gathering its acks, waiting up to
         ``timeout`` seconds for that."""
+        held, self._held = self._held, None
+        if held is not None:
+            held[0].close()  # never handed to any thread: it holds the sender
         unstarted, self._unstarted = self._unstarted, None
         RUNTIME.cancel(self._future, timeout)
         if unstarted is not None and self._future.cancelled():
