@@ -341,6 +341,9 @@ def test_a_trainer_that_repoints_its_parameters_sends_what_they_now_hold(cluster
         cluster.sender.send()
     for i in range(3):
         cluster.assert_has(i, before)
+    # (The module's cluster goes on with the model as it was.)
+    weight.data = weight.data.view(torch.float32)
+    weight.requires_grad_(True)
 
 
 def test_a_worker_writing_its_own_buffers_keeps_running_and_touches_no_other(make_cluster) -> None:
@@ -399,3 +402,26 @@ def test_a_finished_send_holds_neither_itself_nor_the_callers_weights(cluster: C
 
     held = [type(o).__name__ for o in gc.get_objects() if isinstance(o, SendMachine | _Outgoing)]
     assert held == [], held
+
+
+def test_a_wait_that_takes_over_a_send_the_loop_thread_has_not_started_goes_on_from_there(
+    cluster: Cluster,
+) -> None:
+    """send_async() hands a chain's send (torch.distributed, Ray) to
+    weightsync's loop thread; a wait that comes before that thread got to
+    it takes it over, from where send_async() left it. Here the loop
+    thread is held busy meanwhile, so the wait always takes it over."""
+    from weightsync._runtime import RUNTIME
+
+    async def busy() -> None:
+        time.sleep(0.5)  # (blocks the loop thread: the send's job waits its turn)
+
+    blocker = RUNTIME.start(busy)
+    cluster.bump()
+    handle = cluster.sender.send_async()
+    report = handle.wait()
+    blocker.result(timeout=30)
+    assert report.version == handle.version and report.worker_ids == (0, 1, 2)
+    expected = cluster.expected()
+    for i in range(3):
+        cluster.assert_has(i, expected)

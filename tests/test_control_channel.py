@@ -138,7 +138,8 @@ def test_a_worker_that_announces_itself_again_mid_send_is_told_the_update_again(
     """A worker that re-initialised while a send waited for its ack (a new
     hello instead of the ack) is sent the same update again, and its ack of
     that completes the send."""
-    worker.sender.send_async()
+    handle = worker.sender.send_async()
+    handle.done()  # (its acks are gathered in the background from here on, not only at a wait)
     version = worker.next_update()
     signature = Manifest.of(worker.model.state_dict()).signature
     worker.theirs.send(("hello", "policy", os.getpid(), signature, ("cpu",)))
@@ -324,7 +325,7 @@ def test_a_worker_is_told_the_version_only_while_the_rest_stays_and_whole_after_
     assert kinds == ["update", "again", "again"], kinds
     signature = Manifest.of(worker.model.state_dict()).signature
     worker.theirs.send(("hello", "policy", os.getpid(), signature, ("cpu",)))
-    worker.sender.send_async()
+    worker.sender.send_async().done()  # (its acks gathered in the background: the hello is read)
     said = []
     while not said or said[-1][0] != "update":
         assert worker.theirs.poll(5), said

@@ -107,7 +107,7 @@ class SendIO:
         for wid, fds in watched.items():
             if not ready.isdisjoint(fds):
                 try:
-                    heard[wid] = channels[wid].try_ack(packet)
+                    heard[wid] = channels[wid].try_ack(packet, ready)
                 except WorkerError as exc:
                     heard[wid] = exc
         return heard

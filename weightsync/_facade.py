@@ -288,7 +288,8 @@ class WeightSender:
         else:
             # A chain's whole send, or a worker to tell on the loop: now, in
             # the background.
-            self._pending = SendHandle(self, self._gather(machine, waiting or STAGED), machine)
+            action = waiting or STAGED
+            self._pending = SendHandle(self, self._gather(machine, action), machine, handed=action)
         return self._pending
 
     def _gather(self, machine: SendMachine, action: Action) -> concurrent.futures.Future[SendReport]:
@@ -437,6 +438,8 @@ class SendHandle:
         future: concurrent.futures.Future[SendReport],
         machine: SendMachine | None,
         held: Action | None = None,
+        *,
+        handed: Action = STAGED,
     ) -> None:
         self._sender = sender
         # The send's outcome.
@@ -449,6 +452,9 @@ class SendHandle:
         # gathering its acks yet (see wait()); None once a waiter took it
         # over, or for a send held or refused before anything moved.
         self._unstarted = machine if held is None else None
+        # Where the loop thread goes on from (a waiter that takes the send
+        # over goes on from there too).
+        self._handed = handed
         self._version = machine.version if machine is not None else None
         self._worker_ids = machine.worker_ids if machine is not None else ()
 
@@ -531,7 +537,7 @@ class SendHandle:
             # about as much as the whole send of a small model.
             self._future = concurrent.futures.Future()
             try:
-                report = self._sender._drive(unstarted, STAGED)
+                report = self._sender._drive(unstarted, self._handed)
             except BaseException as exc:
                 self._future.set_exception(exc)
                 raise

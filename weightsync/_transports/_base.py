@@ -23,7 +23,7 @@ cancellable.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -199,11 +199,12 @@ class ChannelTransport(SenderTransport, Protocol):
         None where only :meth:`deliver` can go on (the transport is not
         watched this way, or the update could not be posted). Never blocks."""
 
-    def try_ack(self, packet: Packet) -> bool | None:
+    def try_ack(self, packet: Packet, ready: Collection[int] = ()) -> bool | None:
         """Take what the worker sent, without waiting: True once it acked
         ``packet``'s version, False while it has not, None where only
         :meth:`deliver` can go on (the worker restarted and must be told
-        again). Never blocks.
+        again). ``ready``: those of its :meth:`ack_fds` the caller saw
+        readable just now (not asked again). Never blocks.
 
         :raises: as :meth:`deliver`.
         """

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from .._packet import Manifest, Packet
 from ._base import Incoming
 
@@ -28,7 +30,7 @@ class NoTransport:
     def ack_fds(self, packet: Packet) -> tuple[int, ...] | None:
         return None  # acks come through deliver()
 
-    def try_ack(self, packet: Packet) -> bool | None:
+    def try_ack(self, packet: Packet, ready: Collection[int] = ()) -> bool | None:
         return None
 
     def why_late(self) -> str | None:

@@ -24,7 +24,7 @@ import pickle
 import select
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -98,6 +98,13 @@ class PipeChannel:
                 self.peer.close()
             self.peer = ProcessWatch(pid)
             self._fds = None
+
+    def seen_readable(self, fds: Collection[int]) -> None:
+        """The caller's own wait (an epoll set) saw these descriptors
+        readable just now: if the pipe's is one, the next read does not ask
+        again."""
+        if self._fd in fds:
+            self._readable_seen = True
 
     def peer_alive(self) -> bool:
         return self.peer is None or self.peer.alive()

@@ -29,6 +29,7 @@ import multiprocessing.process
 import os
 import signal
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -296,9 +297,10 @@ class PipeSenderTransport:
     def ack_fds(self, packet: Packet) -> tuple[int, ...] | None:
         return None if self._untold(packet) else self._channel.fds()  # untold: deliver() tells it
 
-    def try_ack(self, packet: Packet) -> bool | None:
+    def try_ack(self, packet: Packet, ready: Collection[int] = ()) -> bool | None:
         if self._untold(packet):
             return None
+        self._channel.seen_readable(ready)
         while (message := self._channel.poll()) is not None:
             if self._take(message, packet):
                 return True

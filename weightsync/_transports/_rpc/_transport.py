@@ -26,7 +26,7 @@ import contextlib
 import multiprocessing.process
 import os
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import anyio
@@ -235,7 +235,7 @@ class RPCSenderTransport:
     def ack_fds(self, packet: Packet) -> tuple[int, ...] | None:
         return None  # the ack is the call's result: deliver() awaits it
 
-    def try_ack(self, packet: Packet) -> bool | None:
+    def try_ack(self, packet: Packet, ready: Collection[int] = ()) -> bool | None:
         return None
 
     async def deliver(self, packet: Packet) -> None:
