@@ -400,7 +400,8 @@ def test_a_finished_send_holds_neither_itself_nor_the_callers_weights(cluster: C
     # Nor is the send itself (its machine, what a chain was handed) held.
     from weightsync._send import SendMachine, _Outgoing
 
-    held = [type(o).__name__ for o in gc.get_objects() if isinstance(o, SendMachine | _Outgoing)]
+    # (type(), not isinstance(): some objects of torch warn when their class is asked.)
+    held = [type(o).__name__ for o in gc.get_objects() if type(o) in (SendMachine, _Outgoing)]
     assert held == [], held
 
 

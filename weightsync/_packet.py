@@ -21,6 +21,7 @@ from ._exceptions import WeightMismatchError
 
 __all__ = [
     "ALIGNMENT",
+    "ChainReport",
     "DEFAULT_TIMEOUT",
     "Manifest",
     "Packet",
@@ -295,3 +296,35 @@ class Packet:
     @property
     def nbytes(self) -> int:
         return self.manifest.nbytes
+
+
+@dataclass(frozen=True)
+class ChainReport:
+    """How a send's chains carried it (the cross-host schemes: a
+    torch.distributed chain, Ray's relay between nodes)."""
+
+    #: Each chain formed (a repair forms more than one): its members in
+    #: chain order (worker ranks; Ray's relay: node ids), and whom each
+    #: host leader of it fed through shared memory (``{leader:
+    #: (followers...)}``).
+    routes: tuple[tuple[tuple[Any, ...], Mapping[Any, tuple[Any, ...]]], ...] = ()
+    #: The bytes the trainer put on the chains (the encoded frames of a delta).
+    wire_bytes: int = 0
+    #: Per chain, as ``routes``: whether it carried a delta (``delta=True``).
+    delta: tuple[bool, ...] = ()
+    #: Per chain, as ``routes``: the bytes the trainer put on it.
+    sent: tuple[int, ...] = ()
+    #: ``delta=True``: why the send went as a delta or whole, and the rates
+    #: weighed (``{"delta": bool, "why": str, "rates": {...}}``); empty
+    #: otherwise.
+    delta_choice: Mapping[str, Any] = field(default_factory=dict)
+
+    def joined(self, other: ChainReport) -> ChainReport:
+        """This and ``other`` (another staging's chains of one version) as one."""
+        return ChainReport(
+            self.routes + other.routes,
+            self.wire_bytes + other.wire_bytes,
+            self.delta + other.delta,
+            self.sent + other.sent,
+            self.delta_choice or other.delta_choice,
+        )

@@ -34,10 +34,9 @@ from ._exceptions import (
     combine_worker_errors,
 )
 from ._memory._placement import Placement, caller_stream, route
-from ._packet import Packet
+from ._packet import ChainReport, Packet
 from ._packing import Keys, Packer
 from ._targets import Workers
-from ._transports._base import ChainReport
 
 __all__ = [
     "STAGED",

@@ -24,7 +24,7 @@ cancellable.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -32,11 +32,10 @@ import torch
 from .._copy import copy_tensors
 from .._exceptions import WorkerApplyError, WorkerError, WorkerLostError
 from .._memory._placement import Placement
-from .._packet import Manifest, Packet, Signature
+from .._packet import ChainReport, Manifest, Packet, Signature
 
 __all__ = [
     "EVERY_VERSION",
-    "ChainReport",
     "Applier",
     "ChannelTransport",
     "DeviceAwareStaging",
@@ -208,38 +207,6 @@ class ChannelTransport(SenderTransport, Protocol):
 
         :raises: as :meth:`deliver`.
         """
-
-
-@dataclass(frozen=True)
-class ChainReport:
-    """How a send's chains carried it (the cross-host schemes: a
-    torch.distributed chain, Ray's relay between nodes)."""
-
-    #: Each chain formed (a repair forms more than one): its members in
-    #: chain order (worker ranks; Ray's relay: node ids), and whom each
-    #: host leader of it fed through shared memory (``{leader:
-    #: (followers...)}``).
-    routes: tuple[tuple[tuple[Any, ...], Mapping[Any, tuple[Any, ...]]], ...] = ()
-    #: The bytes the trainer put on the chains (the encoded frames of a delta).
-    wire_bytes: int = 0
-    #: Per chain, as ``routes``: whether it carried a delta (``delta=True``).
-    delta: tuple[bool, ...] = ()
-    #: Per chain, as ``routes``: the bytes the trainer put on it.
-    sent: tuple[int, ...] = ()
-    #: ``delta=True``: why the send went as a delta or whole, and the rates
-    #: weighed (``{"delta": bool, "why": str, "rates": {...}}``); empty
-    #: otherwise.
-    delta_choice: Mapping[str, Any] = field(default_factory=dict)
-
-    def joined(self, other: ChainReport) -> ChainReport:
-        """This and ``other`` (another staging's chains of one version) as one."""
-        return ChainReport(
-            self.routes + other.routes,
-            self.wire_bytes + other.wire_bytes,
-            self.delta + other.delta,
-            self.sent + other.sent,
-            self.delta_choice or other.delta_choice,
-        )
 
 
 class Outgoing(Protocol):

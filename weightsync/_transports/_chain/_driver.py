@@ -39,7 +39,7 @@ from ..._copy import usable_cores
 from ..._delta import HEADER_SIZE, DeltaDecoder, read_header
 from ..._exceptions import DeltaFrameError
 from ..._frames import CHUNK_BYTES
-from .._base import ChainReport
+from ..._packet import ChainReport
 from ._gloo import GLOO
 from ._link import ChainLink, PeerGroup
 from ._pipeline import (

@@ -67,7 +67,7 @@ import torch
 
 from ..._frames import CHUNK_BYTES
 from ..._memory._segment import Segment
-from .._base import ChainReport
+from ..._packet import ChainReport
 from .._chain._delta_base import HISTORY, DeltaBase, DeltaChoice, DeltaSetting
 from .._chain._driver import ChainDriver, ChainMember, EncodedSend, Link, Report, Route
 from .._chain._gloo import connect_store
