@@ -29,18 +29,12 @@ import time
 from typing import Any
 
 import torch
+
+# (Run as a script from benchmarks/: the model is send_profile.py's.)
+from send_profile import make_model
 from torch import nn
 
 import weightsync as ws
-
-
-def make_model(kind: str, nbytes: int) -> nn.Module:
-    if kind == "mlp":
-        return nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
-    module = nn.Module()
-    for i in range(8):
-        module.register_parameter(f"p{i}", nn.Parameter(torch.zeros(max(nbytes // 32, 1))))
-    return module
 
 
 def worker(scheme: ws.WeightSyncScheme, pipe: Any, kind: str, nbytes: int) -> None:

@@ -510,34 +510,26 @@ class SendHandle:
             "await the handle itself (await handle)",
             model_id=self._sender.async_sender.model_id,
         )
+        # The send this thread goes on with itself, where it would only
+        # block otherwise: one whose acks are all that is left and nobody
+        # gathers yet, or one the loop thread has not started on (the
+        # caller waits at once, as when it has nothing to overlap). On a
+        # machine with few cores, waking the loop thread for it costs about
+        # as much as the whole send of a small model.
         held, self._held = self._held, None
-        if held is not None and timeout is None:
-            # Only the acks are left, and nobody gathers them yet: this
-            # thread, which would only block, gathers them.
-            try:
-                report: SendReport = self._sender._drive(*held)
-            except BaseException as exc:
-                self._future.set_exception(exc)
-                raise
-            else:
-                self._future.set_result(report)
-                return report
-            finally:
-                self._over()
-        if held is not None:
+        unstarted, self._unstarted = self._unstarted, None
+        taken: tuple[SendMachine, Action] | None = None
+        if timeout is None and held is not None:
+            taken = held
+        elif timeout is None and unstarted is not None and self._future.cancel():
+            self._future = concurrent.futures.Future()
+            taken = (unstarted, self._handed)
+        elif held is not None:
             self._held = held
             self._hand_off()  # (a wait with a limit: the send goes on past it)
-        future, unstarted = self._future, self._unstarted
-        self._unstarted = None
-        if timeout is None and unstarted is not None and future.cancel():
-            # The loop thread has not started gathering the acks yet (the
-            # caller waits at once, as when it has nothing to overlap): this
-            # thread, which would only block, gathers them instead. On a
-            # machine with few cores, waking the loop thread for it costs
-            # about as much as the whole send of a small model.
-            self._future = concurrent.futures.Future()
+        if taken is not None:
             try:
-                report = self._sender._drive(unstarted, self._handed)
+                report: SendReport = self._sender._drive(*taken)
             except BaseException as exc:
                 self._future.set_exception(exc)
                 raise
@@ -546,6 +538,7 @@ class SendHandle:
                 return report
             finally:
                 self._over()
+        future = self._future
         try:
             return future.result(timeout)
         finally:
