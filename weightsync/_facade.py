@@ -462,20 +462,11 @@ class SendHandle:
         """A held send goes on in the background, on weightsync's loop
         thread (a wait with a timeout, ``await handle``, :meth:`done`)."""
         held, self._held = self._held, None
-        if held is None:
-            return
-        result = self._future
-        started = self._sender._gather(*held)
-
-        def copy(done: concurrent.futures.Future[SendReport]) -> None:
-            if done.cancelled():
-                result.cancel()
-            elif done.exception() is not None:
-                result.set_exception(done.exception())
-            else:
-                result.set_result(done.result())
-
-        started.add_done_callback(copy)
+        if held is not None:
+            # (Handed off as send_async() hands a chain's send: a blocking
+            # wait may still take it over while the loop thread has not.)
+            self._future = self._sender._gather(*held)
+            self._unstarted, self._handed = held
 
     @property
     def version(self) -> int | None:

@@ -6,6 +6,7 @@ transport's (``_transports._distributed._group.SenderGroup``)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Collection
 
 from ._exceptions import (
@@ -17,7 +18,7 @@ from ._exceptions import (
     WorkerError,
     combine_worker_errors,
 )
-from ._send import SendReport
+from ._send import ChainReport, SendReport
 
 __all__ = ["Outcome", "combine", "merge"]
 
@@ -44,10 +45,7 @@ def _joined(reports: list[SendReport]) -> SendReport:
     time of the slowest."""
     first = reports[0]
     chains = [r.chain for r in reports if r.chain is not None]
-    chain = chains[0] if chains else None
-    for more in chains[1:]:
-        assert chain is not None
-        chain = chain.joined(more)
+    chain = functools.reduce(ChainReport.joined, chains) if chains else None
     return dataclasses.replace(
         first,
         placements={w: p for r in reports for w, p in r.placements.items()},

@@ -130,8 +130,6 @@ class ChainStaging:
         # whole, who acked it).
         self._delta = DeltaBase.of(delta, chunk, delta_threads, delta_history)
         self._held: dict[int, int] = {}
-        # (Who acked it is taken as the send ends: nothing of the send, nor
-        # the caller's weights, is held past it.)
         self._last: tuple[int, dict[int, int], bool, frozenset[int]] | None = None
         self.store = store
         self.prefix = prefix
@@ -342,8 +340,10 @@ class ChainStaging:
             # Every worker answered (or the deadline passed): the chain has
             # nothing left to do for this send.
             self.driver.end_send()
-            if self._last is not None and self._last[0] == send.packet.version:
-                self._last = (*self._last[:3], send.acked)
+            if self._delta is not None and current.ranks:
+                # (Who acked it, taken as it ends: nothing of the send is held past it.)
+                whole = current.info.subset is None
+                self._last = (current.info.version, dict(current.ranks), whole, send.acked)
             send.carried(self.driver.report(None if self._delta is None else self._delta.choice))
 
     def _start(self, outgoing: Outgoing) -> None:
@@ -360,7 +360,6 @@ class ChainStaging:
         held: dict[int, int] | None = None
         if self._delta is not None:
             whole = send.info.subset is None
-            self._last = (send.info.version, dict(send.ranks), whole, frozenset())
             manifest = self._manifest
             if whole and manifest is not None:
                 if not self._delta.fit(manifest.nbytes, element_size(manifest)):

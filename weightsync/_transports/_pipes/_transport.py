@@ -119,10 +119,10 @@ class EncodedUpdates:
         self._full = VersionedFrames()
         self._again = VersionedFrames()
 
-    def encoded(self, message: tuple[Any, ...], told: tuple[Any, ...] | None) -> bytes:
-        """``message`` framed for a worker last told ``told`` (its notice
-        without the version; None: nothing yet)."""
-        if told is not None and told == message[:1] + message[2:]:
+    def encoded(self, message: tuple[Any, ...], *, again: bool) -> bytes:
+        """``message`` framed; ``again``: for a worker last told the same
+        notice but for its version."""
+        if again:
             return self._again.encoded(("again", message[1]))
         return self._full.encoded(message)
 
@@ -269,8 +269,9 @@ class PipeSenderTransport:
 
     def post(self, packet: Packet) -> bool:
         update = self._update(packet)
-        if self._channel.try_send_framed(self._updates.encoded(update, self._told)):
-            self._told = update[:1] + update[2:]
+        told = update[:1] + update[2:]
+        if self._channel.try_send_framed(self._updates.encoded(update, again=told == self._told)):
+            self._told = told
             self._posted = packet.version
             self._resend = False
             return True
