@@ -170,8 +170,8 @@ class CopyPlan:
     worked out once and run as often as the tensors stay the same.
 
     Contiguous CPU pairs become byte copies, run on up to ``threads`` threads
-    for large totals; anything else (strided views, other devices) goes
-    through torch.
+    for large totals (a pair over the same bytes is left out); anything
+    else (strided views, other devices) goes through torch.
     """
 
     def __init__(self, destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
@@ -183,7 +183,9 @@ class CopyPlan:
             check_same_layout(dst, src)
             if plain(dst) and plain(src):
                 size = dst.numel() * dst.element_size()
-                if size:
+                # (A pair over the same bytes holds them already: a sender
+                # group's rank 0 sends from the buffer its ranks wrote.)
+                if size and dst.data_ptr() != src.data_ptr():
                     self.spans.append((dst.data_ptr(), src.data_ptr(), size))
                     self.total += size
             else:

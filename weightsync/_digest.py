@@ -124,7 +124,8 @@ def copy_with_digests(
     def work(lo: int, hi: int) -> None:
         for k in range(lo, hi):
             index, start, size = blocks[k]
-            ctypes.memmove(targets[index] + start, origins[index] + start, size)
+            if targets[index] != origins[index]:  # (else the bytes are there: only digested)
+                ctypes.memmove(targets[index] + start, origins[index] + start, size)
             out[k] = digest(views[index][start : start + size])
 
     _on_threads(blocks, threads, work, (destinations, sources, views))

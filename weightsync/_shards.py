@@ -52,6 +52,7 @@ __all__ = [
     "place",
     "sub_part",
     "want_of",
+    "whole_part",
 ]
 
 
@@ -95,11 +96,14 @@ class Want:
     the box it holds of each tensor (``boxes``; None: every tensor whole),
     and the workers that switch versions together with it (``members``,
     worker ranks, itself among them: the ranks of its tensor-parallel
-    group; ``(rank,)`` alone)."""
+    group; ``(rank,)`` alone); ``host``: where it runs (its address towards
+    the trainer's store, and its host name; None: not said), which tells
+    whether it can map memory of the trainer's ranks."""
 
     signature: Signature
     boxes: Boxes | None
     members: tuple[int, ...]
+    host: tuple[str, str] | None = None
 
     @functools.cached_property
     def _by_name(self) -> dict[str, Box]:
@@ -150,6 +154,25 @@ def sub_part(part: Part, want: Want) -> Part:
         if cut is not None:
             pieces.append(Piece(piece.name, piece.shape, piece.dtype, cut))
     return Part(part.rank, tuple(pieces))
+
+
+def whole_part(parts: Sequence[Part], want: Want) -> Part | None:
+    """What a class of workers (``want``) takes of all ``parts`` together,
+    as one part of rank 0: each tensor it takes anything of, as the box it
+    holds (the pieces of every rank, cut to that box, fill it). What a
+    sender group's ranks on one host write into one buffer and rank 0
+    sends from there. None where the cut pieces do not fill the boxes
+    exactly (then each rank sends its own)."""
+    pieces: dict[str, Piece] = {}
+    filled: dict[str, int] = {}
+    for part in parts:
+        for piece in sub_part(part, want).pieces:
+            box = want.box(piece.name, piece.shape)
+            pieces[piece.name] = Piece(piece.name, piece.shape, piece.dtype, box)
+            filled[piece.name] = filled.get(piece.name, 0) + math.prod(piece.local_shape)
+    if any(filled[name] != math.prod(piece.local_shape) for name, piece in pieces.items()):
+        return None
+    return Part(0, tuple(pieces[name] for name in sorted(pieces)))
 
 
 def _within(box: Box, origin: Box) -> tuple[slice, ...]:

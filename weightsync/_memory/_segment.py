@@ -125,18 +125,22 @@ class Segment:
             raise
 
     @classmethod
-    def attach(cls, pid: int, fd: int, nbytes: int, token: bytes) -> Segment:
-        """Map another process's segment read-only.
+    def attach(cls, pid: int, fd: int, nbytes: int, token: bytes, *, writable: bool = False) -> Segment:
+        """Map another process's segment, read-only unless ``writable`` (a
+        sender group's rank that writes its part into rank 0's buffer).
 
         :raises ResourceExhaustedError: this process is out of files or memory.
         :raises OSError: the process or its descriptor is gone.
         :raises ValueError: the descriptor now names another file.
         """
         with out_of_resources("map the sender's shared memory"):
-            local = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+            flags, prot = (os.O_RDONLY, mmap.PROT_READ)
+            if writable:
+                flags, prot = (os.O_RDWR, mmap.PROT_READ | mmap.PROT_WRITE)
+            local = os.open(f"/proc/{pid}/fd/{fd}", flags | os.O_CLOEXEC)
             try:
                 size = HEADER_BYTES + max(nbytes, 1)
-                mapping = mmap.mmap(local, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                mapping = mmap.mmap(local, size, flags=mmap.MAP_SHARED, prot=prot)
             finally:
                 os.close(local)
         if mapping[8:24] != token:

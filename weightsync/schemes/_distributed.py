@@ -3,6 +3,7 @@ hosts, started by ``torchrun``, SLURM or any launcher."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -35,8 +36,10 @@ from ._group_send import GroupSender
 _MIN_GROUP_CHUNK = 512 << 10
 
 if TYPE_CHECKING:
+    from .._memory._segment import Segment
     from .._shards import Part, Want
     from .._transports._distributed._group import SenderGroup
+    from .._transports._distributed._host_group import HostBuffer
 
 __all__ = ["DistributedSchemeConfig", "DistributedWeightSyncScheme"]
 
@@ -315,6 +318,10 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         # A sender group's rank, once the plan is made: per class of workers
         # it sends anything, its cut of this rank's part and its sender.
         self._class_senders: list[tuple[Part, WeightSender]] | None = None
+        # A sender group's rank, once the plan is made: per class of workers
+        # on the ranks' one host, the buffer it writes its part into (and,
+        # on rank 0, the class's sender).
+        self._host_buffers: list[HostBuffer] = []
         # A sender group's rank: its collective sends (get_sender()).
         self._group_sender: GroupSender | None = None
         # A tensor-parallel replica's first member: the store of its rounds.
@@ -427,7 +434,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         from .._transports._distributed._transport import ChainStaging
 
         if self._class_senders is not None:
-            stagings = [sender.async_sender.staging for _, sender in self._class_senders]
+            stagings = [sender.async_sender.staging for sender in self._group_senders()]
         else:
             stagings = [self.staging]
         return [staging for staging in stagings if isinstance(staging, ChainStaging)]
@@ -688,6 +695,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
 
         from .._shards import classes_of, sub_part
         from .._transports._distributed._group import GroupPlan
+        from .._transports._distributed._host_group import HostBuffer
 
         group, setting = self._group, self._group_setting
         assert group is not None and setting is not None
@@ -713,50 +721,126 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
                 raise WeightMismatchError(what, model_id=self._model_id)
             raise WeightSyncError(what, model_id=self._model_id)
         classes = classes_of(wants)
+        segments, wholes = self._share_host(classes, wants)
         senders: list[tuple[Part, WeightSender]] = []
+        buffers: list[HostBuffer] = []
         row: list[str | None] = []
         try:
-            for _, members in classes:
+            for index, (_, members) in enumerate(classes):
                 sub = sub_part(group.part, wants[members[0]])
+                segment, whole = segments.get(index), wholes[index]
+                if segment is not None and whole is not None:
+                    # Rank 0 sends the class all of it, from the buffer every rank writes.
+                    shared_sender: WeightSender | None = None
+                    if group.rank == 0:
+                        session, shared_sender = self._class_sender(members, segment=segment)
+                        row.append(session)
+                    else:
+                        row.append(None)
+                    buffers.append(HostBuffer(segment, whole, sub, wants[members[0]], shared_sender))
+                    continue
                 if not sub.pieces:
                     row.append(None)  # (nothing of this rank's part is theirs)
                     continue
-                session, transports, staging = self._session(
-                    setting.store,
-                    setting.address,
-                    setting.host,
-                    [m - 1 for m in members],
-                    # Each rank's chain starts at another host: no NIC carries every part.
-                    rotate=group.rank,
-                    # The ranks' chains share every link: smaller frames than the
-                    # single sender's keep each chain's fill (a frame per hop) short.
-                    # (4 ranks, 64 MiB to 4 hosts at 1 Gbit/s: 1.32x S/B with 1 MiB
-                    # frames, 1.24-1.27x with 512 KiB, 1.26-1.34x with 256 KiB.)
-                    chunk=max(CHUNK_BYTES // group.size, _MIN_GROUP_CHUNK),
-                )
-                sender = WeightSender(
-                    AsyncWeightSender(
-                        model_id=self._model_id,
-                        strategy=self.strategy,
-                        transports=transports,
-                        staging=staging,
-                        context=None,
-                        timeout=self.timeout,
-                        verify=self.verify,
-                        wire_dtype=self.wire_dtype,
-                    )
-                )
+                session, sender = self._class_sender(members)
                 senders.append((sub, sender))
                 row.append(session)
         except BaseException:
             for _, sender in senders:
                 sender.shutdown()
+            for buffer in buffers:
+                if buffer.sender is not None:
+                    buffer.sender.shutdown()
+            for segment in segments.values():
+                segment.close()
             raise
         sessions: list[Any] = [None] * group.size
         dist.all_gather_object(sessions, tuple(row), group=setting.group)
         self._class_senders = senders
+        self._host_buffers = buffers
         if group.rank == 0:
-            group.publish_plan(GroupPlan(classes, tuple(sessions)))
+            shared = tuple(index in segments for index in range(len(classes)))
+            group.publish_plan(GroupPlan(classes, tuple(sessions), shared))
+
+    def _class_sender(self, members: tuple[int, ...], **chain: Any) -> tuple[str, WeightSender]:
+        """A session of this rank's to the workers ``members`` (ranks) and
+        its sender (``chain``: the staging's own options)."""
+        group, setting = self._group, self._group_setting
+        assert group is not None and setting is not None
+        session, transports, staging = self._session(
+            setting.store,
+            setting.address,
+            setting.host,
+            [m - 1 for m in members],
+            # Each rank's chain starts at another host: no NIC carries every part.
+            rotate=group.rank,
+            # The ranks' chains share every link: smaller frames than the
+            # single sender's keep each chain's fill (a frame per hop) short.
+            # (4 ranks, 64 MiB to 4 hosts at 1 Gbit/s: 1.32x S/B with 1 MiB
+            # frames, 1.24-1.27x with 512 KiB, 1.26-1.34x with 256 KiB.)
+            chunk=max(CHUNK_BYTES // group.size, _MIN_GROUP_CHUNK),
+            **chain,
+        )
+        sender = WeightSender(
+            AsyncWeightSender(
+                model_id=self._model_id,
+                strategy=self.strategy,
+                transports=transports,
+                staging=staging,
+                context=None,
+                timeout=self.timeout,
+                verify=self.verify,
+                wire_dtype=self.wire_dtype,
+            )
+        )
+        return session, sender
+
+    def _share_host(
+        self, classes: tuple[tuple[Any, tuple[int, ...]], ...], wants: dict[int, Want]
+    ) -> tuple[dict[int, Segment], list[Part | None]]:
+        """(Collective, in the plan.) The classes whose workers and every
+        trainer rank share one host, each with its host buffer (rank 0's
+        shared memory, mapped writable on every other rank): by class, the
+        buffer; and, per class, all it takes as one part (None: not shared).
+        A class is shared only where every rank mapped its buffer, and the
+        trainer shares memory with its host's workers at all
+        (``share_from_trainer``, no ``delta``, no ``wire_dtype``: the ranks
+        write the bytes as they are)."""
+        import torch.distributed as dist
+
+        from .._memory._segment import Segment
+        from .._packet import Manifest
+        from .._shards import part_signature, whole_part
+
+        group, setting = self._group, self._group_setting
+        assert group is not None and setting is not None
+        hosts: list[Any] = [None] * group.size
+        dist.all_gather_object(hosts, (setting.host, socket.gethostname()), group=setting.group)
+        wholes: list[Part | None] = [None] * len(classes)
+        if self.share_from_trainer and not self.delta and self.wire_dtype is None and len(set(hosts)) == 1:
+            for index, (_, members) in enumerate(classes):
+                if all(wants[m].host == hosts[0] for m in members):
+                    wholes[index] = whole_part(group.parts, wants[members[0]])
+        if not any(wholes):
+            return {}, wholes
+        mine: dict[int, Segment] = {}
+        refs: list[Any] = [None]
+        if group.rank == 0:
+            for index, whole in enumerate(wholes):
+                if whole is not None:
+                    mine[index] = Segment.create(Manifest.from_signature(part_signature(whole)).nbytes)
+            refs = [{index: segment.ref() for index, segment in mine.items()}]
+        dist.broadcast_object_list(refs, src=dist.get_global_rank(setting.group, 0), group=setting.group)
+        if group.rank != 0:
+            for index, ref in refs[0].items():
+                with contextlib.suppress(Exception):  # (not this user's, out of files: each sends its own)
+                    mine[index] = Segment.attach(*ref, writable=True)
+        mapped: list[Any] = [None] * group.size
+        dist.all_gather_object(mapped, sorted(mine), group=setting.group)
+        everywhere = set.intersection(*(set(indices) for indices in mapped))
+        for index in set(mine) - everywhere:
+            mine.pop(index).close()
+        return mine, [whole if index in everywhere else None for index, whole in enumerate(wholes)]
 
     def _new_transport(self, worker_id: int, channel: Any, *, replaces: bool) -> SenderTransport:
         """No channel: the new worker is rank ``worker_id + 1`` of the store."""
@@ -839,6 +923,11 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         from .._strategy import is_dtensor, values_of
 
         tensors = values_of(self._model)
+        # (Where it runs: workers on the trainer ranks' one host take from one buffer.)
+        where = None
+        if toward is not None:
+            with contextlib.suppress(OSError):
+                where = (_address_towards(*toward), socket.gethostname())
         meshes = {id(t.device_mesh): t.device_mesh for t in tensors.values() if is_dtensor(t)}
         if not meshes:
             signature = tuple(
@@ -847,7 +936,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
                     for name, t in tensors.items()
                 )
             )
-            return Want(signature, None, (rank,)), None
+            return Want(signature, None, (rank,), where), None
         (mesh, *others) = meshes.values()
         if others or mesh.ndim != 1:
             raise InvalidWeightsError(
@@ -867,7 +956,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         said: list[Any] = [None] * mesh.size()
         dist.all_gather_object(said, (rank, rounds), group=mesh.get_group())
         members = tuple(int(member) for member, _ in said)
-        return want_of(tensors, members, index), said[0][1]
+        return dataclasses.replace(want_of(tensors, members, index), host=where), said[0][1]
 
     def shutdown(self) -> None:
         """As :meth:`WeightSyncScheme.shutdown`. A sharded trainer's rank
@@ -875,15 +964,23 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         shutdown, so that none loses the store in the middle of a send."""
         group = self._group
         try:
-            for _, sender in self._class_senders or ():
+            for sender in self._group_senders():
                 sender.shutdown()
+            for buffer in self._host_buffers:
+                buffer.close()
         finally:
             if group is not None:
                 group.close(owner=self._owns_store)
             super().shutdown()
 
+    def _group_senders(self) -> list[WeightSender]:
+        """A sender group's rank's senders: one per class it sends its own
+        part to, and (rank 0) one per class on its host."""
+        mine = [sender for _, sender in self._class_senders or ()]
+        return mine + [buffer.sender for buffer in self._host_buffers if buffer.sender is not None]
+
     def _close_at_exit(self) -> None:
-        for _, sender in self._class_senders or ():
+        for sender in self._group_senders():
             sender.close_at_exit()
         super()._close_at_exit()
 

@@ -127,7 +127,7 @@ class GroupSender:
         try:
             if first:
                 scheme._plan_group(time.monotonic() + wait)
-            for sender, part in self._parts(weights):
+            for sender, part in self._parts(weights, seq, time.monotonic() + wait):
                 if first:
                     sender.wait_for_workers(timeout=wait)
                 handles.append(sender._stage(part, None, SendOptions(wait, call="send_async()", version=seq)))
@@ -189,7 +189,7 @@ class GroupSender:
         try:
             if first:
                 scheme._plan_group(time.monotonic() + wait)
-            sends = list(self._parts(weights))
+            sends = self._parts(weights, seq, time.monotonic() + wait)
             results = WeightSender.send_each_as(seq, sends, timeout=wait, connect=connect or first)
             outcome = self._combined(seq, results)
         except Exception as exc:
@@ -231,13 +231,35 @@ class GroupSender:
         until = time.monotonic() + (2 * wait if connect or first else wait) + GRACE
         return group.seq, wait, until, first
 
-    def _parts(self, weights: Any) -> Iterable[tuple[WeightSender, Any]]:
-        """Each class's sender, and this rank's part of ``weights`` cut to the class."""
+    def _parts(self, weights: Any, seq: int, until: float) -> list[tuple[WeightSender, Any]]:
+        """Each class's sender, and what it sends: this rank's part of
+        ``weights`` cut to the class; or, for a class on the ranks' one
+        host, rank 0's view of the host buffer, into which every rank first
+        writes its part of send ``seq`` (rank 0 waits for them until
+        ``until``, ``time.monotonic()``; the others have nothing to send).
+
+        :raises SenderGroupError: (rank 0) a rank did not write its part.
+        """
         scheme, group = self._scheme, self._group
         assert scheme._class_senders is not None
         tensors = values_of(scheme._model if weights is None else weights)
-        for sub, sender in scheme._class_senders:
-            yield sender, local_tensors(tensors, group.part, sub)
+        buffers = scheme._host_buffers
+        if buffers:
+            error: BaseException | None = None
+            try:
+                for buffer in buffers:
+                    buffer.write(tensors, group.part, seq)
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                if group.rank != 0:
+                    # (Rank 0 hears of it now, not at the deadline.)
+                    group.staged(seq, error)
+            if group.rank == 0:
+                group.wait_staged(seq, until)
+        sends = [(sender, local_tensors(tensors, group.part, sub)) for sub, sender in scheme._class_senders]
+        return sends + [(b.sender, b.views) for b in buffers if b.sender is not None]
 
     def _combined(self, seq: int, results: list[SendReport | Exception]) -> Outcome:
         return combine(self._group.rank, seq, results)

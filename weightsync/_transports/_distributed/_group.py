@@ -61,12 +61,13 @@ import torch
 from ..._digest import mismatched
 from ..._exceptions import (
     SenderClosedError,
+    SenderGroupError,
     SenderLostError,
     WaitTimeoutError,
     WeightMismatchError,
 )
 from ..._packet import Manifest, Signature
-from ..._shards import Boxes, Part, Want, part_signature, pieces_misfit, place, sub_part
+from ..._shards import Boxes, Part, Want, part_signature, pieces_misfit, place, sub_part, whole_part
 from .._chain._gloo import connect_store
 from .._chain._pipeline import short_message
 from ._protocol import get_now, session_key, wait_key
@@ -162,6 +163,10 @@ class GroupPlan:
 
     classes: tuple[tuple[Boxes | None, tuple[int, ...]], ...]
     sessions: tuple[tuple[str | None, ...], ...]
+    #: Per class: its bytes come from rank 0 alone, out of the host buffer
+    #: every rank writes its part into (``_host_group``): its workers take
+    #: one part, :func:`~weightsync._shards.whole_part`.
+    shared: tuple[bool, ...] = ()
 
     def class_of(self, rank: int) -> int:
         return next(i for i, (_, ranks) in enumerate(self.classes) if rank in ranks)
@@ -226,6 +231,42 @@ class SenderGroup:
 
     def _outcome_key(self, seq: int, rank: int) -> str:
         return f"{self._prefix}/outcome/{seq}/{rank}"
+
+    def _staged_key(self, seq: int, rank: int) -> str:
+        return f"{self._prefix}/staged/{seq}/{rank}"
+
+    def staged(self, seq: int, error: BaseException | None) -> None:
+        """(A rank other than 0, of a group that shares host buffers,
+        ``_host_group``.) Say that this rank's part of send ``seq`` is in
+        them, or why not (``error``)."""
+        said = b"" if error is None else f"{type(error).__name__}: {error}".encode()
+        with contextlib.suppress(RuntimeError):  # (the store is gone: rank 0 is named then)
+            self._store.set(self._staged_key(seq, self.rank), said)
+
+    def wait_staged(self, seq: int, until: float) -> None:
+        """(Rank 0.) Wait until every other rank said its part of send
+        ``seq`` is in the host buffers, up to ``until`` (``time.monotonic()``).
+
+        :raises SenderGroupError: a rank could not write its part (what it
+            raised), died, or did not say in time (stopped, or slow): none
+            of the version is published.
+        """
+        others = {r: self._staged_key(seq, r) for r in range(1, self.size)}
+        said, dead = _read_all(self._store, others, until, _POLL[1], self._dead)
+        for key in (others[r] for r in said):
+            self._store.delete_key(key)
+        reasons = {r: value.decode() for r, value in said.items() if value}
+        reasons.update({r: "died (its process is gone)" for r in dead})
+        reasons.update({r: "did not say in time" for r in others if r not in said and r not in dead})
+        if reasons:
+            raise SenderGroupError(
+                f"send {seq}: rank(s) {', '.join(map(str, sorted(reasons)))} did not write their part into "
+                f"the host's buffer ({'; '.join(f'rank {r}: {why}' for r, why in sorted(reasons.items()))}); "
+                "no worker was told of this version",
+                ranks=tuple(sorted(reasons)),
+                reasons=reasons,
+                model_id=self.model_id,
+            )
 
     def _beacon_key(self, rank: int) -> str:
         return f"{self._prefix}/beacon/{rank}"
@@ -481,9 +522,17 @@ class PartsEndpoint:
             if value is None:
                 return
             plan: GroupPlan = pickle.loads(value)
-            sessions = [row[plan.class_of(self.rank)] for row in plan.sessions]
+            index = plan.class_of(self.rank)
+            sessions = [row[index] for row in plan.sessions]
             ranks = tuple(r for r, session in enumerate(sessions) if session is not None)
-            parts = tuple(sub_part(self.record.parts[r], self.want) for r in ranks)
+            if index < len(plan.shared) and plan.shared[index]:
+                # (Rank 0 sends all of it, as the plan found that it fills
+                # the class's boxes; the same parts say the same here.)
+                whole = whole_part(self.record.parts, self.want)
+                assert whole is not None and ranks == (0,)
+                parts: tuple[Part, ...] = (whole,)
+            else:
+                parts = tuple(sub_part(self.record.parts[r], self.want) for r in ranks)
             ends: list[ChainEndpoint] = []
             try:
                 for r in ranks:

@@ -121,9 +121,15 @@ class ChainStaging:
         delta_threads: int = 0,
         delta_history: int = HISTORY,
         rotate: int = 0,
+        segment: Segment | None = None,
     ) -> None:
         self.model_id = model_id
         self._share_from_trainer = share_on_host and share_from_trainer
+        # A buffer given (``segment``: a sender group's host buffer, which
+        # every rank of the group writes its part into, and this staging
+        # sends from: its sends' tensors are views of it, so staging copies
+        # nothing) is never replaced; it is closed with the staging.
+        self._given = segment is not None
         # delta=True: the base (and older ones kept for workers that fell
         # behind), the whole version each worker acked last, by rank, and
         # the last send (its version, its workers by rank, whether it was
@@ -139,11 +145,11 @@ class ChainStaging:
         #: What each worker said of itself (its hello), by rank.
         self.members = self.workers.members
         self.driver: ChainDriver[int] = ChainDriver(self.workers, chunk=chunk)
-        self._buffer: torch.Tensor | None = None
+        self._buffer: torch.Tensor | None = None if segment is None else segment.data
         # The buffer's shared memory, while the trainer feeds the workers of
         # its own host from it (share_on_host, no delta: a delta's base
         # takes turns with the buffer).
-        self._segment: Segment | None = None
+        self._segment: Segment | None = segment
         self._views = LayoutViews()
         # With the trainer's tensors on a GPU: the buffers kept page-locked
         # (the staging buffer and the delta base, which take turns), and the
@@ -207,7 +213,9 @@ class ChainStaging:
         self._keep_base(manifest.nbytes)
         shared = self._share_from_trainer and self._delta is None and self.workers.any_on_own_host()
         buffer = self._buffer
-        if buffer is None or buffer.numel() < manifest.nbytes or shared != (self._segment is not None):
+        if self._given:
+            assert buffer is not None and buffer.numel() >= manifest.nbytes, "the plan sized it"
+        elif buffer is None or buffer.numel() < manifest.nbytes or shared != (self._segment is not None):
             self._views.forget()
             self._buffer = None
             self._let_go_of_segment()
@@ -224,6 +232,11 @@ class ChainStaging:
         if segment is not None:
             # A follower still copying the last version sees it overwritten.
             segment.begin_fill(packet.version)
+        pairs = zip(views, packet.tensors, strict=True)
+        if self._given and any(v.data_ptr() != t.data_ptr() for v, t in pairs):
+            # (Views of the buffer at other places: a copy would overwrite
+            # bytes it has yet to read.)
+            raise RuntimeError("a send from a given buffer must be of views of it, as its manifest lays out")
         if pins(packet.devices):
             sums = self._from_device(views, packet, digest)
         else:
