@@ -22,6 +22,7 @@ import torch
 from harness import Cluster, new_cluster, schemes
 
 import weightsync as ws
+from weightsync._copy import CopyPlan
 from weightsync._digest import BLOCK, copy_and_check, copy_with_digests, digests, mismatched
 from weightsync._memory._segment import Segment
 from weightsync._packet import Manifest
@@ -198,6 +199,11 @@ def test_digests_do_not_depend_on_threads_or_on_being_taken_while_copying() -> N
     into = torch.zeros(64, 64)
     assert copy_with_digests([into], [square.t()], threads=2) == digests([square.t().contiguous()])
     assert torch.equal(into, square.t())
+    # A pair over the same bytes (a sender group's rank 0 sends from the
+    # buffer its ranks wrote) is digested alike, its bytes left as they are.
+    assert copy_with_digests(tensors, tensors, threads=3) == one
+    plan = CopyPlan([*tensors, copies[0]], [*tensors, tensors[0]])
+    assert plan.total == tensors[0].nbytes and len(plan.spans) == 1
 
 
 def test_the_checked_copy_finds_a_block_changed_between_its_copy_and_its_check() -> None:

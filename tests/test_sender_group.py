@@ -49,6 +49,10 @@ def test_every_rank_sends_its_part_and_every_worker_holds_the_full_tensors(tmp_p
     assert ranks[0]["reports"] == ranks[1]["reports"], ranks
     assert [r["version"] for r in ranks[0]["reports"]] == [1, 2, 3, 4]
     assert all(r["worker_ids"] == [0, 1] for r in ranks[0]["reports"])
+    # The ranks and workers share a host: each rank writes its part into
+    # one buffer, and rank 0 alone sends from it (one route), but with
+    # delta (each rank's part against the base its workers hold).
+    assert all(r["routes"] == (2 if case == "delta" else 1) for r in ranks[0]["reports"]), ranks[0]
     # Every rank says where the group's store is, as a single sender does.
     assert ranks[0]["store_info"] == ranks[1]["store_info"] and ranks[0]["store_info"]["port"] > 0, ranks
     # A rank's sender is the group's: its calls are collective (a class's
@@ -62,6 +66,28 @@ def test_every_rank_sends_its_part_and_every_worker_holds_the_full_tensors(tmp_p
     for rank, worker in workers.items():
         assert worker["error"] is None, (rank, worker["error"])
         assert worker["versions"][-1] == 4 and worker["versions"] == sorted(set(worker["versions"])), worker
+        for name, tensor in full.items():
+            assert torch.equal(worker["state"][name], tensor), (rank, name)
+
+
+@pytest.mark.extended
+def test_a_rank_whose_part_does_not_fit_the_host_buffer_fails_the_send_on_every_rank_and_none_applies_it(
+    tmp_path: Path,
+) -> None:
+    ranks, workers = _run(tmp_path, "bad_part")
+    # The same error on both ranks, naming rank 1 and what it raised.
+    assert ranks[0]["error"] == ranks[1]["error"], ranks
+    kind, text = ranks[0]["error"]
+    assert kind == "SenderGroupError", text
+    said = "rank 1 raised InvalidWeightsError: weight '0.weight': this rank's shard is float32[2, 2]"
+    assert said in text, text
+    assert "did not write their part into the host's buffer" in text, text
+    # Version 3 failed before any worker was told; the next send reached both.
+    assert [r["version"] for r in ranks[0]["reports"]] == [1, 2, 4], ranks
+    full = torch.load(tmp_path / "full.pt")
+    for rank, worker in workers.items():
+        assert worker["error"] is None, (rank, worker["error"])
+        assert worker["versions"] == [1, 2, 4], worker
         for name, tensor in full.items():
             assert torch.equal(worker["state"][name], tensor), (rank, name)
 

@@ -19,6 +19,7 @@ from weightsync._shards import (
     pieces_misfit,
     place,
     sub_part,
+    whole_part,
 )
 
 
@@ -94,3 +95,33 @@ def test_workers_holding_the_same_boxes_are_one_class() -> None:
         5: Want(sig, None, (5,)),
     }
     assert classes_of(wants) == ((left, (1, 3)), (right, (2, 4)), (None, (5,)))
+
+
+def test_a_class_takes_every_ranks_pieces_as_one_part_of_the_boxes_it_holds() -> None:
+    # Two ranks' rows of an uneven 5 x 4 weight, and a bias rank 1 sends whole.
+    parts = (
+        Part(0, (Piece("w", (5, 4), "float32", ((0, 3), (0, 4))),)),
+        Part(1, (Piece("b", (4,), "float32", ((0, 4),)), Piece("w", (5, 4), "float32", ((3, 5), (0, 4))))),
+    )
+    sig = (("b", "float32", (4,)), ("w", "float32", (5, 4)))
+    whole = whole_part(parts, Want(sig, None, (1,)))
+    assert whole == Part(
+        0, (Piece("b", (4,), "float32", ((0, 4),)), Piece("w", (5, 4), "float32", ((0, 5), (0, 4))))
+    )
+    # A tensor-parallel member's: its columns of the weight, the bias whole.
+    member = Want(sig, (("w", ((0, 5), (2, 4))),), (1, 2))
+    taken = whole_part(parts, member)
+    assert taken is not None and [(p.name, p.local_shape) for p in taken.pieces] == [
+        ("b", (4,)),
+        ("w", (5, 2)),
+    ]
+    # Every rank writes its pieces into the one buffer's boxes: rows of both
+    # ranks fill the member's columns.
+    views = {"b": torch.zeros(4), "w": torch.zeros(5, 2)}
+    w = torch.arange(20.0).reshape(5, 4)
+    for part, local in ((parts[0], {"w": w[:3]}), (parts[1], {"b": torch.ones(4), "w": w[3:]})):
+        sub = sub_part(part, member)
+        place(views, [(sub, list(local_tensors(local, part, sub).values()))], member)
+    assert torch.equal(views["w"], w[:, 2:]) and torch.equal(views["b"], torch.ones(4))
+    # Pieces that leave a box short (rank 0's rows missing) make no whole part.
+    assert whole_part(parts[1:], Want(sig, None, (1,))) is None

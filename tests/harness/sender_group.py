@@ -16,6 +16,9 @@ processes that hold whole copies of the model.
   (``sync=False``), each part's update taken as it comes.
 - ``delta``: the same, with ``verify=True`` and ``delta="always"`` (each
   rank's part goes as a delta against the part the workers hold).
+- ``bad_part``: as ``sends``, but rank 1 gives the second send a shard of
+  another shape: every rank writes the error it raised; the third send
+  goes on.
 - ``mismatch``: worker 2's model has a tensor of another shape: each rank
   writes the error its ``connect()`` raised.
 - ``rank_dies``: rank 1 dies (SIGKILL) after the first send; rank 0 writes
@@ -175,6 +178,9 @@ def _report(report: Any) -> dict[str, Any]:
         "version": report.version,
         "worker_ids": list(report.worker_ids),
         "nbytes": report.nbytes,
+        # (One route per session that sent: each rank's own, or, on one
+        # host, rank 0's alone, from the buffer every rank wrote.)
+        "routes": len(report.chain.routes) if report.chain is not None else 0,
     }
 
 
@@ -221,6 +227,17 @@ def rank_main(rank: int, world: int, init: str, out: str, case: str, port: int, 
                     with torch.no_grad():
                         for p in model.parameters():
                             p.sub_(100.0)
+                elif case == "bad_part" and step == 1:
+                    # Rank 1's shard of one weight is of another shape: every
+                    # rank raises, and no worker is told of this version.
+                    weights = dict(model.state_dict())
+                    if rank == 1:
+                        weights["0.weight"] = torch.zeros(2, 2)
+                    try:
+                        scheme.send(weights)
+                        results["error"] = ["none", ""]
+                    except ws.WeightSyncError as exc:
+                        results["error"] = [type(exc).__name__, str(exc)]
                 else:
                     reports.append(_report(scheme.send()))
             results["reports"] = reports

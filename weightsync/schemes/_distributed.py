@@ -737,7 +737,9 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
                         row.append(session)
                     else:
                         row.append(None)
-                    buffers.append(HostBuffer(segment, whole, sub, wants[members[0]], shared_sender))
+                    buffers.append(
+                        HostBuffer(segment, whole, sub, wants[members[0]], group.size, shared_sender)
+                    )
                     continue
                 if not sub.pieces:
                     row.append(None)  # (nothing of this rank's part is theirs)

@@ -35,13 +35,17 @@ class HostBuffer:
     """One class's buffer on a sender group's host: what this rank writes
     into it (``sub``, its part cut to the class's boxes ``want``), and, on
     rank 0, the sender of the class (``sender``), whose sends are
-    :attr:`views` of it (``whole``'s tensors)."""
+    :attr:`views` of it (``whole``'s tensors). ``ranks``: how many ranks
+    write at once (they share the host's cores)."""
 
-    def __init__(self, segment: Segment, whole: Part, sub: Part, want: Want, sender: Any = None) -> None:
+    def __init__(
+        self, segment: Segment, whole: Part, sub: Part, want: Want, ranks: int, sender: Any = None
+    ) -> None:
         assert segment.data is not None
         self.segment = segment
         self.sub = sub
         self.want = want
+        self.ranks = ranks
         #: Rank 0's sender of the class (a ``WeightSender``, which owns the
         #: segment from then on); None on the other ranks.
         self.sender = sender
@@ -70,7 +74,10 @@ class HostBuffer:
                 )
         self.segment.begin_fill(version)
         with torch.no_grad():
-            place(self.views, [(self.sub, list(sources.values()))], self.want, threads=usable_cores())
+            # (The ranks write at once: each on its share of the cores. More
+            # copy threads than cores only switch between them.)
+            threads = max(1, usable_cores() // self.ranks)
+            place(self.views, [(self.sub, list(sources.values()))], self.want, threads=threads)
 
     def close(self) -> None:
         """Let go of the buffer (rank 0's sender closes its own). Idempotent."""
