@@ -163,6 +163,8 @@ class WeightSender:
         for sender, _ in sends:
             sender._refuse_in_coroutine("send()", "send(...)")
             sender._check("send()")
+        if not sends:
+            return []  # (a sender group's rank that only writes its part into its host's buffer)
         out: list[SendReport | Exception] = [RuntimeError("not run")] * len(sends)
 
         async def one(i: int, sender: WeightSender, weights: Any) -> None:

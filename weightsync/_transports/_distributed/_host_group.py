@@ -80,6 +80,8 @@ class HostBuffer:
             place(self.views, [(self.sub, list(sources.values()))], self.want, threads=threads)
 
     def close(self) -> None:
-        """Let go of the buffer (rank 0's sender closes its own). Idempotent."""
+        """Let go of the buffer (rank 0's sender closes its own; the views
+        kept its memory mapped). Idempotent."""
+        self.views = {}
         if self.sender is None:
             self.segment.close()
