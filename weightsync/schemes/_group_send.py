@@ -109,11 +109,12 @@ class GroupSender:
     ) -> None:
         """Stage this rank's part of a new version and return: blocks while
         the part is copied out of the model (the first send also makes the
-        plan, collectively, and waits for the workers), not while the
-        workers take it; once this returns the weights may change, and
-        every worker still gets them as they were at this call. Its acks
-        are gathered in the background; :meth:`wait_async` (on every rank)
-        ends it. Every error of the send, one found before anything was
+        plan, collectively, and waits for the workers; on the ranks' one
+        host, rank 0 also waits for every rank's part to be in the host's
+        buffer), not while the workers take it; once this returns the
+        weights may change, and every worker still gets them as they were
+        at this call. Its acks are gathered in the background;
+        :meth:`wait_async` (on every rank) ends it. Every error of the send, one found before anything was
         staged included, is raised by :meth:`wait_async`.
 
         :raises ValueError: as :meth:`send`.
