@@ -200,7 +200,8 @@ def _faulted(row: dict[str, Any]) -> list[str]:
         return []
     if fault["kind"] == "soak":
         return _soaked(fault)
-    what = "killed (SIGKILL)" if fault["kind"] == "kill-rank" else "stopped (SIGSTOP, until the others raised)"
+    killed = fault["kind"] == "kill-rank"
+    what = "killed (SIGKILL)" if killed else "stopped (SIGSTOP, until the others raised)"
     lines = [
         f"rank {fault['rank']} {what} {fault['after_s'] * 1e3:.0f} ms into a send of deadline "
         f"{fault['deadline_s']:g} s:"

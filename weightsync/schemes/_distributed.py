@@ -830,7 +830,10 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         if group.rank == 0:
             for index, whole in enumerate(wholes):
                 if whole is not None:
-                    mine[index] = Segment.create(Manifest.from_signature(part_signature(whole)).nbytes)
+                    # (Out of memory or files: each rank sends its own part, as across hosts.)
+                    with contextlib.suppress(Exception):
+                        nbytes = Manifest.from_signature(part_signature(whole)).nbytes
+                        mine[index] = Segment.create(nbytes)
             refs = [{index: segment.ref() for index, segment in mine.items()}]
         dist.broadcast_object_list(refs, src=dist.get_global_rank(setting.group, 0), group=setting.group)
         if group.rank != 0:
