@@ -45,6 +45,7 @@ LAYERS: list[set[str]] = [
     },
     {
         "_transports._distributed._host_share",
+        "_transports._distributed._host_group",
         "_transports._pipes._slot_ledger",
         "_transports._rpc._endpoint",
     },
