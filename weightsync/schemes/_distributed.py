@@ -721,16 +721,16 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
                 raise WeightMismatchError(what, model_id=self._model_id)
             raise WeightSyncError(what, model_id=self._model_id)
         classes = classes_of(wants)
-        segments, wholes = self._share_host(classes, wants)
+        shared = self._share_host(classes, wants)
         senders: list[tuple[Part, WeightSender]] = []
         buffers: list[HostBuffer] = []
         row: list[str | None] = []
         try:
             for index, (_, members) in enumerate(classes):
                 sub = sub_part(group.part, wants[members[0]])
-                segment, whole = segments.get(index), wholes[index]
-                if segment is not None and whole is not None:
+                if index in shared:
                     # Rank 0 sends the class all of it, from the buffer every rank writes.
+                    segment, whole = shared[index]
                     shared_sender: WeightSender | None = None
                     if group.rank == 0:
                         session, shared_sender = self._class_sender(members, segment=segment)
@@ -753,7 +753,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             for buffer in buffers:
                 if buffer.sender is not None:
                     buffer.sender.shutdown()
-            for segment in segments.values():
+            for segment, _ in shared.values():
                 segment.close()
             raise
         sessions: list[Any] = [None] * group.size
@@ -761,8 +761,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         self._class_senders = senders
         self._host_buffers = buffers
         if group.rank == 0:
-            shared = tuple(index in segments for index in range(len(classes)))
-            group.publish_plan(GroupPlan(classes, tuple(sessions), shared))
+            one_part = tuple(index in shared for index in range(len(classes)))
+            group.publish_plan(GroupPlan(classes, tuple(sessions), one_part))
 
     def _class_sender(self, members: tuple[int, ...], **chain: Any) -> tuple[str, WeightSender]:
         """A session of this rank's to the workers ``members`` (ranks) and
@@ -799,11 +799,11 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
 
     def _share_host(
         self, classes: tuple[tuple[Any, tuple[int, ...]], ...], wants: dict[int, Want]
-    ) -> tuple[dict[int, Segment], list[Part | None]]:
+    ) -> dict[int, tuple[Segment, Part]]:
         """(Collective, in the plan.) The classes whose workers and every
-        trainer rank share one host, each with its host buffer (rank 0's
-        shared memory, mapped writable on every other rank): by class, the
-        buffer; and, per class, all it takes as one part (None: not shared).
+        trainer rank share one host, by index: each one's host buffer
+        (rank 0's shared memory, mapped writable on every other rank) and
+        all it takes as one part (:func:`~weightsync._shards.whole_part`).
         A class is shared only where every rank mapped its buffer, and the
         trainer shares memory with its host's workers at all
         (``share_from_trainer``, no ``delta``, no ``wire_dtype``: the ranks
@@ -824,7 +824,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
                 if all(wants[m].host == hosts[0] for m in members):
                     wholes[index] = whole_part(group.parts, wants[members[0]])
         if not any(wholes):
-            return {}, wholes
+            return {}
         mine: dict[int, Segment] = {}
         refs: list[Any] = [None]
         if group.rank == 0:
@@ -843,9 +843,14 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         mapped: list[Any] = [None] * group.size
         dist.all_gather_object(mapped, sorted(mine), group=setting.group)
         everywhere = set.intersection(*(set(indices) for indices in mapped))
-        for index in set(mine) - everywhere:
-            mine.pop(index).close()
-        return mine, [whole if index in everywhere else None for index, whole in enumerate(wholes)]
+        shared: dict[int, tuple[Segment, Part]] = {}
+        for index, segment in mine.items():
+            whole = wholes[index]
+            if index in everywhere and whole is not None:
+                shared[index] = (segment, whole)
+            else:
+                segment.close()
+        return shared
 
     def _new_transport(self, worker_id: int, channel: Any, *, replaces: bool) -> SenderTransport:
         """No channel: the new worker is rank ``worker_id + 1`` of the store."""

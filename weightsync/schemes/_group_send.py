@@ -114,8 +114,9 @@ class GroupSender:
         buffer), not while the workers take it; once this returns the
         weights may change, and every worker still gets them as they were
         at this call. Its acks are gathered in the background;
-        :meth:`wait_async` (on every rank) ends it. Every error of the send, one found before anything was
-        staged included, is raised by :meth:`wait_async`.
+        :meth:`wait_async` (on every rank) ends it. Every error of the
+        send, one found before anything was staged included, is raised by
+        :meth:`wait_async`.
 
         :raises ValueError: as :meth:`send`.
         :raises WeightSyncStateError: a ``send_async()`` is pending.

@@ -166,7 +166,7 @@ class GroupPlan:
     #: Per class: its bytes come from rank 0 alone, out of the host buffer
     #: every rank writes its part into (``_host_group``): its workers take
     #: one part, :func:`~weightsync._shards.whole_part`.
-    shared: tuple[bool, ...] = ()
+    shared: tuple[bool, ...]
 
     def class_of(self, rank: int) -> int:
         return next(i for i, (_, ranks) in enumerate(self.classes) if rank in ranks)
@@ -525,7 +525,7 @@ class PartsEndpoint:
             index = plan.class_of(self.rank)
             sessions = [row[index] for row in plan.sessions]
             ranks = tuple(r for r, session in enumerate(sessions) if session is not None)
-            if index < len(plan.shared) and plan.shared[index]:
+            if plan.shared[index]:
                 # (Rank 0 sends all of it, as the plan found that it fills
                 # the class's boxes; the same parts say the same here.)
                 whole = whole_part(self.record.parts, self.want)

@@ -232,8 +232,9 @@ class ChainStaging:
         if segment is not None:
             # A follower still copying the last version sees it overwritten.
             segment.begin_fill(packet.version)
-        pairs = zip(views, packet.tensors, strict=True)
-        if self._given and any(v.data_ptr() != t.data_ptr() for v, t in pairs):
+        if self._given and any(
+            v.data_ptr() != t.data_ptr() for v, t in zip(views, packet.tensors, strict=True)
+        ):
             # (Views of the buffer at other places: a copy would overwrite
             # bytes it has yet to read.)
             raise RuntimeError("a send from a given buffer must be of views of it, as its manifest lays out")
