@@ -79,8 +79,9 @@ class AsyncWeightReceiver:
         # Updates applied so far, and how many of them receive() reported.
         self._applied = 0
         self._reported = 0
-        # A copy raced the sender's next version (receive_ready): the next
-        # receive() must overwrite the model before it returns.
+        # A copy raced the sender's next version: the model holds a mix
+        # until a newer version is applied; until then receive() waits
+        # for it (receive_ready() leaves it to receive()).
         self._torn = False
         # What receive_ready() applied but could not reply without waiting.
         self._unsent: _Step | None = None
@@ -140,6 +141,7 @@ class AsyncWeightReceiver:
     def _mark_applied(self, version: int) -> None:
         self.version = version
         self._applied += 1
+        self._torn = False  # (every tensor holds this version now)
 
     def _take_applied(self) -> int | None:
         """The newest version applied since the previous call, or None."""
@@ -191,12 +193,11 @@ class AsyncWeightReceiver:
         self._check_open()
         if not self._announced:
             await self.announce()
-        # A copy that raced the sender's next version (see receive_ready)
-        # left the model torn: only a newer version may end this call.
-        torn, self._torn = self._torn, False
-        wait = _RECOVERY_TIMEOUT if torn else (timeout or 0.0)
         while True:
-            incoming = await self.endpoint.next_update(wait)
+            # A copy that raced the sender's next version left the model
+            # torn: only a newer version may end this call.
+            torn = self._torn
+            incoming = await self.endpoint.next_update(_RECOVERY_TIMEOUT if torn else (timeout or 0.0))
             if incoming is None:
                 if torn:
                     raise SenderLostError(
@@ -205,14 +206,9 @@ class AsyncWeightReceiver:
                         model_id=self.model_id,
                     )
                 return self._take_applied()
-            step = self._take(incoming)
-            if step.then is _Then.SUPERSEDED:
-                continue
-            if step.then is _Then.TORN:
-                torn = True
-                wait = _RECOVERY_TIMEOUT
-                continue
-            return await self._finish(step)
+            step = self._settle(incoming)
+            if step is not None:
+                return await self._finish(step)
 
     def receive_ready(self) -> int | NeedsLoop | None:
         """What :meth:`receive` with no wait returns, done on the calling
@@ -228,24 +224,19 @@ class AsyncWeightReceiver:
         Never blocks but for the copy into the model. Raises as :meth:`receive`.
         """
         self._check_open()
-        if not self._announced or self._torn:
+        if not self._announced:
             return NEEDS_LOOP
-        while True:
-            incoming = self.endpoint.take_ready()
-            if incoming is None:
-                return NEEDS_LOOP
-            step = self._take(incoming)
-            if step.then is _Then.SUPERSEDED:
+        while not self._torn and (incoming := self.endpoint.take_ready()) is not None:
+            step = self._settle(incoming)
+            if step is None:
                 continue
-            if step.then is _Then.TORN:
-                self._torn = True
-                return NEEDS_LOOP
             if step.reply is not None and not self.endpoint.try_reply(*step.reply):
                 self._unsent = step
                 return NEEDS_LOOP
             if step.error is not None:
                 raise step.error
             return self._take_applied()
+        return NEEDS_LOOP
 
     async def finish_unsent(self) -> int | None:
         """Send the reply that :meth:`receive_ready` could not send without
@@ -265,6 +256,17 @@ class AsyncWeightReceiver:
         if step.error is not None:
             raise step.error
         return self._take_applied()
+
+    def _settle(self, incoming: Incoming) -> _Step | None:
+        """:meth:`_take` of ``incoming``, the one step of :meth:`receive`
+        and :meth:`receive_ready`: what to reply, or None where there is
+        nothing to reply yet (it was superseded: the newer update is
+        pending; or its copy raced the next version, which leaves the
+        model torn until a newer version is applied)."""
+        step = self._take(incoming)
+        if step.then is _Then.TORN:
+            self._torn = True
+        return step if step.then is _Then.DONE else None
 
     def _take(self, incoming: Incoming) -> _Step:
         """Everything :meth:`receive` does with one update but wait and reply:
