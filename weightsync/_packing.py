@@ -9,7 +9,6 @@ plan for that very list.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -135,7 +134,7 @@ class Packer:
         if self._wire is not None:
             # Cast once, here: every staging then moves the cast bytes.
             cast = self._wire.cast(packet.tensors, usable_cores(), packet.stream, keep=packet.reused)
-            packet = dataclasses.replace(packet, tensors=cast)
+            packet = packet._replace(tensors=cast)
         if staging is not None:
             # A staging digests what it stages, each block as it is copied.
             sums = staging.write(packet, verify, placements)

@@ -531,11 +531,13 @@ class SendMachine:
         self, packet: Packet, reachable: list[int], placements: Mapping[int, Placement]
     ) -> Generator[Action, Any, None]:
         """Carry the staged ``packet`` to ``reachable`` and record who acked."""
+        # (How each is reached and what it is sent is known already: noted
+        # before the wait for acks, not after it, on the way back to the caller.)
+        self.placements.update((w, placements[w].value) for w in reachable)
+        self.worker_bytes.update(dict.fromkeys(reachable, packet.nbytes))
         yield from (self._hand_over if self._sends.handler else self._gather)(packet, reachable)
         self._late(packet, reachable)
         self._workers.record(packet, reachable, [w for w in reachable if w in self.failures])
-        self.placements.update((w, placements[w].value) for w in reachable)
-        self.worker_bytes.update(dict.fromkeys(reachable, packet.nbytes))
 
     def _join(
         self, packet: Packet, late: list[int], placements: dict[int, Placement]
