@@ -376,7 +376,7 @@ class PartsUpdate:
     def apply(self, model: Any, targets: list[torch.Tensor], manifest: Manifest) -> None:
         by_name = dict(zip(manifest.names, targets, strict=True))
         parts = [
-            (part, part_manifest.views(update.buffer))
+            (part, update.sources(part_manifest))
             for part, part_manifest, update in zip(self.parts, self.manifests, self.updates, strict=True)
         ]
         with torch.no_grad():
@@ -655,7 +655,7 @@ class PartsEndpoint:
         bad: list[str] = []
         for i, (manifest, part) in enumerate(zip(update.manifests, update.updates, strict=True)):
             if part.digests is not None:
-                names = mismatched(manifest.names, manifest.views(part.buffer), part.digests, part.threads)
+                names = mismatched(manifest.names, part.sources(manifest), part.digests, part.threads)
                 bad += [f"{name} (trainer rank {self.ranks[i]}'s part)" for name in names]
         if not bad:
             return None

@@ -24,15 +24,17 @@ from typing import Any
 
 import torch
 
-from ..._copy import copy_tensors
+from ..._copy import CopyPlan, PlanCache, copy_tensors
 from ..._memory._pinned import PageLocks, host_buffer
 from ..._memory._segment import BROKEN, AttachedSegments, Segment
+from ..._memory._views import LayoutViews
+from ..._packet import Manifest
 from ..._readiness import ProcessWatch
 from .._chain._driver import Report
 from .._chain._pipeline import short_message
 from ._protocol import TRAINER, FollowNotice, Lead, SessionKeys, decode, get_now
 
-__all__ = ["UNMAPPED", "ReceiveBuffers", "fill_segment", "follow", "plan_hosts"]
+__all__ = ["UNMAPPED", "BufferReads", "ReceiveBuffers", "fill_segment", "follow", "plan_hosts"]
 
 #: How a follower's report starts when it cannot map its host leader's memory.
 UNMAPPED = "it cannot map its host leader's memory"
@@ -71,6 +73,28 @@ def plan_hosts(
     return chain, {leader: tuple(ranks) for leader, ranks in fed.items()}
 
 
+class BufferReads:
+    """What the receiver derives from one receive buffer, made once for as
+    long as the buffer stays (its relay makes a new one with each new
+    buffer): the layout's views over it and the copy plan out of them into
+    the model. Only the receiver's thread uses it, and only while it holds
+    the buffer, which the relay thread then leaves alone."""
+
+    def __init__(self) -> None:
+        self._views = LayoutViews()
+        self._plans = PlanCache()
+
+    def views(self, buffer: torch.Tensor, manifest: Manifest) -> list[torch.Tensor]:
+        """``manifest``'s views over ``buffer`` (this buffer, or a slice of
+        it from its start): the same list for as long as the layout stays."""
+        return self._views.of(None, manifest, buffer)
+
+    def plan(self, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> CopyPlan:
+        """The copy of ``sources`` (:meth:`views`) into ``targets``: made
+        again for other lists, or a target whose data moved."""
+        return self._plans.plan(targets, sources)
+
+
 class ReceiveBuffers:
     """A worker's two receive buffers: the receiver holds at most one, the
     relay thread fills the other. One is in shared memory (a segment its
@@ -82,6 +106,9 @@ class ReceiveBuffers:
         #: The whole version each buffer holds, complete (None: none, or
         #: being written): a delta's base is looked up here.
         self.versions: list[int | None] = [None, None]
+        #: What the receiver derives from each buffer (a new one with each
+        #: new buffer: nothing made for the one before is kept).
+        self.reads: list[BufferReads] = [BufferReads(), BufferReads()]
         #: The worker's model is on a GPU: each buffer is page-locked once,
         #: so that the copy into the model runs at the bus's speed.
         self.pin = False
@@ -97,6 +124,7 @@ class ReceiveBuffers:
         buffer, segment = self.buffers[slot], self.segments[slot]
         if buffer is None or buffer.numel() < nbytes or (shared and segment is None):
             self.buffers[slot] = None
+            self.reads[slot] = BufferReads()
             if segment is not None:
                 # Mapped by followers, it is unmapped when the last of them lets go.
                 segment.close()
@@ -123,6 +151,7 @@ class ReceiveBuffers:
         self._pins.release()
         self.versions = [None, None]
         self.buffers = [None, None]
+        self.reads = [BufferReads(), BufferReads()]
         for segment in self.segments:
             if segment is not None:
                 segment.close()

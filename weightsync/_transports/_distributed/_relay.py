@@ -21,10 +21,11 @@ import torch
 
 from ..._exceptions import SenderClosedError, SenderLostError
 from ..._memory._segment import AttachedSegments, Segment
+from ..._packet import Manifest
 from .._base import BufferUpdate
 from .._chain._driver import ChainMember, Report
 from .._chain._pipeline import short_message
-from ._host_share import ReceiveBuffers, fill_segment, follow
+from ._host_share import BufferReads, ReceiveBuffers, fill_segment, follow
 from ._liveness import TrainerLink
 from ._protocol import (
     CloseNotice,
@@ -57,9 +58,17 @@ _IDLE_LOOK = 1.0
 class ChainUpdate(BufferUpdate):
     """An update whose bytes are in one of the worker's receive buffers
     (``slot``), which the relay thread does not write while the receiver
-    holds it."""
+    holds it. Its views and copy plan are the buffer's (``reads``), made
+    once per buffer, layout and model, not once per update."""
 
     slot: int
+    reads: BufferReads
+
+    def sources(self, manifest: Manifest) -> list[torch.Tensor]:
+        return self.reads.views(self.buffer, manifest)
+
+    def apply(self, model: Any, targets: list[torch.Tensor], manifest: Manifest) -> None:
+        self.reads.plan(targets, self.sources(manifest)).run(self.threads)
 
 
 class WorkerRelay:
@@ -283,7 +292,14 @@ class WorkerRelay:
             # A partial update is no base for a later delta.
             self._buffers.versions[slot] = send.version if send.subset is None else None
             update = ChainUpdate(
-                send.version, send.layout_id, send.subset, send.digests, send.threads, view, slot
+                send.version,
+                send.layout_id,
+                send.subset,
+                send.digests,
+                send.threads,
+                view,
+                slot,
+                self._buffers.reads[slot],
             )
             with self._lock:
                 self._pending = update
