@@ -404,3 +404,46 @@ def test_a_send_timeout_bounds_a_blocking_handles_wait(trainer: Trainer) -> None
     with pytest.raises(ws.AckTimeoutError, match=r"within send_async\(\)'s timeout of 1 s"):
         handle.wait()
     assert time.monotonic() - started < 3.0
+
+
+def test_both_senders_handles_give_up_a_timed_wait_with_the_same_error(trainer: Trainer) -> None:
+    """A wait with a limit that passes while the send goes on raises the
+    built-in TimeoutError with one text, from either sender's handle (on
+    Python 3.10 the blocking future's own is not a TimeoutError at all),
+    and the send still ends with its own outcome."""
+    trainer.pause()  # nobody acks
+    handle = trainer.sender.send_async(timeout=3)
+    with pytest.raises(
+        TimeoutError, match=r"is still waiting for acks after 0\.2 s; the send goes on"
+    ) as got:
+        handle.wait(timeout=0.2)
+    assert type(got.value) is TimeoutError and not handle.done()
+    with pytest.raises(ws.AckTimeoutError, match=r"within send_async\(\)'s timeout of 3 s"):
+        handle.wait(timeout=10)
+
+    async def from_the_coroutine_sender() -> None:
+        pending = await trainer.scheme.get_async_sender().send_async(timeout=3)
+        with pytest.raises(TimeoutError, match=r"is still waiting for acks after 0\.2 s; the send goes on"):
+            await pending.wait(timeout=0.2)
+        with pytest.raises(ws.AckTimeoutError):
+            await pending
+
+    asyncio.run(from_the_coroutine_sender())
+
+
+@pytest.mark.asyncio
+async def test_a_coroutine_that_only_polls_done_sees_its_send_end(trainer: Trainer) -> None:
+    """``done()`` in a running loop starts gathering the acks, as the
+    blocking sender's handle does: a trainer that polls it between steps
+    of its own, and never awaits the send, sees it end."""
+    sender = trainer.scheme.get_async_sender()
+    trainer.bump()
+    pending = await sender.send_async()
+
+    async def poll() -> None:
+        while not pending.done():
+            await asyncio.sleep(0.005)  # (the trainer's own step)
+
+    await asyncio.wait_for(poll(), 10)
+    assert (await pending).version == pending.version and sender.pending is None
+    assert trainer.holds_the_trainers_weights(0) and trainer.holds_the_trainers_weights(1)

@@ -31,7 +31,7 @@ from ._loops import NEEDS_LOOP
 from ._packet import DEFAULT_TIMEOUT
 from ._receiver import AsyncWeightReceiver
 from ._runtime import RUNTIME
-from ._send import STAGED, Action, Listen, SendMachine, refuse_options
+from ._send import STAGED, Action, Listen, SendMachine, refuse_options, still_waiting
 from ._sender import AsyncWeightSender, Keys, SendOptions, SendReport
 from ._stepguard import StepGuard
 
@@ -534,6 +534,12 @@ class SendHandle:
         future = self._future
         try:
             return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if future.done():
+                raise  # (the send's own error: an AckTimeoutError is a TimeoutError too)
+            # (Python 3.10's is not the built-in TimeoutError, which this raises.)
+            assert timeout is not None
+            raise still_waiting(self._version, self._sender.async_sender.model_id, timeout) from None
         finally:
             if future.done():
                 self._over()

@@ -41,6 +41,7 @@ from ._targets import Workers
 __all__ = [
     "STAGED",
     "refuse_options",
+    "still_waiting",
     "Action",
     "Announce",
     "ChainReport",
@@ -101,6 +102,15 @@ def refuse_options(unknown: Mapping[str, Any], call: str) -> None:
     where = _SCHEME_OPTIONS.get(name)
     message = f"{call} got an unexpected keyword argument {name!r}; it takes {taken}"
     raise TypeError(message + (f". {where}" if where else ""))
+
+
+def still_waiting(version: int | None, model_id: str | None, timeout: float) -> TimeoutError:
+    """The error of a wait for a staged send's acks that gave up at its own
+    ``timeout`` while the send goes on: one text from either sender's handle."""
+    return TimeoutError(
+        f"version {version} of model {model_id!r} is still waiting for acks after {timeout:g} s; "
+        "the send goes on (wait again)"
+    )
 
 
 @dataclass(frozen=True)

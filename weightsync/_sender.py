@@ -26,7 +26,17 @@ from ._exit import closed as exit_closed
 from ._loops import require_asyncio
 from ._packet import DEFAULT_TIMEOUT
 from ._packing import Keys, Packer
-from ._send import STAGED, Action, ChainReport, SendMachine, SendOptions, SendReport, Sends, refuse_options
+from ._send import (
+    STAGED,
+    Action,
+    ChainReport,
+    SendMachine,
+    SendOptions,
+    SendReport,
+    Sends,
+    refuse_options,
+    still_waiting,
+)
 from ._strategy import WeightStrategy
 from ._targets import Workers
 from ._transports._base import EVERY_VERSION, DeviceAwareStaging, SenderTransport, SendHandler, Staging
@@ -73,7 +83,12 @@ class PendingSend:
         return self.machine.worker_ids
 
     def done(self) -> bool:
-        """Whether the send is over. Never blocks."""
+        """Whether the send is over. Never blocks. Called in a running loop,
+        it starts gathering the acks there if no wait has yet (a loop that
+        only polls ``done()`` sees the send end, as with the blocking
+        sender's handle); outside one, it only tells."""
+        if self._task is None and self._action is not None and asyncio._get_running_loop() is not None:
+            self._gathering()
         return self._task is not None and self._task.done()
 
     def _gathering(self) -> asyncio.Task[SendReport | None]:
@@ -109,10 +124,8 @@ class PendingSend:
             self._over()
             raise
         if not done:
-            raise TimeoutError(
-                f"version {self.version} of model {self.machine.model_id!r} is still waiting for "
-                f"acks after {timeout:g} s; the send goes on (wait again)"
-            )
+            assert timeout is not None
+            raise still_waiting(self.version, self.machine.model_id, timeout)
         self._over()
         report = task.result()
         assert report is not None
