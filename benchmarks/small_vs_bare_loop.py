@@ -32,7 +32,8 @@ checks, validation) shows as the ratio.
 
 Target: weightsync median / bare loop median <= 1.5 (1 MiB to 4 workers);
 <= 2 for 64 KiB to one worker (``--size 0.0625 --workers 1 --target 2``).
-Both sides' trainer CPU per send (the sending thread's, ``cpu us``) is
+Both sides' trainer CPU per send (the sending thread's, ``cpu us``) and
+a worker's CPU per update (the call that took it, ``wkr cpu us``) are
 printed too: where the difference is spent.
 
 Run: ``python benchmarks/small_vs_bare_loop.py [--repeats N] [--rounds N] [--bare bare-shm]
@@ -150,6 +151,14 @@ def main() -> int:
         f"the trainer's CPU per send (its sending thread): weightsync {ours_cpu * 1e6:.0f} us, "
         f"{args.bare} {bare_cpu * 1e6:.0f} us"
     )
+    ours_worker = [c for r in ours for c in r.worker_cpu_s]
+    bare_worker = [c for r in bare for c in r.worker_cpu_s]
+    if ours_worker and bare_worker:
+        print(
+            f"a worker's CPU per update (the call that took it): weightsync "
+            f"{statistics.median(ours_worker) * 1e6:.0f} us, {args.bare} "
+            f"{statistics.median(bare_worker) * 1e6:.0f} us"
+        )
     target = args.target
     verdict = "met" if ratio <= target else "missed"
     print(f"ratio weightsync / {args.bare} = {ratio:.2f} (target <= {target:g}: {verdict})")

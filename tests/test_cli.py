@@ -231,6 +231,12 @@ def test_bench_tight_loop_against_blocking_sends_checked_once(
         assert len(case["samples"]["send_s"]) == 3 and all(s > 0 for s in case["samples"]["send_s"])
         # A blocking send() has no stall of its own to time.
         assert case["samples"]["stall_s"] == []
+        # What a send cost each side: the trainer's thread, and each worker's
+        # update (each of the 2 workers' last 3, the timed sends').
+        assert len(case["samples"]["cpu_s"]) == 3 and case["cpu_us"] > 0
+        assert len(case["samples"]["worker_cpu_s"]) == 2 * 3, case["scheme"]
+        assert all(s > 0 for s in case["samples"]["worker_cpu_s"]) and case["worker_cpu_us"] > 0
+    assert "wkr cpu us" not in printed.out  # (the default table: --wide has it)
     assert mp.active_children() == []
     assert shm_entries() <= shm_before
 

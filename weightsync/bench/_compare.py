@@ -103,7 +103,7 @@ import torch.multiprocessing  # registers torch's reductions on ForkingPickler
 from torch import nn
 
 from ._model import GeneratedMLP, change_model, corrupt_model, tensor_checksums
-from ._pools import Pool, WorkerPool, timed_rounds
+from ._pools import Pool, WorkerPool, timed_rounds, timed_worker_cpu
 from ._ray_pool import RayActorPool
 from ._torchrl import run_on_actors as run_torchrl_on_actors
 from ._torchrl import run_over_pipes as run_torchrl_over_pipes
@@ -456,7 +456,7 @@ def _run_tight(
                     with suppress(OSError):
                         os.write(fd, _END)
         finally:
-            pool.end_case(index)
+            result.worker_cpu_s = timed_worker_cpu(pool.end_case(index), config.repeats)
 
 
 def _run_on_actors(
@@ -591,13 +591,18 @@ def serve_tight(
     pairs = [(named[key], sources[key]) for key in sorted(named)]
     fd = pipe.fileno()
     applied = 0
+    cpus: list[float] = []  # (the CPU time of each round's read, copy and echo)
     try:
         ctrl.send(("ready",))
         with torch.no_grad():
-            while os.read(fd, 1) == _GO:
+            while True:
+                cpu = time.thread_time()
+                if os.read(fd, 1) != _GO:
+                    break
                 for target, source in pairs:
                     target.copy_(source)
                 os.write(fd, _GO)
+                cpus.append(time.thread_time() - cpu)
                 applied += 1
                 if every_round:
                     tensors = model.state_dict()
@@ -609,4 +614,4 @@ def serve_tight(
             corrupt_model(tensors)
         ctrl.send(("applied", applied, tensor_checksums(tensors)))
     finally:
-        ctrl.send(("ended",))
+        ctrl.send(("ended", cpus))

@@ -146,8 +146,10 @@ class Pool(ABC):
         update (:attr:`BenchConfig.check_once`)."""
 
     @abstractmethod
-    def end_case(self, index: int) -> None:
-        """After the trainer's scheme is shut down: end the workers' side of the case."""
+    def end_case(self, index: int) -> list[list[float]]:
+        """After the trainer's scheme is shut down: end the workers' side of
+        the case. Each worker's CPU seconds per update it took, in order,
+        where it measures them (:func:`timed_worker_cpu`); else empty."""
 
     @abstractmethod
     def _reports(self) -> Iterable[tuple[int, int | None, Sequence[int]]]:
@@ -195,6 +197,13 @@ def timed_rounds(
             result.send_s.append(elapsed)
 
 
+def timed_worker_cpu(per_worker: Sequence[Sequence[float]], repeats: int) -> list[float]:
+    """The CPU seconds of the timed sends' updates, every worker's together:
+    each worker's last ``repeats`` (one update per send: the ones before are
+    the warm-up's and the first weights')."""
+    return [cpu for cpus in per_worker for cpu in cpus[-repeats:]]
+
+
 # -- worker processes -----------------------------------------------------------
 
 
@@ -209,7 +218,8 @@ def _worker_main(slot: int, ctrl: Connection, pipes: dict[int, Connection], thre
     Commands from the trainer: ("serve", index, serve, *args), which calls
     ``serve(ctrl, pipe, *args)`` with case ``index``'s pipe, and ("stop",).
     Messages to the trainer: ("up", pid), ("ready",), ("applied", version,
-    checksums), ("ended",), ("failed", traceback).
+    checksums), ("ended", [CPU seconds of each update taken]) (or ("ended",)
+    where the case does not measure them), ("failed", traceback).
     """
     # Ctrl-C reaches the whole process group; the trainer decides when the
     # workers stop, so they finish cleanly instead of dying mid-case.
@@ -270,6 +280,7 @@ def _serve_case(
             corrupt_model(tensors)
         ctrl.send(("applied", version, tensor_checksums(tensors)))
 
+    cpus: list[float] = []  # (the CPU time of each receive() that applied an update)
     try:
         if reach == "rank":
             scheme.init_on_worker(MODEL_ID, model=model, worker_idx=_SLOT + 1)
@@ -278,12 +289,14 @@ def _serve_case(
         ctrl.send(("ready",))
         last = None
         while True:
+            cpu = time.thread_time()
             try:
                 version = scheme.receive(timeout=RECEIVE_POLL)
             except ws.SenderLostError:
                 break  # the trainer shut its sender down: the case is over
             if version is None:
                 continue
+            cpus.append(time.thread_time() - cpu)
             last = version
             if not check_once:
                 report(version)
@@ -291,7 +304,7 @@ def _serve_case(
             report(last)
     finally:
         scheme.shutdown()
-        ctrl.send(("ended",))
+        ctrl.send(("ended", cpus))
 
 
 class WorkerPool(Pool):
@@ -464,20 +477,21 @@ class WorkerPool(Pool):
             _, got_version, got = self._expect(slot, "applied", deadline)
             yield slot, got_version, got
 
-    def end_case(self, index: int) -> None:
+    def end_case(self, index: int) -> list[list[float]]:
         """After the trainer's scheme is shut down: block until the case's
         workers closed their side, then close the case's pipes (also when
-        that fails).
+        that fails). Each worker's CPU seconds per update, where it
+        measured them (empty where it did not).
 
         :raises BenchError: a worker failed, died or did not end in time.
         """
         slots, self._in_case = self._in_case, []
         deadline = time.monotonic() + self.timeout
         try:
-            for slot in slots:
-                self._expect(slot, "ended", deadline)
+            ended = [self._expect(slot, "ended", deadline) for slot in slots]
         finally:
             self.close_pipes(index)
+        return [list(message[1]) if len(message) > 1 else [] for message in ended]
 
     def close_pipes(self, index: int) -> None:
         """Close the trainer's ends of case ``index``'s pipes, if still open."""

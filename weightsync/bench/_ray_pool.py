@@ -333,14 +333,16 @@ class RayActorPool(Pool):
         reports = self.get([actor.report.remote() for actor in self._in_case], "report its weights")
         return [(slot, got_version, got) for slot, (got_version, got) in enumerate(reports)]
 
-    def end_case(self, index: int) -> None:
+    def end_case(self, index: int) -> list[list[float]]:
         """After the trainer's scheme is shut down: block until the case's
-        actors shut theirs down.
+        actors shut theirs down. (An actor applies each update as its call
+        arrives, on a thread of Ray's: no CPU per update is measured.)
 
         :raises BenchError: an actor failed, died or did not end in time.
         """
         actors, self._in_case = self._in_case, []
         self.get([actor.end_case.remote() for actor in actors], "end the case")
+        return [[] for _ in actors]
 
     def close(self) -> None:
         """Kill every actor, and shut Ray down if this pool started it.

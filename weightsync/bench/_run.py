@@ -65,7 +65,7 @@ from ._machine import cuda_facts, machine_facts
 from ._memcpy import device_copy_seconds, floor_seconds, memcpy_seconds
 from ._memory import PeakMemoryProbe
 from ._model import GeneratedMLP, change_model, mlp_shapes, model_nbytes, tensor_checksums
-from ._pools import Pool, WorkerPool
+from ._pools import Pool, WorkerPool, timed_worker_cpu
 from ._ray_pool import RayActorPool
 from ._types import (
     MODEL_ID,
@@ -230,7 +230,7 @@ def _run_scheme(
         try:
             scheme.shutdown()
         finally:
-            pool.end_case(index)
+            result.worker_cpu_s = timed_worker_cpu(pool.end_case(index), config.repeats)
 
 
 def _put_seconds(tensors: list[Any]) -> float:

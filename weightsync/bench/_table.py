@@ -45,6 +45,7 @@ _COLUMNS = (
     ("torn", 4, "s"),
     ("median ms", 9, ".3f"),
     ("cpu us", 7, "s"),
+    ("wkr cpu us", 10, "s"),
     ("stall ms", 8, "s"),
     ("x ref", 6, "s"),
     ("p10 ms", 8, ".3f"),
@@ -89,6 +90,8 @@ _MEANING = {
     "(every worker applied and acked; --blocking: one send())",
     "cpu us": "median CPU time of the trainer's sending thread per send (user and system), in "
     "microseconds: what a send costs the trainer beyond waiting (weightsync and bare-tight)",
+    "wkr cpu us": "median CPU time a worker spent to take one send (its receive() that applied it; "
+    "bare-tight's read, copy and echo), over every worker, in microseconds",
     "stall ms": "median time until send_async() returned: how long the trainer's weights are held",
     "x ref": "stall / one memcpy of the model (one ray.put for Ray); at a few MiB the fixed cost of a "
     "send dominates and this ratio is large: its 1.15x target is for models of 128 MiB and more",
@@ -206,7 +209,7 @@ def startup_lines(startups: Sequence[WorkerStartup], results: Sequence[CaseResul
 
 
 # Number columns given as text (they may read "-"): right-aligned.
-_RIGHT = {"cpu us", "stall ms", "x ref", *_DEVICE_COLUMNS}
+_RIGHT = {"cpu us", "wkr cpu us", "stall ms", "x ref", *_DEVICE_COLUMNS}
 
 
 def table_header(columns: Sequence[str] = DEFAULT_COLUMNS) -> str:
@@ -234,6 +237,7 @@ def format_row(result: CaseResult, columns: Sequence[str] = DEFAULT_COLUMNS) -> 
         torn,
         r.median_s * 1e3,
         f"{statistics.median(r.cpu_s) * 1e6:.0f}" if r.cpu_s else "-",
+        f"{statistics.median(r.worker_cpu_s) * 1e6:.0f}" if r.worker_cpu_s else "-",
         "-" if r.stall_median_s is None else f"{r.stall_median_s * 1e3:.3f}",
         "-" if r.stall_vs_reference is None else f"{r.stall_vs_reference:.2f}",
         r.p10_s * 1e3,

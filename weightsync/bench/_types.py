@@ -683,6 +683,10 @@ class CaseResult:
     # each timed send (weightsync's schemes and bare-tight): what a send
     # costs the trainer beyond waiting.
     cpu_s: list[float] = field(default_factory=list)
+    # Each worker's CPU time (time.thread_time) of the call that took each
+    # timed send's update (weightsync's receive(), bare-tight's read, copy
+    # and echo), every worker's together: what a send costs a worker.
+    worker_cpu_s: list[float] = field(default_factory=list)
     # How long each send held the trainer's weights: until send_async() returned.
     stall_s: list[float] = field(default_factory=list)
     # One ray.put of the model's bytes after each send (Ray cases): the
@@ -851,6 +855,7 @@ class CaseResult:
             "torn": torn,
             "median_ms": self.median_s * 1e3,
             "cpu_us": statistics.median(self.cpu_s) * 1e6 if self.cpu_s else None,
+            "worker_cpu_us": statistics.median(self.worker_cpu_s) * 1e6 if self.worker_cpu_s else None,
             "p10_ms": self.p10_s * 1e3,
             "p90_ms": self.p90_s * 1e3,
             "max_ms": self.max_s * 1e3,
@@ -929,6 +934,7 @@ class BenchRun:
                         "send_s": r.send_s,
                         "report_s": r.report_s,
                         "cpu_s": r.cpu_s,
+                        "worker_cpu_s": r.worker_cpu_s,
                         "stall_s": r.stall_s,
                         "put_s": r.put_s,
                         "memcpy_s": r.memcpy_s,
