@@ -588,7 +588,8 @@ class SendHandle:
             self._sender._pending = None
 
     def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
+        # (Not done(): a repr hands nothing to the loop thread.)
+        state = "done" if self._future.done() else "pending"
         return f"<SendHandle version={self._version} workers={list(self._worker_ids)} {state}>"
 
 

@@ -158,7 +158,8 @@ class PendingSend:
             self._owner._pending = None
 
     def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
+        # (Not done(): a repr starts nothing.)
+        state = "done" if self._task is not None and self._task.done() else "pending"
         return f"<PendingSend version={self.version} workers={list(self.worker_ids)} {state}>"
 
 
