@@ -412,17 +412,17 @@ def test_both_senders_handles_give_up_a_timed_wait_with_the_same_error(trainer: 
     Python 3.10 the blocking future's own is not a TimeoutError at all),
     and the send still ends with its own outcome."""
     trainer.pause()  # nobody acks
-    handle = trainer.sender.send_async(timeout=3)
+    handle = trainer.sender.send_async(timeout=1)
     with pytest.raises(
         TimeoutError, match=r"is still waiting for acks after 0\.2 s; the send goes on"
     ) as got:
         handle.wait(timeout=0.2)
     assert type(got.value) is TimeoutError and not handle.done()
-    with pytest.raises(ws.AckTimeoutError, match=r"within send_async\(\)'s timeout of 3 s"):
+    with pytest.raises(ws.AckTimeoutError, match=r"within send_async\(\)'s timeout of 1 s"):
         handle.wait(timeout=10)
 
     async def from_the_coroutine_sender() -> None:
-        pending = await trainer.scheme.get_async_sender().send_async(timeout=3)
+        pending = await trainer.scheme.get_async_sender().send_async(timeout=1)
         with pytest.raises(TimeoutError, match=r"is still waiting for acks after 0\.2 s; the send goes on"):
             await pending.wait(timeout=0.2)
         with pytest.raises(ws.AckTimeoutError):
