@@ -195,13 +195,29 @@ def _emit(record: dict[str, Any]) -> None:
 
 def _resources() -> dict[str, Any]:
     with open("/proc/self/statm") as statm:
-        rss_pages = int(statm.read().split()[1])
+        rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     kinds = _fd_kinds()
     # A Ray driver's gRPC connections (IPv6 sockets here; weightsync's own,
     # the store's, gloo's and the liveness', are IPv4): Ray's to keep.
     grpc = sum(n for kind, n in kinds.items() if kind.startswith("tcp6")) if "ray" in sys.modules else 0
-    return {"fds": len(os.listdir("/proc/self/fd")), "rss": rss_pages * os.sysconf("SC_PAGE_SIZE"),
+    store = _ray_store_resident() if "ray" in sys.modules else 0
+    return {"fds": len(os.listdir("/proc/self/fd")), "rss": rss - store, "ray_store_rss": store,
             "fd_kinds": kinds, "ray_grpc": grpc}  # fmt: skip
+
+
+def _ray_store_resident() -> int:
+    """Bytes of Ray's object store resident in this process. A driver maps the
+    whole store and each ``ray.put`` touches pages of it not touched before,
+    so its resident size climbs by a put's bytes until the store's high-water
+    mark: shared pages Ray owns, not memory the trainer keeps."""
+    total, in_store = 0, False
+    with contextlib.suppress(OSError), open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                in_store = "/plasma" in line
+            elif in_store and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
 
 
 def _fd_kinds() -> dict[str, int]:
@@ -910,6 +926,7 @@ def _figures(run: _Run, calm_end: float, chaos_end: float, resources: list[dict[
         "trainer_fds": [r["fds"] for r in resources],
         "trainer_ray_grpc_fds": [r.get("ray_grpc", 0) for r in resources],
         "trainer_rss_mib": [round(r["rss"] / MIB, 1) for r in resources],
+        "trainer_ray_store_rss_mib": [round(r.get("ray_store_rss", 0) / MIB, 1) for r in resources],
     }
 
 
