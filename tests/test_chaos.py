@@ -677,7 +677,7 @@ def run_chaos(request: pytest.FixtureRequest, scheme_name: str, seconds: float) 
 # Every scheme whose workers can be stopped and killed. Chaos over Ray
 # (about 20 s: its killed actors are replaced by new ones, which import
 # torch) runs with -m extended, a CI step of its own.
-CHAOS_SCHEMES = schemes(processes=True, extended=("ray",))
+CHAOS_SCHEMES = schemes(processes=True, extended=("ray", "shared"))
 
 
 @pytest.mark.parametrize("scheme_name", CHAOS_SCHEMES)

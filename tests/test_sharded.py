@@ -18,6 +18,7 @@ from harness.programs import TESTS_DIR, program
 pytest.importorskip("torch.distributed.fsdp")
 
 
+@pytest.mark.extended  # (a torch.distributed job of 7 s)
 def test_every_scheme_refuses_a_sharded_model_or_takes_it_and_none_crashes(tmp_path: Path) -> None:
     done = subprocess.run(
         program("sharded_trainer", str(tmp_path)), cwd=TESTS_DIR, capture_output=True, text=True, timeout=240

@@ -47,7 +47,7 @@ ROTATION = (-1, -2, -3)
 
 
 @pytest.mark.parametrize("pace", ["acked", "overlapping"])
-@pytest.mark.parametrize("scheme_name", schemes(processes=True, actors=False))
+@pytest.mark.parametrize("scheme_name", schemes(processes=True, actors=False, extended=("shared",)))
 def test_workers_never_see_a_mix_of_versions(scheme_name: str, pace: str) -> None:
     scheme = make_scheme(scheme_name)
     trainer = TensorDict({name: torch.zeros(numel) for name, numel in SHAPES.items()}, batch_size=[])

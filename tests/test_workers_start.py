@@ -19,7 +19,9 @@ from harness.workers import build_model, late_worker
 import weightsync as ws
 from weightsync import _announce
 
-pytestmark = pytest.mark.parametrize("scheme_name", schemes(pipes=True))
+# (The shared-memory scheme shares the pipes' start-up with multiprocess: its
+# runs are in the extended step, which keeps the default run short.)
+pytestmark = pytest.mark.parametrize("scheme_name", schemes(pipes=True, extended=("shared",)))
 
 
 class LateWorkers:
