@@ -82,7 +82,8 @@ class BufferReads:
 
     def __init__(self) -> None:
         self._views = LayoutViews()
-        self._plans = PlanCache()
+        # (The targets come from ModelTargets.of: a new list once one moved.)
+        self._plans = PlanCache(destinations_renewed=True)
 
     def views(self, buffer: torch.Tensor, manifest: Manifest) -> list[torch.Tensor]:
         """``manifest``'s views over ``buffer`` (this buffer, or a slice of
@@ -91,7 +92,8 @@ class BufferReads:
 
     def plan(self, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> CopyPlan:
         """The copy of ``sources`` (:meth:`views`) into ``targets``: made
-        again for other lists, or a target whose data moved."""
+        again for other lists (``ModelTargets.of`` hands a new one once a
+        target moved)."""
         return self._plans.plan(targets, sources)
 
 
