@@ -227,16 +227,10 @@ class PlanCache:
     Callers pass the same list objects for as long as neither side changes
     (a reader's views of a segment, a worker's targets, a sender's last read
     of its model), so identity tells when to plan again; the cache holds
-    both lists, so that identity cannot be a new list's.
-    ``destinations_renewed``: the caller passes a new destinations list
-    whenever one of its tensors moved (a worker's targets, from
-    ``ModelTargets.of``, which checks them once per update), so the plan
-    does not ask again."""
+    both lists, so that identity cannot be a new list's."""
 
-    def __init__(self, *, sources_move: bool = False, destinations_renewed: bool = False) -> None:
+    def __init__(self, *, sources_move: bool = False) -> None:
         self._sources_move = sources_move
-        # Whether a cached plan's addresses must be looked at before each use.
-        self._recheck = sources_move or not destinations_renewed
         self._last: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], CopyPlan] | None = None
 
     def plan(
@@ -251,7 +245,7 @@ class PlanCache:
             last is None
             or last[0] is not destinations
             or last[1] is not sources
-            or (self._recheck and not unmoved and not last[2].still_valid(sources=self._sources_move))
+            or (not unmoved and not last[2].still_valid(sources=self._sources_move))
         ):
             last = self._last = (destinations, sources, CopyPlan(destinations, sources))
         return last[2]

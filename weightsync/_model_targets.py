@@ -4,7 +4,7 @@ the sender's digests."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -19,32 +19,10 @@ from ._transports._base import Incoming
 __all__ = ["ModelTargets"]
 
 
-def _whereabouts(targets: list[torch.Tensor]) -> list[tuple[int, torch.Size, torch.dtype]]:
-    """Where each target's bytes are, its shape and dtype: the one check of
-    the targets an update makes (one pass over them, one comparison)."""
-    return [(t.data_ptr(), t.shape, t.dtype) for t in targets]
-
-
-class _Found(NamedTuple):
-    """Targets looked up for a layout, and where they were when last checked."""
-
-    manifest: Manifest
-    targets: list[torch.Tensor]
-    where: list[tuple[int, torch.Size, torch.dtype]]
-
-
-def _recheck(found: _Found) -> _Found | None:
-    """``found`` as it is now: itself while no target moved; with a new
-    targets list (the same tensors) where one was re-pointed to other memory
-    of the same shape, so that what is cached by the list's identity (a copy
-    plan) is made again; None where one no longer has its layout's shape or
-    dtype (look the model up again)."""
-    where = _whereabouts(found.targets)
-    if where == found.where:
-        return found
-    if [(shape, dtype) for _, shape, dtype in where] != found.manifest.fit:
-        return None
-    return _Found(found.manifest, list(found.targets), where)
+def _still_fit(targets: list[torch.Tensor], manifest: Manifest) -> bool:
+    """Whether cached targets still have their layout's shapes and dtypes."""
+    # (One comparison of two lists: this runs on every update.)
+    return [(t.shape, t.dtype) for t in targets] == manifest.fit
 
 
 class ModelTargets:
@@ -58,9 +36,9 @@ class ModelTargets:
         self.model = model
         self.model_id = model_id
         self.device = device
-        self._layout: _Found | None = None
-        # The layouts of partial updates seen, by layout id.
-        self._subsets: dict[str, _Found] = {}
+        self._layout: tuple[str, Manifest, list[torch.Tensor]] | None = None
+        # The layouts of partial updates seen: layout id -> (manifest, targets).
+        self._subsets: dict[str, tuple[Manifest, list[torch.Tensor]]] = {}
 
     def set_model(self, model: Any) -> None:
         """Write the next updates into ``model`` (same layout) instead."""
@@ -85,20 +63,17 @@ class ModelTargets:
         """The model's tensors in the update's layout, checked before any write.
 
         Looked up once per layout: replacing a parameter object of the model
-        (instead of writing into it) needs a new ``init_on_receiver``. The
-        list is the same object for as long as none of its tensors moved
-        (``param.data = other``): a copy plan cached by its identity needs
-        no check of its own.
+        (instead of writing into it) needs a new ``init_on_receiver``.
 
         :raises WeightMismatchError: the update does not fit the model.
         """
         if incoming.subset is not None:
             return self._subset_targets(incoming.layout_id, incoming.subset, incoming.version)
         layout = self._layout
-        if layout is not None and layout.manifest.layout_id == incoming.layout_id:
-            found = self._layout = _recheck(layout)
-            if found is not None:
-                return found.targets, found.manifest
+        if layout is not None and layout[0] == incoming.layout_id:
+            _, manifest, targets = layout
+            if _still_fit(targets, manifest):
+                return targets, manifest
             # A tensor of the model was re-pointed to another shape since
             # the layout was cached: look the model up again (this raises).
         self._layout = None
@@ -115,7 +90,7 @@ class ModelTargets:
                 model_id=self.model_id,
             )
         check_writable_in_place(zip(manifest.names, targets, strict=True), model_id=self.model_id)
-        self._layout = _Found(manifest, targets, _whereabouts(targets))
+        self._layout = (manifest.layout_id, manifest, targets)
         return targets, manifest
 
     def _subset_targets(
@@ -123,11 +98,8 @@ class ModelTargets:
     ) -> tuple[list[torch.Tensor], Manifest]:
         """The model's tensors that a partial update writes, in its order."""
         cached = self._subsets.get(layout_id)
-        if cached is not None:
-            found = _recheck(cached)
-            if found is not None:
-                self._subsets[layout_id] = found
-                return found.targets, found.manifest
+        if cached is not None and _still_fit(cached[1], cached[0]):
+            return cached[1], cached[0]
         manifest = Manifest.from_signature(subset)
         tensors = model_tensors(self.model, model_id=self.model_id)
         manifest.check_within(
@@ -144,7 +116,7 @@ class ModelTargets:
                 model_id=self.model_id,
             )
         check_writable_in_place(zip(manifest.names, targets, strict=True), model_id=self.model_id)
-        self._subsets[layout_id] = _Found(manifest, targets, _whereabouts(targets))
+        self._subsets[layout_id] = (manifest, targets)
         return targets, manifest
 
     def corrupt(self, incoming: Incoming, manifest: Manifest) -> str | None:

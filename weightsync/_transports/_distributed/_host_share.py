@@ -82,8 +82,7 @@ class BufferReads:
 
     def __init__(self) -> None:
         self._views = LayoutViews()
-        # (The targets come from ModelTargets.of: a new list once one moved.)
-        self._plans = PlanCache(destinations_renewed=True)
+        self._plans = PlanCache()
 
     def views(self, buffer: torch.Tensor, manifest: Manifest) -> list[torch.Tensor]:
         """``manifest``'s views over ``buffer`` (this buffer, or a slice of
@@ -92,8 +91,7 @@ class BufferReads:
 
     def plan(self, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> CopyPlan:
         """The copy of ``sources`` (:meth:`views`) into ``targets``: made
-        again for other lists (``ModelTargets.of`` hands a new one once a
-        target moved)."""
+        again for other lists, or a target whose data moved."""
         return self._plans.plan(targets, sources)
 
 

@@ -77,9 +77,8 @@ class CopyReader:
         self._segments = AttachedSegments(keep=1)
         # The copy plan of the current (model tensors, source views) pair: made
         # again for new sources, or a tensor of the model re-pointed
-        # (``param.data = ...``) to memory of the same shape, for which
-        # ModelTargets.of hands a new targets list.
-        self._plans = PlanCache(destinations_renewed=True)
+        # (``param.data = ...``) to memory of the same shape.
+        self._plans = PlanCache()
         # The last plan looked at for a copy to a GPU (see apply).
         self._looked_at: object = None
 
