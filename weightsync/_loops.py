@@ -18,7 +18,7 @@ import enum
 
 from ._exceptions import WeightSyncStateError
 
-__all__ = ["NEEDS_LOOP", "NeedsLoop", "require_asyncio"]
+__all__ = ["NEEDS_LOOP", "NeedsLoop", "require_asyncio", "thread_runs_a_loop"]
 
 
 class NeedsLoop(enum.Enum):
@@ -29,6 +29,13 @@ class NeedsLoop(enum.Enum):
 #: receive whose update is pending) where the
 #: coroutine must run instead; the step changed nothing.
 NEEDS_LOOP = NeedsLoop.NEEDS_LOOP
+
+
+def thread_runs_a_loop() -> bool:
+    """Whether the calling thread is running an asyncio loop now. Never raises."""
+    # (asyncio's own test without raising: every blocking call asks, and a
+    # RuntimeError raised and caught costs ten times the question.)
+    return asyncio._get_running_loop() is not None
 
 
 def require_asyncio(model_id: str | None = None) -> None:

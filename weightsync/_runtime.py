@@ -54,6 +54,7 @@ import anyio
 from anyio.from_thread import BlockingPortal
 
 from ._exceptions import BlockingCallError, WeightSyncStateError, out_of_resources
+from ._loops import thread_runs_a_loop
 from ._offload import caller_blocked
 
 __all__ = ["RUNTIME", "LOOP_THREAD_NAME", "Runtime"]
@@ -85,12 +86,6 @@ except ImportError:  # another Python implementation
     _handlers = signal
 
 
-def _thread_runs_a_loop() -> bool:
-    # (asyncio's own test without raising: every blocking call asks, and a
-    # RuntimeError raised and caught costs ten times the question.)
-    return asyncio._get_running_loop() is not None
-
-
 # The packages that run a notebook's cells (ipykernel's shell, IPython's
 # runner): a blocking call whose nearest coroutine is theirs was made by a
 # cell's own code, which blocks the kernel's loop whatever it does.
@@ -105,7 +100,7 @@ def _blocked_coroutine() -> str | None:
     one), or the call is a notebook cell's (IPython runs each cell inside a
     task of the kernel's loop: a sync cell under its own coroutines, a cell
     with a top-level ``await`` as a coroutine of the cell's ``<module>``)."""
-    if not _thread_runs_a_loop():
+    if not thread_runs_a_loop():
         return None
     task = asyncio.current_task()
     if task is None:
@@ -384,7 +379,7 @@ class Runtime:
         :raises KeyboardInterrupt: Ctrl-C, once the coroutine has stopped.
         """
         self._check_not_loop_thread()
-        if _thread_runs_a_loop():
+        if thread_runs_a_loop():
             return self.portal().call(func, *args)
         guard = _Interruptible(None)
         with guard:
@@ -438,7 +433,7 @@ class Runtime:
         :raises WeightSyncStateError: called from the loop thread itself.
         """
         self._check_not_loop_thread()
-        return not _thread_runs_a_loop()
+        return not thread_runs_a_loop()
 
     def run_waiting(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``func(*args, **kwargs, interrupted=..., enter_loop=...)`` on

@@ -23,7 +23,7 @@ from ._drive import SendIO, drive, resume
 from ._exceptions import WeightSyncStateError
 from ._exit import close_at_exit
 from ._exit import closed as exit_closed
-from ._loops import require_asyncio
+from ._loops import require_asyncio, thread_runs_a_loop
 from ._packet import DEFAULT_TIMEOUT
 from ._packing import Keys, Packer
 from ._send import (
@@ -87,7 +87,7 @@ class PendingSend:
         it starts gathering the acks there if no wait has yet (a loop that
         only polls ``done()`` sees the send end, as with the blocking
         sender's handle); outside one, it only tells."""
-        if self._task is None and self._action is not None and asyncio._get_running_loop() is not None:
+        if self._task is None and self._action is not None and thread_runs_a_loop():
             self._gathering()
         return self._task is not None and self._task.done()
 
