@@ -100,6 +100,10 @@ def test_workers_hold_the_trainers_weights_cast(
     optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1)
     scheme.init_on_sender("policy", pipes=pipes, model=trainer)
     try:
+        # (Every worker first: a worker on the GPU starts later than one on
+        # the host, and one that announces itself once the weights were
+        # staged for the others, reached another way, gets the next send.)
+        scheme.wait_for_workers()
         for step in range(3):
             report = scheme.get_sender().send()
             expected = {
