@@ -18,10 +18,13 @@ reads through a buffer of its own, one ``os.read`` for whatever came.
 
 from __future__ import annotations
 
+import _socket
 import asyncio
 import os
 import pickle
 import select
+import socket
+import stat
 import struct
 import time
 from collections.abc import Callable, Collection
@@ -63,6 +66,24 @@ def _readable(fd: int) -> bool:
     return bool(select.select([fd], [], [], 0)[0])
 
 
+def _socket_of(fd: int) -> _socket.socket | None:
+    """``fd`` as a socket object where it is a socket
+    (``multiprocessing.Pipe()`` on POSIX is a socket pair), else None:
+    through it, a read or a write that must not wait is one system call
+    (``MSG_DONTWAIT``) rather than a poll and then the call. The
+    descriptor stays the user's ``Connection``'s (closing it closes the
+    pipe, as the peer must see): the object is detached from it before
+    it goes (:meth:`PipeChannel.close`, or as the channel is collected),
+    never closing it. (The C type: no cycle collection ever finalizes it
+    before the channel that detaches it.)"""
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return None
+        return _socket.socket(fileno=fd)
+    except OSError:
+        return None
+
+
 def _now() -> float:
     return asyncio.get_running_loop().time()
 
@@ -74,6 +95,8 @@ class PipeChannel:
     ``garbled(reason)`` the one raised for bytes that are not a message; the
     transport decides whether that is about a worker or the sender.
     """
+
+    _sock: _socket.socket | None = None  # (also where __init__ did not finish)
 
     def __init__(
         self, conn: Connection, lost: Callable[[str], Exception], garbled: Callable[[str], Exception]
@@ -90,6 +113,8 @@ class PipeChannel:
         # wait_ready() saw the pipe readable, and nothing read since: the
         # next read need not ask again (one system call less per message).
         self._readable_seen = False
+        # Where the pipe is a socket: reads and writes that never wait.
+        self._sock = _socket_of(self._fd)
 
     def watch(self, pid: int) -> None:
         """Start watching process ``pid`` (the peer) for its exit."""
@@ -171,6 +196,15 @@ class PipeChannel:
         if len(data) > _SMALL:
             return False
         try:
+            if self._sock is not None:
+                try:
+                    # (A frame this small goes whole or not at all.)
+                    sent = self._sock.send(data, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return False
+                if sent < len(data):
+                    self._write(data[sent:])
+                return True
             if not select.select([], [self._fd], [], 0)[1]:
                 return False
             self._write(data)
@@ -210,11 +244,19 @@ class PipeChannel:
         if it held nothing."""
         try:
             seen, self._readable_seen = self._readable_seen, False
-            if not seen and not _readable(self._fd):
-                return False
             extent = self._extent()
             want = _READ_SIZE if extent is None else max(_READ_SIZE, extent[1] - len(self._pending))
-            got = os.read(self._fd, want)
+            if self._sock is not None:
+                if seen and extent is not None and len(self._pending) >= extent[1]:
+                    return True  # (wait_ready() read just now: what came since waits for the next read)
+                try:
+                    got = self._sock.recv(want, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return False
+            else:
+                if not seen and not _readable(self._fd):
+                    return False
+                got = os.read(self._fd, want)
         except (OSError, ValueError) as exc:
             raise self._closed(exc) from exc
         if not got:
@@ -282,6 +324,14 @@ class PipeChannel:
         was read already)."""
         if self._frame_ready():
             return True
+        if self._sock is not None:
+            # A message already there is read now (no poll first).
+            try:
+                if self._read_some() and self._frame_ready():
+                    self._readable_seen = True
+                    return True
+            except Exception:
+                return True  # closed: the next read reports it
         fds = [self._fd]
         watch = self.peer.fd if self.peer is not None else None
         if watch is not None:
@@ -300,8 +350,17 @@ class PipeChannel:
         self._readable_seen = self._fd in ready
         return bool(ready)
 
+    def _let_go(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.detach()  # (the descriptor is the Connection's: never closed here)
+
+    def __del__(self) -> None:
+        self._let_go()
+
     def close(self) -> None:
         self._fds = None
+        self._let_go()
         if self.peer is not None:
             self.peer.close()
             self.peer = None
