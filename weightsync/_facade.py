@@ -31,7 +31,7 @@ from ._loops import NEEDS_LOOP
 from ._packet import DEFAULT_TIMEOUT
 from ._receiver import AsyncWeightReceiver
 from ._runtime import RUNTIME
-from ._send import STAGED, Action, Listen, SendMachine, refuse_options, still_waiting
+from ._send import DEFAULTS, STAGED, Action, Listen, SendMachine, refuse_options, still_waiting
 from ._sender import AsyncWeightSender, Keys, SendOptions, SendReport
 from ._stepguard import StepGuard
 
@@ -80,8 +80,8 @@ class WeightSender:
         """Whether a ``send_async()`` is not waited for yet (see :meth:`wait_async`)."""
         return self._pending is not None
 
-    def _refuse_in_coroutine(self, what: str, instead: str) -> None:
-        RUNTIME.refuse_in_coroutine(
+    def _refuse_in_coroutine(self, what: str, instead: str) -> bool:
+        return RUNTIME.refuse_in_coroutine(
             what, f"await scheme.get_async_sender().{instead}", model_id=self._sender.model_id
         )
 
@@ -138,10 +138,14 @@ class WeightSender:
             anything is staged (await :meth:`AsyncWeightSender.send` there).
         """
         refuse_options(unknown, "send()")
-        self._refuse_in_coroutine("send()", "send(...)")
+        here = self._refuse_in_coroutine("send()", "send(...)")
         self._check("send()")
-        machine = self._sender.machine(weights, worker_ids, SendOptions(timeout, keys, partial, verify))
-        return self._drive(machine, None)
+        options = (
+            DEFAULTS
+            if timeout is None and keys is None and not partial and verify is None
+            else SendOptions(timeout, keys, partial, verify)
+        )
+        return self._drive(self._sender.machine(weights, worker_ids, options), None, here=here)
 
     @staticmethod
     def send_each_as(
@@ -196,16 +200,18 @@ class WeightSender:
         *,
         until_staged: bool = False,
         until_waiting: bool = False,
+        here: bool | None = None,
     ) -> Any:
         """Drive ``machine`` (from ``action``, or its start) blocking: on
         this thread with no event loop where it runs none (the one choice
         of driver), else through weightsync's loop thread. Returns its
         report, or None once staged (``until_staged``), or (``until_waiting``,
         on this thread only) the first action past the staging that waits
-        (see ``drive_blocking``)."""
+        (see ``drive_blocking``). ``here``: what ``RUNTIME.blocks_here()``
+        answered already on this thread, if it was asked."""
         io = self._sender.io
         try:
-            if RUNTIME.blocks_here():
+            if RUNTIME.blocks_here() if here is None else here:
                 # One Ctrl-C guard for the whole send: no moment between two
                 # steps where an interruption would leave it half done.
                 return RUNTIME.run_waiting(

@@ -304,9 +304,11 @@ class Runtime:
                 "await the async API (get_async_sender / get_async_receiver) there instead"
             )
 
-    def refuse_in_coroutine(self, call: str, instead: str, model_id: str | None = None) -> None:
+    def refuse_in_coroutine(self, call: str, instead: str, model_id: str | None = None) -> bool:
         """Raise if the calling thread runs a coroutine (a task of an event
-        loop) that the blocking ``call`` would stall. Never blocks.
+        loop) that the blocking ``call`` would stall. Never blocks. Returns
+        whether the thread runs no loop at all (:meth:`blocks_here`: the
+        call may block in a step of its own).
 
         ``instead`` names what that coroutine should await. A loop's plain
         callback, a thread with no loop, and a notebook's cell pass.
@@ -315,9 +317,11 @@ class Runtime:
         :raises WeightSyncStateError: called from weightsync's loop thread.
         """
         self._check_not_loop_thread()
+        if not thread_runs_a_loop():
+            return True
         coroutine = _blocked_coroutine()
         if coroutine is None:
-            return
+            return False
         raise BlockingCallError(
             f"{call} blocks, and was called inside the coroutine {coroutine}(): it would stall "
             f"that coroutine's event loop, every other task of it, for as long as it waits. "

@@ -391,7 +391,7 @@ class SendMachine:
     # -- the driver's side ------------------------------------------------------
     def start(self) -> Action:
         """The first action."""
-        return self._next(None)
+        return self.feed(None)
 
     def feed(self, result: Any) -> Action:
         """The result of the last action; the next one.
@@ -399,9 +399,6 @@ class SendMachine:
         :raises: the send's errors (see ``AsyncWeightSender.send``); the
             machine is then over.
         """
-        return self._next(result)
-
-    def _next(self, result: Any) -> Action:
         try:
             return self._steps.send(result)
         except StopIteration as stop:
@@ -463,7 +460,7 @@ class SendMachine:
         )
         late: list[int] = []
         waited = 0.0
-        if any(transports[w].layout is None for w in targets):
+        if None in [transports[w].layout for w in targets]:
             announcing = time.perf_counter()
             late = yield from self._await_starting(targets)
             waited = time.perf_counter() - announcing
@@ -543,7 +540,7 @@ class SendMachine:
         """Carry the staged ``packet`` to ``reachable`` and record who acked."""
         # (How each is reached and what it is sent is known already: noted
         # before the wait for acks, not after it, on the way back to the caller.)
-        self.placements.update((w, placements[w].value) for w in reachable)
+        self.placements.update({w: placements[w]._value_ for w in reachable})  # (the value, not the property)
         self.worker_bytes.update(dict.fromkeys(reachable, packet.nbytes))
         yield from (self._hand_over if self._sends.handler else self._gather)(packet, reachable)
         self._late(packet, reachable)

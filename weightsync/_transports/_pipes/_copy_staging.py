@@ -32,6 +32,8 @@ class SegmentStaging:
     def __init__(self) -> None:
         self.segment: Segment | None = None
         self._views = LayoutViews()
+        # The devices of the last packet asked whether the segment is pinned for them.
+        self._pin_asked: tuple[str, ...] | None = None
 
     def _ensure(self, packet: Packet) -> tuple[Segment, list[torch.Tensor]]:
         manifest = packet.manifest
@@ -40,8 +42,11 @@ class SegmentStaging:
             if self.segment is not None:
                 self.segment.close()
             self.segment = Segment.create(manifest.nbytes)
-        if pins(packet.devices):
-            self.segment.pin()  # the device-to-host copy at the bus's speed (once per segment)
+            self._pin_asked = None
+        if packet.devices != self._pin_asked:
+            if pins(packet.devices):
+                self.segment.pin()  # the device-to-host copy at the bus's speed (once per segment)
+            self._pin_asked = packet.devices
         assert self.segment.data is not None
         return self.segment, self._views.of(self.segment.token, manifest, self.segment.data)
 
