@@ -675,8 +675,10 @@ class WeightReceiver:
             return self._take_background(timeout or 0.0)
         # Wait on this thread, outside any event loop, until something may be
         # pending: a poll that finds nothing never enters the loop.
-        deadline = time.monotonic() + (timeout or 0.0)
-        if not self._receiver.wait_ready(timeout or 0.0):
+        if not timeout:  # (a safe point's poll: no clock to read)
+            return self._receive_now(0.0) if self._receiver.wait_ready(0.0) else None
+        deadline = time.monotonic() + timeout
+        if not self._receiver.wait_ready(timeout):
             return None
         return self._receive_now(max(deadline - time.monotonic(), 0.0))
 

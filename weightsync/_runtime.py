@@ -178,8 +178,8 @@ class _Interruptible:
     # a receive that finds its update pending is a few dozen µs.)
     def __enter__(self) -> None:
         self._swapped = (
-            threading.current_thread() is threading.main_thread()
-            and _handlers.getsignal(signal.SIGINT) is signal.default_int_handler
+            _handlers.getsignal(signal.SIGINT) is signal.default_int_handler
+            and threading.get_ident() == threading.main_thread().ident
         )
         if self._swapped:  # (else another thread, or the user's own handler: SIGINT is left alone)
             _handlers.signal(signal.SIGINT, self._on_sigint)
