@@ -227,11 +227,15 @@ def flat_weights(source: Any, *, context: Any = None, model_id: str | None = Non
     return out
 
 
-def _whereabouts(tensors: list[Any]) -> list[tuple[Any, ...]] | None:
-    """Where each tensor's bytes are and how they are laid out; None if one
-    is not a tensor that has an address (the full read then says why)."""
+def _whereabouts(tensors: list[Any], conj: bool) -> list[tuple[Any, ...]] | None:
+    """Where each tensor's bytes are and how they are laid out (``conj``:
+    and whether each is a conjugate view, which only a complex tensor can
+    be, its bytes unchanged); None if one is not a tensor that has an
+    address (the full read then says why)."""
     try:
-        return [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_conj()) for t in tensors]
+        if conj:
+            return [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_conj()) for t in tensors]
+        return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors]
     except Exception:
         return None
 
@@ -254,6 +258,10 @@ class ModuleReads:
     def __init__(self) -> None:
         # (module, names, whereabouts, the read): the last full read of a module.
         self._last: tuple[nn.Module, list[str], list[tuple[Any, ...]], dict[str, torch.Tensor]] | None = None
+        # Whether the last full read held a complex tensor: only then is
+        # the conjugate bit asked (one call less per tensor otherwise; a
+        # tensor that turns complex changes its dtype, which is asked).
+        self._complex = False
 
     def kept(self, read: dict[str, torch.Tensor]) -> bool:
         """Whether ``read`` is the read kept for the next send (of a module,
@@ -274,19 +282,18 @@ class ModuleReads:
             return flat_weights(source, model_id=model_id)
         live = source.state_dict(keep_vars=True)
         names = list(live)
-        where = _whereabouts(list(live.values()))
         last = self._last
-        if (
-            last is not None
-            and where is not None
-            and last[0] is source
-            and last[1] == names
-            and last[2] == where
-        ):
-            return last[3]
+        if last is not None and last[0] is source and last[1] == names:
+            where = _whereabouts(list(live.values()), self._complex)
+            if where is not None and last[2] == where:
+                return last[3]
+        self._last = None
         out = _checked(live, model_id)
         refuse_sharded(out, model_id, side="the trainer's", flat=True)
-        self._last = None if where is None else (source, names, where, out)
+        self._complex = any(t.is_complex() for t in out.values())
+        where = _whereabouts(list(live.values()), self._complex)
+        if where is not None:
+            self._last = (source, names, where, out)
         return out
 
 
