@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 
@@ -50,6 +50,15 @@ __all__ = ["SendIO", "drive", "drive_blocking"]
 # How long the blocking driver waits in one poll before it looks whether
 # Ctrl-C came: the most a Ctrl-C is held back while no ack comes.
 _POLL_SLICE = 0.05
+
+
+class Interruption(Protocol):
+    """What a blocking driver looks at between its steps (the runtime's
+    Ctrl-C guard): an attribute, read where a call would cost more than
+    the step it guards."""
+
+    #: Whether Ctrl-C came: the driver then abandons the send.
+    interrupted: bool
 
 
 class SendIO:
@@ -86,7 +95,9 @@ class SendIO:
 
     def post(self, action: Post) -> dict[int, Any]:
         told: dict[int, Any] = {}
-        channels, packet = self.channels, action.packet
+        # (As ``channels``, read once: a send posts only where the staging is no handler.)
+        channels: Mapping[int, ChannelTransport] = self.transports  # type: ignore[assignment]
+        packet = action.packet
         keep = self.watch().keep
         for wid in action.worker_ids:
             channel = channels[wid]
@@ -103,7 +114,7 @@ class SendIO:
     def take(self, packet: Packet, watched: Mapping[int, tuple[int, ...]], ready: set[int]) -> dict[int, Any]:
         """What each watched worker whose descriptors are ``ready`` sent."""
         heard: dict[int, Any] = {}
-        channels = self.channels
+        channels: Mapping[int, ChannelTransport] = self.transports  # type: ignore[assignment]
         for wid, fds in watched.items():
             if not ready.isdisjoint(fds):
                 try:
@@ -177,21 +188,21 @@ class SendIO:
                 with anyio.move_on_after(left):
                     await watch.wait()
 
-    def listen_blocking(self, action: Listen, interrupted: Callable[[], bool]) -> dict[int, Any]:
+    def listen_blocking(self, action: Listen, guard: Interruption) -> dict[int, Any]:
         """:class:`Listen` on the calling thread: a poll, in slices, so
         that Ctrl-C is seen (and a flooding worker cannot hold it off).
 
-        :raises KeyboardInterrupt: ``interrupted()`` turned true.
+        :raises KeyboardInterrupt: ``guard.interrupted`` turned true.
         """
-        watch, wanted = self._armed(action.watched)
+        watch = self.watch()
         while True:
             ready = watch.poll(max(min(action.deadline - time.monotonic(), _POLL_SLICE), 0.0))
             if ready:
                 heard = self.take(action.packet, action.watched, ready)
                 if heard:
                     return heard
-                watch.drop(ready - wanted)
-            if interrupted():
+                watch.drop(ready - self._armed(action.watched)[1])
+            if guard.interrupted:
                 raise KeyboardInterrupt
             if action.deadline <= time.monotonic():
                 return {}
@@ -251,7 +262,7 @@ def drive_blocking(
     io: SendIO,
     *,
     enter_loop: Callable[[Callable[[], Awaitable[Any]]], Any],
-    interrupted: Callable[[], bool],
+    guard: Interruption,
     until_staged: bool = False,
     until_waiting: bool = False,
     action: Action | None = None,
@@ -266,7 +277,7 @@ def drive_blocking(
     wait (the notices: every worker is told), and return the first that
     would wait (for acks, or a chain's whole send), unperformed, or the
     report if none is left; either driver goes on from it. Looks at
-    ``interrupted()`` after every action and while it waits; once true,
+    ``guard.interrupted`` after every action and while it waits; once true,
     the send is abandoned (``machine.close()``) and KeyboardInterrupt
     raised: after the staging's copy, never during it.
 
@@ -281,7 +292,7 @@ def drive_blocking(
                 return action
             match action:
                 case Listen():
-                    result: Any = io.listen_blocking(action, interrupted)
+                    result: Any = io.listen_blocking(action, guard)
                 case Write():
                     result = io.write(action)
                 case Post():
@@ -299,7 +310,7 @@ def drive_blocking(
                     result = enter_loop(_step(io.deliver, action))
                 case HandOver():
                     result = enter_loop(_step(io.hand_over, action))
-            if interrupted():
+            if guard.interrupted:
                 raise KeyboardInterrupt  # (nobody waits for the rest of the send)
             action = machine.feed(result)
     except BaseException:

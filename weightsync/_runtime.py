@@ -131,7 +131,7 @@ def _blocked_coroutine() -> str | None:
     return getattr(coro, "__qualname__", None) or task.get_name()
 
 
-def _run_guarded(guard: _Interruptible, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+def _run_guarded(guard: _Interruptible, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """``func(*args, **kwargs)`` with ``guard`` installed; KeyboardInterrupt
     once it returned (or raised) if Ctrl-C came meanwhile."""
     with guard:
@@ -168,9 +168,6 @@ class _Interruptible:
             self.loop.call_soon_threadsafe(self.scope.cancel)
         # Before the scope exists, run() cancels it as it opens; after the
         # work finished, call() raises KeyboardInterrupt on its way out.
-
-    def was_interrupted(self) -> bool:
-        return self.interrupted
 
     # Installed as a context (``with guard:``), where SIGINT is handled so on
     # the main thread if the user installed no handler of their own. (A
@@ -440,11 +437,11 @@ class Runtime:
         return not thread_runs_a_loop()
 
     def run_waiting(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run ``func(*args, **kwargs, interrupted=..., enter_loop=...)`` on
+        """Run ``func(*args, **kwargs, guard=..., enter_loop=...)`` on
         the calling thread under one Ctrl-C guard, for work that blocks
         without an event loop (a send driven on the caller's thread), where
-        :meth:`blocks_here`. ``interrupted()`` says whether Ctrl-C came:
-        ``func`` must look at it while it waits, then stop.
+        :meth:`blocks_here`. ``guard.interrupted`` says whether Ctrl-C
+        came: ``func`` must look at it while it waits, then stop.
         ``enter_loop(coroutine_function)`` runs a step that needs a loop to
         its end on this thread's private loop, under the same guard (Ctrl-C
         cancels it, then raises KeyboardInterrupt).
@@ -456,9 +453,7 @@ class Runtime:
         def enter_loop(step: Callable[[], Awaitable[T]]) -> T:
             return self._on_private_loop(guard, step)
 
-        return _run_guarded(
-            guard, func, *args, interrupted=guard.was_interrupted, enter_loop=enter_loop, **kwargs
-        )
+        return _run_guarded(guard, func, *args, guard=guard, enter_loop=enter_loop, **kwargs)
 
     def close_thread_loop(self) -> None:
         """Close the calling thread's private loop, if it has one (a thread

@@ -473,7 +473,7 @@ class SendMachine:
         if reachable:
             packet = yield Write(packet, self.verify, placements)
             sends.version = packet.version  # bytes moved: the version is used
-            self.nbytes += packet.nbytes
+            self.nbytes += packet.manifest.nbytes
         if last:
             # (Reading and staging the weights, not the wait for workers.)
             self.staged_seconds = time.perf_counter() - started - (waited if self._each is None else 0.0)
@@ -541,7 +541,7 @@ class SendMachine:
         # (How each is reached and what it is sent is known already: noted
         # before the wait for acks, not after it, on the way back to the caller.)
         self.placements.update({w: placements[w]._value_ for w in reachable})  # (the value, not the property)
-        self.worker_bytes.update(dict.fromkeys(reachable, packet.nbytes))
+        self.worker_bytes.update(dict.fromkeys(reachable, packet.manifest.nbytes))
         yield from (self._hand_over if self._sends.handler else self._gather)(packet, reachable)
         self._late(packet, reachable)
         self._workers.record(packet, reachable, [w for w in reachable if w in self.failures])
