@@ -184,6 +184,8 @@ class DeviceReader:
 
     def holding(self) -> frozenset[bytes] | None:
         """The slots this worker's tensors run on (None: none)."""
+        if not self._on:
+            return None  # (the common case: nothing runs on a slot)
         return frozenset(token for ref, token in self._on.values() if ref() is not None) or None
 
     def close(self) -> None:
