@@ -137,7 +137,8 @@ class WeightSender:
         :raises BlockingCallError: called inside a coroutine, before
             anything is staged (await :meth:`AsyncWeightSender.send` there).
         """
-        refuse_options(unknown, "send()")
+        if unknown:
+            refuse_options(unknown, "send()")
         here = self._refuse_in_coroutine("send()", "send(...)")
         self._check("send()")
         options = (

@@ -349,7 +349,7 @@ class SendMachine:
     ) -> None:
         workers = sends.workers
         self._sends, self._workers, self._clock = sends, workers, clock
-        self._each = workers.per_worker(weights, worker_ids)
+        self._each = None if weights is None else workers.per_worker(weights, worker_ids)
         self.worker_ids: tuple[int, ...] = tuple(
             self._each if self._each is not None else workers.targets(worker_ids)
         )
@@ -466,7 +466,11 @@ class SendMachine:
             waited = time.perf_counter() - announcing
             self.announce_seconds += waited
         self.version = packet.version
-        there = [w for w in targets if w not in self.failures and w not in late]
+        there = (
+            [w for w in targets if w not in self.failures and w not in late]
+            if self.failures or late
+            else targets
+        )
         reachable = workers.check_layouts(packet, there)
         # How each one is reached: decided here, once, for the staging and the report.
         placements = {w: self._route(packet, w) for w in reachable}
