@@ -247,8 +247,6 @@ class PipeChannel:
             extent = self._extent()
             want = _READ_SIZE if extent is None else max(_READ_SIZE, extent[1] - len(self._pending))
             if self._sock is not None:
-                if seen and extent is not None and len(self._pending) >= extent[1]:
-                    return True  # (wait_ready() read just now: what came since waits for the next read)
                 try:
                     got = self._sock.recv(want, socket.MSG_DONTWAIT)
                 except BlockingIOError:
@@ -322,16 +320,8 @@ class PipeChannel:
         """Block this thread up to ``timeout`` seconds until the pipe is
         readable or the peer exited; True if either happened (or a message
         was read already)."""
-        if self._frame_ready():
-            return True
-        if self._sock is not None:
-            # A message already there is read now (no poll first).
-            try:
-                if self._read_some() and self._frame_ready():
-                    self._readable_seen = True
-                    return True
-            except Exception:
-                return True  # closed: the next read reports it
+        if self._readable_seen or self._frame_ready():
+            return True  # (seen readable, and nothing read since: no need to ask again)
         fds = [self._fd]
         watch = self.peer.fd if self.peer is not None else None
         if watch is not None:
