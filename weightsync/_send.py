@@ -390,8 +390,11 @@ class SendMachine:
 
     # -- the driver's side ------------------------------------------------------
     def start(self) -> Action:
-        """The first action."""
-        return self.feed(None)
+        """The first action (the raises of :meth:`feed`)."""
+        try:
+            return self._steps.send(None)
+        except StopIteration as stop:
+            return Done(stop.value)
 
     def feed(self, result: Any) -> Action:
         """The result of the last action; the next one.
