@@ -76,13 +76,11 @@ class SendIO:
         announcements: Announcements,
     ) -> None:
         self.transports = transports
+        #: The same mapping, as the channels it holds: a send yields Post,
+        #: Listen and Deliver only where the staging is no handler.
+        self.channels: Mapping[int, ChannelTransport] = transports  # type: ignore[assignment]
         self.staging, self.packer, self.announcements = staging, packer, announcements
         self._watch: ReadyWatch | None = None
-
-    @property
-    def channels(self) -> Mapping[int, ChannelTransport]:
-        # (A send yields Post and Listen only where the staging is no handler.)
-        return self.transports  # type: ignore[return-value]
 
     def watch(self) -> ReadyWatch:
         if self._watch is None:
@@ -95,9 +93,7 @@ class SendIO:
 
     def post(self, action: Post) -> dict[int, Any]:
         told: dict[int, Any] = {}
-        # (As ``channels``, read once: a send posts only where the staging is no handler.)
-        channels: Mapping[int, ChannelTransport] = self.transports  # type: ignore[assignment]
-        packet = action.packet
+        channels, packet = self.channels, action.packet
         keep = self.watch().keep
         for wid in action.worker_ids:
             channel = channels[wid]
@@ -114,7 +110,7 @@ class SendIO:
     def take(self, packet: Packet, watched: Mapping[int, tuple[int, ...]], ready: set[int]) -> dict[int, Any]:
         """What each watched worker whose descriptors are ``ready`` sent."""
         heard: dict[int, Any] = {}
-        channels: Mapping[int, ChannelTransport] = self.transports  # type: ignore[assignment]
+        channels = self.channels
         for wid, fds in watched.items():
             if not ready.isdisjoint(fds):
                 try:
@@ -123,9 +119,11 @@ class SendIO:
                     heard[wid] = exc
         return heard
 
-    def _armed(self, watched: Mapping[int, tuple[int, ...]]) -> tuple[ReadyWatch, set[int]]:
-        """The watch (its descriptors kept since :meth:`post`), and those of ``watched``."""
-        return self.watch(), {fd for fds in watched.values() for fd in fds}
+    @staticmethod
+    def _wanted(watched: Mapping[int, tuple[int, ...]]) -> set[int]:
+        """The descriptors of ``watched`` (the watch keeps others, of sends
+        before, that a wakeup drops)."""
+        return {fd for fds in watched.values() for fd in fds}
 
     # -- the steps that are a transport's coroutines --------------------------------
     async def announce(self, action: Announce) -> dict[int, WorkerError]:
@@ -173,7 +171,7 @@ class SendIO:
     async def listen(self, action: Listen) -> dict[int, Any]:
         """:class:`Listen` in the running loop: one waiter for every watched
         descriptor, woken once per readiness."""
-        watch, wanted = self._armed(action.watched)
+        watch, wanted = self.watch(), self._wanted(action.watched)
         with watch.armed():
             while True:
                 ready = watch.poll(0)
@@ -201,7 +199,7 @@ class SendIO:
                 heard = self.take(action.packet, action.watched, ready)
                 if heard:
                     return heard
-                watch.drop(ready - self._armed(action.watched)[1])
+                watch.drop(ready - self._wanted(action.watched))
             if guard.interrupted:
                 raise KeyboardInterrupt
             if action.deadline <= time.monotonic():

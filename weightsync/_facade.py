@@ -137,8 +137,7 @@ class WeightSender:
         :raises BlockingCallError: called inside a coroutine, before
             anything is staged (await :meth:`AsyncWeightSender.send` there).
         """
-        if unknown:
-            refuse_options(unknown, "send()")
+        refuse_options(unknown, "send()")
         here = self._refuse_in_coroutine("send()", "send(...)")
         self._check("send()")
         options = (

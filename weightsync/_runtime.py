@@ -313,8 +313,7 @@ class Runtime:
         :raises BlockingCallError: called inside such a coroutine.
         :raises WeightSyncStateError: called from weightsync's loop thread.
         """
-        if self._thread is not None:
-            self._check_not_loop_thread()
+        self._check_not_loop_thread()
         if not thread_runs_a_loop():
             return True
         coroutine = _blocked_coroutine()

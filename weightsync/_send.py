@@ -390,11 +390,8 @@ class SendMachine:
 
     # -- the driver's side ------------------------------------------------------
     def start(self) -> Action:
-        """The first action (the raises of :meth:`feed`)."""
-        try:
-            return self._steps.send(None)
-        except StopIteration as stop:
-            return Done(stop.value)
+        """The first action (raises as :meth:`feed`)."""
+        return self._next(None)
 
     def feed(self, result: Any) -> Action:
         """The result of the last action; the next one.
@@ -402,6 +399,9 @@ class SendMachine:
         :raises: the send's errors (see ``AsyncWeightSender.send``); the
             machine is then over.
         """
+        return self._next(result)
+
+    def _next(self, result: Any) -> Action:
         try:
             return self._steps.send(result)
         except StopIteration as stop:

@@ -184,10 +184,14 @@ def gpu_stream(packet: Packet, device: torch.device) -> Any:
     return torch.cuda.current_stream(device)
 
 
+# The context of every copy from host memory: one, as a nullcontext holds no state.
+_NO_STREAM = contextlib.nullcontext()
+
+
 def on_caller_stream(packet: Packet) -> contextlib.AbstractContextManager[Any]:
     """A context in which copies out of ``packet``'s tensors run on the
     caller's stream (:func:`gpu_stream`); a no-op for tensors in host
     memory (a packet holds a stream only for tensors on a GPU)."""
     if packet.stream is None or not packet.tensors:
-        return contextlib.nullcontext()
+        return _NO_STREAM
     return torch.cuda.stream(gpu_stream(packet, packet.tensors[0].device))

@@ -191,22 +191,17 @@ class Segment:
         self.begin_write()
         # Workers read only once this is published: all cores are ours
         # meanwhile. Copies from a GPU follow the caller's stream.
-        if packet.stream is None:  # (host memory: no stream to follow)
-            sums = self._copy(views, packet, digest)
-        else:
-            with on_caller_stream(packet):
-                sums = self._copy(views, packet, digest)
+        with on_caller_stream(packet):
+            if digest:
+                sums = copy_out(views, packet.tensors, True, usable_cores())
+            else:
+                # (A reused read was checked for moved tensors as it was taken.)
+                self._plans.plan(views, packet.tensors, unmoved=packet.reused).run(usable_cores())
+                if not packet.reused:
+                    self._plans.clear()  # (the caller's tensors, not to be held past the send)
+                sums = None
         self.publish(packet.version)
         return sums
-
-    def _copy(self, views: list[torch.Tensor], packet: Packet, digest: bool) -> tuple[int, ...] | None:
-        if digest:
-            return copy_out(views, packet.tensors, True, usable_cores())
-        # (A reused read was checked for moved tensors as it was taken.)
-        self._plans.plan(views, packet.tensors, unmoved=packet.reused).run(usable_cores())
-        if not packet.reused:
-            self._plans.clear()  # (the caller's tensors, not to be held past the send)
-        return None
 
     def write_checked(
         self,

@@ -263,7 +263,7 @@ class PipeSenderTransport:
             descriptor,
             threads,
             self._pid,
-            packet.manifest.signature if packet.partial else None,  # (Packet.subset, without the call)
+            packet.subset,
             packet.digests,
         )
 
