@@ -19,7 +19,19 @@ each, so their sum is above the plain run's.
 
 ``--calls`` counts the calls (Python functions and the C functions they
 call) a send makes on the trainer, with ``sys.setprofile`` (which slows
-the sends it counts).
+the sends it counts); ``--cprofile N`` prints the N functions that took
+the trainer's thread most time over the timed sends (cProfile, which
+slows them too).
+
+``--async`` sends as a trainer that overlaps its next step does:
+``send_async()``, then ``wait_async()``; it also prints the median stall
+(until ``send_async()`` returned, the weights staged and every worker
+told), which ``--steps`` and ``--cprofile`` then cover alone.
+``--device cuda`` puts the trainer's model and every worker's on the GPU
+(the bench's "GPU → same GPU" rows); ``--steps`` then also times the copy
+into the sender's GPU memory and the wait for it. ``--gap MS`` idles the
+trainer after each send (as the bench does while it checks every worker),
+so that each send starts from a machine that was idle meanwhile.
 
 Run: ``python benchmarks/send_profile.py [--size MIB] [--workers N] [--sends N] [--steps] [--calls]``;
 ``--model mlp`` sends a 4-layer, 64-wide float32 model instead.
@@ -44,27 +56,38 @@ from torch import nn
 import weightsync as ws
 
 
-def make_model(kind: str, nbytes: int) -> nn.Module:
+def make_model(kind: str, nbytes: int, device: str = "cpu") -> nn.Module:
     if kind == "mlp":
-        return nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+        return nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).to(device)
     module = nn.Module()
     for i in range(8):
-        module.register_parameter(f"p{i}", nn.Parameter(torch.zeros(max(nbytes // 32, 1))))
+        module.register_parameter(f"p{i}", nn.Parameter(torch.zeros(max(nbytes // 32, 1), device=device)))
     return module
 
 
-def worker(scheme: ws.WeightSyncScheme, pipe: Any, kind: str, nbytes: int, out: Any) -> None:
+def worker(
+    scheme: ws.WeightSyncScheme, pipe: Any, kind: str, nbytes: int, device: str, cprofile: int, out: Any
+) -> None:
     torch.set_num_threads(1)
-    model = make_model(kind, nbytes)
+    model = make_model(kind, nbytes, device)
     scheme.init_on_worker("policy", pipe=pipe, model=model)
     receiver = scheme.get_receiver()
     walls: list[float] = []
     cpus: list[float] = []
+    profiler = None
+    if cprofile:
+        import cProfile
+
+        profiler = cProfile.Profile()
     try:
         while True:
             receiver.async_receiver.wait_ready(1.0)  # (the wait is not timed)
             wall, cpu = time.perf_counter(), time.thread_time()
+            if profiler is not None:
+                profiler.enable()
             version = scheme.receive()
+            if profiler is not None:
+                profiler.disable()
             if version is not None:
                 walls.append(time.perf_counter() - wall)
                 cpus.append(time.thread_time() - cpu)
@@ -72,7 +95,15 @@ def worker(scheme: ws.WeightSyncScheme, pipe: Any, kind: str, nbytes: int, out: 
         pass
     finally:
         scheme.shutdown()
-    out.send((statistics.median(walls), statistics.median(cpus)) if walls else None)
+    stats = ""
+    if profiler is not None:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(cprofile)
+        stats = text.getvalue()
+    out.send(((statistics.median(walls), statistics.median(cpus)) if walls else None, stats))
 
 
 def bounce(sock: socket.socket) -> None:
@@ -137,6 +168,11 @@ def wrap_steps(totals: collections.Counter[str]) -> None:
     timed(SendIO, "take", "  of which taking the acks")
     timed(SendMachine, "__init__", "the send's machine: made")
     timed(SendMachine, "feed", "the send's machine: fed")
+    if torch.cuda.is_initialized():
+        from weightsync._memory import _slab
+
+        timed(_slab, "copy_on_stream", "  of which the copy into GPU memory")
+        timed(torch.cuda.Event, "synchronize", "    of which the wait for it")
 
 
 def main() -> int:
@@ -149,8 +185,18 @@ def main() -> int:
     parser.add_argument(
         "--calls", action="store_true", help="also count the calls a send makes on the trainer (slow)"
     )
+    parser.add_argument(
+        "--cprofile", type=int, default=0, metavar="N", help="print the N costliest functions of each side"
+    )
+    parser.add_argument("--async", dest="overlap", action="store_true", help="send_async() + wait_async()")
+    parser.add_argument("--device", default="cpu", help="the models' device (default: %(default)s)")
+    parser.add_argument(
+        "--gap", type=float, default=0.0, metavar="MS", help="idle milliseconds after each send (default: 0)"
+    )
     args = parser.parse_args()
     nbytes = int(args.size * (1 << 20))
+    if args.device != "cpu" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device is visible")
 
     bare = bare_round_trip(args.workers, args.sends)
 
@@ -160,21 +206,30 @@ def main() -> int:
     for _ in range(args.workers):
         ours, theirs = ctx.Pipe()
         results, out = ctx.Pipe(duplex=False)
-        procs.append(ctx.Process(target=worker, args=(scheme, theirs, args.model, nbytes, out)))
+        procs.append(
+            ctx.Process(
+                target=worker, args=(scheme, theirs, args.model, nbytes, args.device, args.cprofile, out)
+            )
+        )
         procs[-1].start()
         pipes.append(ours)
         outs.append(results)
-    model = make_model(args.model, nbytes)
+    model = make_model(args.model, nbytes, args.device)
     scheme.init_on_sender("policy", pipes=pipes, model=model)
     sender = scheme.get_sender()
     scheme.wait_for_workers()
     for _ in range(50):
         sender.send()
+    profiler = None
+    if args.cprofile:
+        import cProfile
+
+        profiler = cProfile.Profile()
     totals: collections.Counter[str] = collections.Counter()
     steps: dict[str, list[float]] = collections.defaultdict(list)
     if args.steps:
         wrap_steps(totals)
-    walls, cpus = [], []
+    walls, cpus, stalls = [], [], []
     calls = [0]
 
     def count(frame: Any, event: str, arg: Any) -> None:
@@ -188,26 +243,42 @@ def main() -> int:
         wall, cpu = time.perf_counter(), time.thread_time()
         if args.calls:
             sys.setprofile(count)
-        sender.send()
+        if profiler is not None:
+            profiler.enable()
+        if args.overlap:
+            sender.send_async()
+            stalls.append(time.perf_counter() - wall)
+        else:
+            sender.send()
+        if profiler is not None:
+            profiler.disable()
         if args.calls:
             sys.setprofile(None)
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.thread_time() - cpu)
         for label, seconds in totals.items():
             steps[label].append(seconds)
         totals.clear()
+        if args.overlap:
+            sender.wait_async()
+            totals.clear()  # (the steps are the stall's)
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.thread_time() - cpu)
+        if args.gap:
+            time.sleep(args.gap / 1000)
     scheme.shutdown()
     received = [out.recv() for out in outs]
     for proc in procs:
         proc.join()
 
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(f"{size} bytes as {len(list(model.parameters()))} tensors to {args.workers} worker(s), "
-          f"{args.sends} blocking sends; torch threads {torch.get_num_threads()}")  # fmt: skip
+    how = "send_async() + wait_async()" if args.overlap else "blocking send()"
+    print(f"{size} bytes as {len(list(model.parameters()))} tensors on {args.device} to {args.workers} "
+          f"worker(s), {args.sends} sends, {how}; torch threads {torch.get_num_threads()}")  # fmt: skip
     print(f"bare byte round trip to each worker (median): {bare * 1e6:.0f} us")
-    print(f"send() (median): {statistics.median(walls) * 1e6:.0f} us; "
+    print(f"{how} (median): {statistics.median(walls) * 1e6:.0f} us; "
           f"the trainer's thread CPU per send: {statistics.median(cpus) * 1e6:.0f} us")  # fmt: skip
-    for i, got in enumerate(received):
+    if stalls:
+        print(f"stall, until send_async() returned (median): {statistics.median(stalls) * 1e6:.0f} us")
+    for i, (got, _) in enumerate(received):
         if got is not None:
             print(f"worker {i}: receive() that applied an update (median): "
                   f"{got[0] * 1e6:.0f} us wall, {got[1] * 1e6:.0f} us CPU")  # fmt: skip
@@ -216,6 +287,13 @@ def main() -> int:
               f"{calls[0] / args.sends:.0f}")  # fmt: skip
     for label, samples in steps.items():
         print(f"  {label:40s} {statistics.median(samples) * 1e6:7.1f} us (median per send)")
+    if profiler is not None:
+        import pstats
+
+        print(f"the {args.cprofile} costliest functions on the trainer's thread, over {args.sends} sends:")
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(args.cprofile)
+        for i, (_, stats) in enumerate(received):
+            print(f"worker {i}: the {args.cprofile} costliest functions of its receive() calls:\n{stats}")
     return 0
 
 

@@ -10,12 +10,21 @@
 #                         and 64 KiB to 1 worker, blocking send() (as the README's
 #                         trainer calls it), 30 sends each (multiprocess, shared,
 #                         --compare cuda-ipc)
-#   bench-cuda-1.json     the same, one worker, 64 MiB (multiprocess, cuda-ipc)
+#   bench-cuda-1.json     the same, one worker, 64 MiB (multiprocess, cuda-ipc;
+#                         send_async() + wait_async(), 30 sends)
 #   bench-cuda-cpu.json   GPU trainer, CPU workers (1024 MiB, 4 workers)
 #   bench-cpu-cpu.json    the same bytes, CPU trainer and workers (what the row
 #                         above is held against, with one page-locked D2H)
 #   bench-cpu-cuda.json   CPU trainer, GPU workers (1024 MiB, 4 workers,
 #                         --compare pinned-shm)
+#   profile-cuda.txt      where a send's time goes on the GPU (64 MiB to one
+#                         worker on the trainer's GPU, benchmarks/send_profile.py):
+#                         blocking send(), back to back and with the trainer
+#                         idle 20 ms after each; send_async() + wait_async()
+#                         with its steps timed; and the costliest functions of
+#                         the stall and of the worker's receive() (cProfile);
+#                         before them, what the CUDA calls of a send cost
+#                         (benchmarks/cuda_calls.py)
 #   bench-torchrl-cuda.json  trainer and workers on the GPU, beside torchrl's
 #                         own schemes (multiprocess, shared, --compare
 #                         torchrl-mp torchrl-shared; 1, 64 and 1024 MiB; 4 workers), where
@@ -50,7 +59,9 @@
 # install steps and uses the environment as it is; GPU_CHECK_SITE is where
 # the wheels go (default /tmp/weightsync-gpu-site), GPU_CHECK_TORCHRL_SITE
 # torchrl's (default /tmp/weightsync-gpu-site-torchrl); GPU_CHECK_BUDGET,
-# the seconds the whole run may take (default 420).
+# the seconds the whole run may take (default 420); GPU_CHECK_ONLY, a
+# space-separated list of step names, runs only those (and says so of the
+# others).
 set -u
 
 if [ $# -ne 1 ]; then
@@ -81,6 +92,10 @@ say() {
 step() {
     local name=$1 limit=$2 left began rc took status
     shift 2
+    if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ " $GPU_CHECK_ONLY " != *" $name "* ]]; then
+        echo "$name: not asked (GPU_CHECK_ONLY)" >>"$SUMMARY"
+        return
+    fi
     left=$((START + BUDGET - $(date +%s) - 10))
     if [ "$left" -lt "$limit" ]; then
         limit=$left
@@ -186,7 +201,24 @@ step bench-cuda-small-1 30 bench --trainer-device cuda --worker-device cuda \
     --blocking --repeats 30 --warmup 5 --json "$OUT/bench-cuda-small-1.json"
 step bench-cuda-cuda-1 40 bench --trainer-device cuda --worker-device cuda \
     --scheme multiprocess --compare cuda-ipc --size 64 --workers 1 --tensors 4 \
-    --json "$OUT/bench-cuda-1.json"
+    --repeats 30 --warmup 5 --json "$OUT/bench-cuda-1.json"
+# Where the time of a send goes on the GPU (the steps of the stall, then cProfile's view of it).
+profile() {
+    set -o pipefail
+    "$PYTHON" benchmarks/send_profile.py --device cuda --size 64 --workers 1 "$@" 2>&1 | tee -a "$PROFILE"
+}
+export -f profile
+export PROFILE=$OUT/profile-cuda.txt
+cuda_calls() {
+    set -o pipefail
+    "$PYTHON" benchmarks/cuda_calls.py 2>&1 | tee -a "$PROFILE"
+}
+export -f cuda_calls
+step cuda-calls 40 cuda_calls
+step profile-cuda 60 profile --sends 300
+step profile-cuda-gap 60 profile --sends 200 --gap 20
+step profile-cuda-steps 60 profile --sends 300 --async --steps
+step profile-cuda-cprofile 60 profile --sends 300 --async --cprofile 30
 # torchrl's own schemes on the first placement, beside weightsync's, like for like.
 if [ "${GPU_CHECK_NO_INSTALL:-0}" != 1 ] && ls .whl/torchrl/torchrl-*.whl >/dev/null 2>&1; then
     step install-torchrl 30 install_torchrl

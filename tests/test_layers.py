@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "weightsync"
 LAYERS: list[set[str]] = [
     {"_exceptions", "_frames", "_transports._peer", "_exit"},
     {"_packet"},
-    {"_memory._views"},
+    {"_memory._views", "_memory._placement"},
     {
         "_copy",
         "_plan",
@@ -25,7 +25,6 @@ LAYERS: list[set[str]] = [
         "_strategy",
         "_stepguard",
         "_torchrl",
-        "_memory._placement",
     },
     {"_digest", "_memory._pinned", "_shards"},
     # The memory layer: segments, slabs, page-locked buffers, placement.

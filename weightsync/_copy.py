@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ._exceptions import WeightMismatchError
+from ._memory._placement import current_stream, on_stream
 
 __all__ = [
     "PARALLEL_COPY_BYTES",
@@ -323,9 +324,9 @@ class WireCast:
             out.append(buffer)
             if tensor.is_cuda:
                 mine = stream
-                if mine is None or mine.device != tensor.device:
-                    mine = torch.cuda.current_stream(tensor.device)
-                with torch.cuda.stream(mine), torch.inference_mode():
+                if mine is None or mine.device_index != tensor.device.index:
+                    mine = current_stream(tensor.device.index)
+                with on_stream(mine), torch.inference_mode():
                     buffer.copy_(tensor.detach())
                 continue
             flat_dst, flat_src = buffer.reshape(-1), tensor.detach().reshape(-1)

@@ -51,7 +51,7 @@ import torch
 from .._copy import check_same_layout, copy_tensors
 from .._frames import piece_spans
 from .._packet import Packet
-from ._placement import gpu_stream, on_gpu
+from ._placement import gpu_stream, on_gpu, on_stream
 
 __all__ = [
     "EVENT_BYTES",
@@ -302,7 +302,7 @@ def copy_to_host(
                     continue
                 if i not in flat:
                     stream = gpu_stream(packet, src.device)
-                    with torch.cuda.stream(stream):
+                    with on_stream(stream):
                         # (A strided or lazily conjugated tensor is made plain
                         # on the GPU first, on the same stream: the copies
                         # read it in order, and its memory is not reused
@@ -311,7 +311,7 @@ def copy_to_host(
                     flat[i] = (plain.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8), stream)
                 out_of, into, stream = flat[i]
                 streams[src.device] = stream
-                with torch.cuda.stream(stream):
+                with on_stream(stream):
                     into[a:b].copy_(out_of[a:b], non_blocking=True)
             events = []
             for stream in streams.values():

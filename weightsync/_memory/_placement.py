@@ -26,11 +26,13 @@ __all__ = [
     "Placement",
     "caller_stream",
     "choose",
+    "current_stream",
     "device_name",
     "devices_of",
     "gpu_stream",
     "on_caller_stream",
     "on_gpu",
+    "on_stream",
     "reachable",
     "route",
 ]
@@ -165,13 +167,35 @@ def route(
 _ROUTES: dict[tuple[tuple[str, ...], tuple[str, ...] | None, tuple[str, ...], bool], Placement] = {}
 
 
+# The stream objects handed out, by what torch names a stream by (its id,
+# device index and device type): the same stream is the same object, so
+# "is it current?" is one C call and an identity test. torch's own
+# ``current_stream`` and ``stream`` context go through several Python
+# layers per call (device index lookups, availability checks), and a send
+# on a GPU asks several times.
+_STREAMS: dict[tuple[int, int, int], Any] = {}
+
+
+def current_stream(index: int | None = None) -> Any:
+    """This thread's current CUDA stream on GPU ``index`` (the current GPU
+    where None), as ``torch.cuda.current_stream`` gives it; the same object
+    each time for the same stream. CUDA is initialised by the caller."""
+    key = torch._C._cuda_getCurrentStream(torch._C._cuda_getDevice() if index is None else index)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        if len(_STREAMS) < 1024:  # (a handful of streams in any real run)
+            _STREAMS[key] = stream
+    return stream
+
+
 def caller_stream() -> Any:
     """The calling thread's current CUDA stream (on its current device), or
     None where this process has not used CUDA. Taken when a send is
     planned, on the caller's thread: the send's copies out of the trainer's
     tensors are enqueued on it, after the work the caller enqueued before,
     whichever thread makes them."""
-    return torch.cuda.current_stream() if torch.cuda.is_initialized() else None
+    return current_stream() if torch.cuda.is_initialized() else None
 
 
 def gpu_stream(packet: Packet, device: torch.device) -> Any:
@@ -179,13 +203,24 @@ def gpu_stream(packet: Packet, device: torch.device) -> Any:
     the caller's (:func:`caller_stream`) where it is on that device, else
     that device's current stream."""
     stream = packet.stream
-    if stream is not None and stream.device == device:
+    if stream is not None and stream.device_index == device.index:
         return stream
-    return torch.cuda.current_stream(device)
+    return current_stream(device.index)
 
 
-# The context of every copy from host memory: one, as a nullcontext holds no state.
+# The context of every copy from host memory, and of one on the stream that
+# is current already: one, as a nullcontext holds no state.
 _NO_STREAM = contextlib.nullcontext()
+
+
+def on_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    """A context in which work on ``stream``'s GPU is enqueued on
+    ``stream``: torch's stream context where another stream is current
+    there (a send driven from another thread than the caller's), else a
+    no-op (the common case: the caller's thread and stream)."""
+    if current_stream(stream.device_index) is stream:
+        return _NO_STREAM
+    return torch.cuda.stream(stream)
 
 
 def on_caller_stream(packet: Packet) -> contextlib.AbstractContextManager[Any]:
@@ -194,4 +229,4 @@ def on_caller_stream(packet: Packet) -> contextlib.AbstractContextManager[Any]:
     memory (a packet holds a stream only for tensors on a GPU)."""
     if packet.stream is None or not packet.tensors:
         return _NO_STREAM
-    return torch.cuda.stream(gpu_stream(packet, packet.tensors[0].device))
+    return on_stream(gpu_stream(packet, packet.tensors[0].device))

@@ -40,7 +40,7 @@ import torch
 
 from .._exceptions import ResourceExhaustedError, out_of_resources
 from .._packet import Manifest
-from ._placement import device_name
+from ._placement import device_name, on_stream
 from ._segment import Segment, SegmentRef
 from ._views import LayoutViews
 
@@ -85,7 +85,7 @@ def copy_on_stream(
 ) -> None:
     """Enqueue the copies of ``sources`` into ``destinations`` on ``stream``
     and wait until they are done (only this stream, not the whole device)."""
-    with torch.cuda.stream(stream), torch.inference_mode():
+    with on_stream(stream), torch.inference_mode():
         torch._foreach_copy_(list(destinations), list(sources), non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..._exceptions import out_of_resources
-from ..._memory._placement import Placement
+from ..._memory._placement import Placement, current_stream
 from ..._memory._slab import AttachedSlabs, DeviceSlab, SlabRef, copy_on_stream
 from ..._packet import Manifest, Packet
 from .._base import Staging, StagingReader
@@ -133,7 +133,7 @@ class DeviceReader:
             # work the worker enqueued before (a forward pass reading these
             # weights), and the update is whole once it returns.
             # (A worker told the GPU memory has its model on a GPU.)
-            stream = torch.cuda.current_stream(copies[0][0].device)
+            stream = current_stream(copies[0][0].device.index)
             copy_on_stream([t for t, _ in copies], [s for _, s in copies], stream)
         if any(share):
             assert slab_device is not None
@@ -143,7 +143,7 @@ class DeviceReader:
                     self._on[id(target)] = (weakref.ref(target), descriptor.token)
             # What the worker enqueued before on the slot it leaves is done
             # before the ack frees that slot.
-            torch.cuda.current_stream(slab_device).synchronize()
+            current_stream(slab_device.index).synchronize()
 
     def own(self, targets: list[torch.Tensor]) -> None:
         """Give each of ``targets`` that runs on a slot memory of its own,
