@@ -23,8 +23,10 @@
 #                         idle 20 ms after each; send_async() + wait_async()
 #                         with its steps timed; and the costliest functions of
 #                         the stall and of the worker's receive() (cProfile);
-#                         before them, what the CUDA calls of a send cost
-#                         (benchmarks/cuda_calls.py)
+#                         before them, what the CUDA calls of a send cost, and
+#                         a hand-written round trip to a worker process with
+#                         its copy made in several ways, back to back and idle
+#                         20 ms after each (benchmarks/cuda_calls.py --ipc)
 #   bench-torchrl-cuda.json  trainer and workers on the GPU, beside torchrl's
 #                         own schemes (multiprocess, shared, --compare
 #                         torchrl-mp torchrl-shared; 1, 64 and 1024 MiB; 4 workers), where
@@ -211,10 +213,11 @@ export -f profile
 export PROFILE=$OUT/profile-cuda.txt
 cuda_calls() {
     set -o pipefail
-    "$PYTHON" benchmarks/cuda_calls.py 2>&1 | tee -a "$PROFILE"
+    "$PYTHON" benchmarks/cuda_calls.py --ipc "$@" 2>&1 | tee -a "$PROFILE"
 }
 export -f cuda_calls
 step cuda-calls 40 cuda_calls
+step cuda-calls-gap 60 cuda_calls --gap 20
 step profile-cuda 60 profile --sends 300
 step profile-cuda-gap 60 profile --sends 200 --gap 20
 step profile-cuda-steps 60 profile --sends 300 --async --steps
