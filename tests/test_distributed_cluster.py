@@ -10,7 +10,9 @@ checked bit for bit on every worker that should have it. A host is killed
 worker before it in the chain keeps the update, the one after it gets it
 from a second chain, the send names the dead one, and the next send works
 without it. A host leader alone is killed in the middle of a send: the
-host's other worker leads it in a second chain.
+host's other worker leads it in a second chain. A host hangs (SIGSTOP)
+while the trainer gets Ctrl-C in a send and sends again: once it resumes,
+the next send reaches every host.
 
 Needs root and iproute2 (skipped otherwise); not in the default run:
 ``pytest -m cluster`` (a CI step of its own).
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import select
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -62,8 +66,10 @@ def host_of(rank: int, hosts: int) -> int:
 class Run:
     """The driver on host 0 and ``per_host`` workers on each other host."""
 
-    def __init__(self, cluster: EmulatedCluster, per_host: int = 1, delta: bool = False) -> None:
-        env = {"WS_DELTA": "1" if delta else "0"}
+    def __init__(
+        self, cluster: EmulatedCluster, per_host: int = 1, delta: bool = False, timeout: float = 30.0
+    ) -> None:
+        env = {"WS_DELTA": "1" if delta else "0", "WS_TIMEOUT": str(timeout)}
         self.cluster = cluster
         host = cluster.addresses[0]
         workers = (cluster.hosts - 1) * per_host
@@ -128,11 +134,11 @@ def run(request: pytest.FixtureRequest) -> Iterator[Run]:
     removed after the test, whatever happened in it."""
     cluster = EmulatedCluster(4, "1gbit").start()
     made = None
-    # The test's parameter: workers per host, or (workers per host, delta).
+    # The test's parameter: workers per host, or (workers per host, delta[, timeout]).
     param = getattr(request, "param", 1)
-    per_host, delta = param if isinstance(param, tuple) else (param, False)
+    per_host, delta, *timeout = param if isinstance(param, tuple) else (param, False)
     try:
-        made = Run(cluster, per_host, delta)
+        made = Run(cluster, per_host, delta, *timeout)
         yield made
     finally:
         if made is not None:
@@ -245,6 +251,38 @@ def test_a_host_leader_killed_mid_send_is_named_and_its_host_is_fed_by_another(r
     assert after["chains"] == [[4, 2, 3]]
     for rank in (2, 3, 4, 5, 6):
         assert run.state(rank) == (after["version"], after["digests"])
+
+
+@pytest.mark.parametrize("run", [(1, True, 6.0)], indirect=True)
+def test_after_a_ctrl_c_and_a_hung_host_the_next_send_reaches_every_host(run: Run) -> None:
+    """Host 1 (first in the chain) hangs (SIGSTOP) and the trainer gets
+    Ctrl-C in the send it holds up; the next send starts at once, host 1
+    still hung, and host 1 resumes 2.3 s into it; the send after that
+    reaches every host, bit for bit: neither the abandoned send nor the
+    held one leaves a member behind (6 s deadlines, deltas)."""
+    run.command("connect")
+    assert run.command("nudge") is None
+    assert run.sent()["error"] is None
+    run.cluster.kill_host(1, signal.SIGSTOP)
+    try:
+        assert run.command("nudge") is None
+        time.sleep(3.5)
+        os.kill(run.driver.pid, signal.SIGINT)
+        interrupted = run.sent()
+        assert interrupted["error"] is not None and interrupted["error"]["type"] == "KeyboardInterrupt"
+        assert run.command("nudge") is None
+        time.sleep(2.3)
+    finally:
+        run.cluster.kill_host(1, signal.SIGCONT)
+    held = run.sent()
+    # Host 1 came back with 3.7 s left: it is updated, or named alone.
+    assert held["error"] is None or held["error"]["worker_ids"] == [0], held["error"]
+    assert run.command("nudge") is None
+    after = run.sent()
+    assert after["error"] is None, after["error"]["message"]
+    for rank in (1, 2, 3):
+        assert run.state(rank) == (after["version"], after["digests"])
+    print(f"Ctrl-C, a hung host: {held['seconds']:.2f} s {held['chains']}, then {after['seconds']:.2f} s")
 
 
 def test_bench_times_the_scheme_and_the_gloo_peers_across_hosts(tmp_path: Path) -> None:

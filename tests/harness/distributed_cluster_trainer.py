@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -43,12 +44,15 @@ def _error(exc: ws.WorkerError) -> dict[str, Any]:
 
 
 def main() -> None:
+    # Ctrl-C (the tests' SIGINT) reaches the trainer as in a terminal.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     host, workers = sys.argv[1], int(sys.argv[2])
     shapes = {f"w{i}": int(n) for i, n in enumerate(sys.argv[3:])}
     torch.manual_seed(0)
     model = build_model(shapes)
     delta = "always" if os.environ.get("WS_DELTA") == "1" else False
-    scheme = ws.DistributedWeightSyncScheme(timeout=30.0, delta=delta)
+    timeout = float(os.environ.get("WS_TIMEOUT", "30"))
+    scheme = ws.DistributedWeightSyncScheme(timeout=timeout, delta=delta)
     scheme.init_on_sender("policy", num_workers=workers, model=model, host=host)
     info = scheme.get_store_info()
     assert info is not None
@@ -74,6 +78,8 @@ def main() -> None:
                 version = scheme.send(worker_ids=ids).version
             except ws.WorkerError as exc:
                 version, error = exc.version, _error(exc)
+            except KeyboardInterrupt:
+                version, error = None, {"type": "KeyboardInterrupt", "worker_ids": [], "failures": {}}
             seconds = time.perf_counter() - started
             chains = [list(chain) for chain, _ in scheme.last_routes]
             fed = [{str(k): list(v) for k, v in f.items()} for _, f in scheme.last_routes]
