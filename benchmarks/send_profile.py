@@ -143,8 +143,9 @@ def bare_round_trip(workers: int, sends: int) -> float:
     return statistics.median(times)
 
 
-def wrap_steps(totals: collections.Counter[str]) -> None:
-    """Time the send's main steps on the trainer (see the module's docstring)."""
+def wrap_steps(totals: collections.Counter[str]) -> list[str]:
+    """Time the send's main steps on the trainer (see the module's
+    docstring); their labels, in the order a send takes them."""
     from weightsync._drive import SendIO
     from weightsync._packing import Packer
     from weightsync._send import SendMachine
@@ -160,19 +161,22 @@ def wrap_steps(totals: collections.Counter[str]) -> None:
                 totals[label] += time.perf_counter() - start
 
         setattr(owner, name, step)
+        labels.append(label)
 
+    labels: list[str] = []
+    timed(SendMachine, "__init__", "the send's machine: made")
     timed(Packer, "packet", "read the model into a packet")
     timed(SendIO, "write", "the staging's write (with its copy)")
-    timed(SendIO, "post", "the notices (a write to each worker)")
-    timed(SendIO, "listen_blocking", "the wait for acks, and taking them")
-    timed(SendIO, "take", "  of which taking the acks")
-    timed(SendMachine, "__init__", "the send's machine: made")
-    timed(SendMachine, "feed", "the send's machine: fed")
     if torch.cuda.is_initialized():
         from weightsync._memory import _slab
 
         timed(_slab, "copy_on_stream", "  of which the copy into GPU memory")
         timed(torch.cuda.Event, "synchronize", "    of which the wait for it")
+    timed(SendMachine, "feed", "the send's machine: fed")
+    timed(SendIO, "post", "the notices (a write to each worker)")
+    timed(SendIO, "listen_blocking", "the wait for acks, and taking them")
+    timed(SendIO, "take", "  of which taking the acks")
+    return labels
 
 
 def main() -> int:
@@ -227,8 +231,7 @@ def main() -> int:
         profiler = cProfile.Profile()
     totals: collections.Counter[str] = collections.Counter()
     steps: dict[str, list[float]] = collections.defaultdict(list)
-    if args.steps:
-        wrap_steps(totals)
+    order = wrap_steps(totals) if args.steps else []
     walls, cpus, stalls = [], [], []
     calls = [0]
 
@@ -285,8 +288,9 @@ def main() -> int:
     if args.calls:
         print(f"calls a send makes on the trainer (Python functions and the C functions they call): "
               f"{calls[0] / args.sends:.0f}")  # fmt: skip
-    for label, samples in steps.items():
-        print(f"  {label:40s} {statistics.median(samples) * 1e6:7.1f} us (median per send)")
+    for label in order:
+        if steps.get(label):
+            print(f"  {label:40s} {statistics.median(steps[label]) * 1e6:7.1f} us (median per send)")
     if profiler is not None:
         import pstats
 

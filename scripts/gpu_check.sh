@@ -205,23 +205,20 @@ step bench-cuda-cuda-1 40 bench --trainer-device cuda --worker-device cuda \
     --scheme multiprocess --compare cuda-ipc --size 64 --workers 1 --tensors 4 \
     --repeats 30 --warmup 5 --json "$OUT/bench-cuda-1.json"
 # Where the time of a send goes on the GPU (the steps of the stall, then cProfile's view of it).
-profile() {
+# A script's output, into the log and profile-cuda.txt.
+profiled() {
     set -o pipefail
-    "$PYTHON" benchmarks/send_profile.py --device cuda --size 64 --workers 1 "$@" 2>&1 | tee -a "$PROFILE"
+    "$PYTHON" "$@" 2>&1 | tee -a "$PROFILE"
 }
-export -f profile
+export -f profiled
 export PROFILE=$OUT/profile-cuda.txt
-cuda_calls() {
-    set -o pipefail
-    "$PYTHON" benchmarks/cuda_calls.py --ipc "$@" 2>&1 | tee -a "$PROFILE"
-}
-export -f cuda_calls
-step cuda-calls 40 cuda_calls
-step cuda-calls-gap 60 cuda_calls --gap 20
-step profile-cuda 60 profile --sends 300
-step profile-cuda-gap 60 profile --sends 200 --gap 20
-step profile-cuda-steps 60 profile --sends 300 --async --steps
-step profile-cuda-cprofile 60 profile --sends 300 --async --cprofile 30
+gpu_profile=(benchmarks/send_profile.py --device cuda --size 64 --workers 1)
+step cuda-calls 40 profiled benchmarks/cuda_calls.py --ipc
+step cuda-calls-gap 60 profiled benchmarks/cuda_calls.py --ipc --gap 20
+step profile-cuda 60 profiled "${gpu_profile[@]}" --sends 300
+step profile-cuda-gap 60 profiled "${gpu_profile[@]}" --sends 200 --gap 20
+step profile-cuda-steps 60 profiled "${gpu_profile[@]}" --sends 300 --async --steps
+step profile-cuda-cprofile 60 profiled "${gpu_profile[@]}" --sends 300 --async --cprofile 30
 # torchrl's own schemes on the first placement, beside weightsync's, like for like.
 if [ "${GPU_CHECK_NO_INSTALL:-0}" != 1 ] && ls .whl/torchrl/torchrl-*.whl >/dev/null 2>&1; then
     step install-torchrl 30 install_torchrl

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ._exceptions import WeightMismatchError
-from ._memory._placement import current_stream, on_stream
+from ._memory._placement import gpu_stream, on_stream
 
 __all__ = [
     "PARALLEL_COPY_BYTES",
@@ -323,10 +323,7 @@ class WireCast:
                 self._buffers[index] = buffer
             out.append(buffer)
             if tensor.is_cuda:
-                mine = stream
-                if mine is None or mine.device_index != tensor.device.index:
-                    mine = current_stream(tensor.device.index)
-                with on_stream(mine), torch.inference_mode():
+                with on_stream(gpu_stream(stream, tensor.device)), torch.inference_mode():
                     buffer.copy_(tensor.detach())
                 continue
             flat_dst, flat_src = buffer.reshape(-1), tensor.detach().reshape(-1)

@@ -301,7 +301,7 @@ def copy_to_host(
                         copy_tensors([dst], [src])
                     continue
                 if i not in flat:
-                    stream = gpu_stream(packet, src.device)
+                    stream = gpu_stream(packet.stream, src.device)
                     with on_stream(stream):
                         # (A strided or lazily conjugated tensor is made plain
                         # on the GPU first, on the same stream: the copies

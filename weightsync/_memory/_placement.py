@@ -198,13 +198,12 @@ def caller_stream() -> Any:
     return current_stream() if torch.cuda.is_initialized() else None
 
 
-def gpu_stream(packet: Packet, device: torch.device) -> Any:
-    """The stream a copy out of ``packet``'s tensors on ``device`` runs on:
-    the caller's (:func:`caller_stream`) where it is on that device, else
-    that device's current stream."""
-    stream = packet.stream
-    if stream is not None and stream.device_index == device.index:
-        return stream
+def gpu_stream(caller: Any, device: torch.device) -> Any:
+    """The stream a copy out of a send's tensors on ``device`` runs on: the
+    caller's (``caller``, :func:`caller_stream`, a packet's ``stream``)
+    where it is on that device, else that device's current stream."""
+    if caller is not None and caller.device_index == device.index:
+        return caller
     return current_stream(device.index)
 
 
@@ -229,4 +228,4 @@ def on_caller_stream(packet: Packet) -> contextlib.AbstractContextManager[Any]:
     memory (a packet holds a stream only for tensors on a GPU)."""
     if packet.stream is None or not packet.tensors:
         return _NO_STREAM
-    return on_stream(gpu_stream(packet, packet.tensors[0].device))
+    return on_stream(gpu_stream(packet.stream, packet.tensors[0].device))

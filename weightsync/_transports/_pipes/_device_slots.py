@@ -48,7 +48,7 @@ class OneSlab:
             slab = self.current = DeviceSlab(manifest.nbytes, device)
         assert slab.data is not None
         views = self._views.of(slab.token, manifest, slab.data)
-        slab.write(views, packet.tensors, packet.version, gpu_stream(packet, slab.device))
+        slab.write(views, packet.tensors, packet.version, gpu_stream(packet.stream, slab.device))
 
     def descriptor(self, worker_id: int) -> SlabRef:
         assert self.current is not None, "write() comes first"
@@ -112,7 +112,7 @@ class DeviceSlots:
         slot = self._choose(packet.manifest, packet.tensors[0].device)
         assert slot.data is not None
         views = self._views.of(slot.token, packet.manifest, slot.data)
-        slot.write(views, packet.tensors, packet.version, gpu_stream(packet, slot.device))
+        slot.write(views, packet.tensors, packet.version, gpu_stream(packet.stream, slot.device))
         self.current, self._version = slot, packet.version
 
     def descriptor(self, worker_id: int) -> SlabRef:
