@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
         "_stepguard",
         "_torchrl",
     },
-    {"_digest", "_memory._pinned", "_shards"},
+    {"_digest", "_memory._pinned", "_shards", "_reads"},
     # The memory layer: segments, slabs, page-locked buffers, placement.
     {"_memory._segment", "_delta"},
     {"_transports._chain._link", "_transports._chain._pipeline"},

@@ -19,7 +19,7 @@ from ._digest import digests
 from ._exceptions import WeightMismatchError
 from ._memory._placement import Placement, devices_of, on_gpu
 from ._packet import Manifest, Packet, signature_of
-from ._strategy import ModuleReads
+from ._reads import ModuleReads
 from ._transports._base import Staging
 
 __all__ = ["Keys", "Packer"]

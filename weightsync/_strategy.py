@@ -23,10 +23,11 @@ if TYPE_CHECKING:
     from tensordict import TensorDictBase
 
 __all__ = [
-    "ModuleReads",
     "is_dtensor",
     "refuse_sharded",
+    "resolve_source",
     "WeightStrategy",
+    "checked_read",
     "flat_weights",
     "is_tensordict",
     "materialize",
@@ -78,7 +79,7 @@ def model_of(context: Any, model_id: str | None) -> Any | None:
     return model
 
 
-def _resolve_source(source: Any, context: Any, model_id: str | None) -> Any:
+def resolve_source(source: Any, context: Any, model_id: str | None) -> Any:
     if source is not None:
         return source
     if context is None:
@@ -177,7 +178,7 @@ def _check_tensor(name: str, value: Any, model_id: str | None) -> torch.Tensor:
     return value.detach()
 
 
-def _checked(live: Mapping[str, Any], model_id: str | None) -> dict[str, torch.Tensor]:
+def checked_read(live: Mapping[str, Any], model_id: str | None) -> dict[str, torch.Tensor]:
     """A module's ``state_dict(keep_vars=True)``, each value checked and detached."""
     return {name: _check_tensor(name, value, model_id) for name, value in live.items()}
 
@@ -208,10 +209,10 @@ def flat_weights(source: Any, *, context: Any = None, model_id: str | None = Non
 
     :raises InvalidWeightsError: a value is not a dense tensor with data.
     """
-    source = _resolve_source(source, context, model_id)
+    source = resolve_source(source, context, model_id)
     out: dict[str, torch.Tensor] = {}
     if isinstance(source, nn.Module):
-        out = _checked(source.state_dict(keep_vars=True), model_id)
+        out = checked_read(source.state_dict(keep_vars=True), model_id)
     elif is_tensordict(source):
         for name, value in source.flatten_keys(".").items():
             out[name] = _check_tensor(str(name), value, model_id)
@@ -225,76 +226,6 @@ def flat_weights(source: Any, *, context: Any = None, model_id: str | None = Non
         )
     refuse_sharded(out, model_id, side="the trainer's", flat=True)
     return out
-
-
-def _whereabouts(tensors: list[Any], conj: bool) -> list[tuple[Any, ...]] | None:
-    """Where each tensor's bytes are and how they are laid out (``conj``:
-    and whether each is a conjugate view, which only a complex tensor can
-    be, its bytes unchanged); None if one is not a tensor that has an
-    address (the full read then says why)."""
-    try:
-        if conj:
-            return [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_conj()) for t in tensors]
-        return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors]
-    except Exception:
-        return None
-
-
-class ModuleReads:
-    """:func:`flat_weights` for a sender that reads the same module send after
-    send: while the module has the same names, each tensor at the same
-    address with the same shape, strides and dtype, the previous read is
-    handed back (the same dict, the same detached tensors), since it aliases
-    exactly those bytes. The module's ``state_dict`` is still taken each
-    time (its hooks, its persistent buffers); only the checks and the
-    detaching are skipped, and the caller may cache what it derives from
-    the dict by its identity.
-
-    A tensor re-pointed (``param.data = other``), resized, or a name added
-    or removed makes the next read a full one. Other sources are read in
-    full every time.
-    """
-
-    def __init__(self) -> None:
-        # (module, names, whereabouts, the read): the last full read of a module.
-        self._last: tuple[nn.Module, list[str], list[tuple[Any, ...]], dict[str, torch.Tensor]] | None = None
-        # Whether the last full read held a complex tensor: only then is
-        # the conjugate bit asked (one call less per tensor otherwise; a
-        # tensor that turns complex changes its dtype, which is asked).
-        self._complex = False
-
-    def kept(self, read: dict[str, torch.Tensor]) -> bool:
-        """Whether ``read`` is the read kept for the next send (of a module,
-        whose tensors it aliases): what the caller derives from it is worth
-        keeping too. Any other read is the caller's own tensors, which
-        nothing should hold past the send."""
-        return self._last is not None and self._last[3] is read
-
-    def read(
-        self, source: Any, *, context: Any = None, model_id: str | None = None
-    ) -> dict[str, torch.Tensor]:
-        """As :func:`flat_weights`; the dict returned must not be changed.
-
-        :raises InvalidWeightsError: as :func:`flat_weights`.
-        """
-        source = _resolve_source(source, context, model_id)
-        if not isinstance(source, nn.Module):
-            return flat_weights(source, model_id=model_id)
-        live = source.state_dict(keep_vars=True)
-        names = list(live)
-        last = self._last
-        if last is not None and last[0] is source and last[1] == names:
-            where = _whereabouts(list(live.values()), self._complex)
-            if where is not None and last[2] == where:
-                return last[3]
-        self._last = None
-        out = _checked(live, model_id)
-        refuse_sharded(out, model_id, side="the trainer's", flat=True)
-        self._complex = any(t.is_complex() for t in out.values())
-        where = _whereabouts(list(live.values()), self._complex)
-        if where is not None:
-            self._last = (source, names, where, out)
-        return out
 
 
 def model_tensors(model: Any, *, model_id: str | None = None) -> dict[str, torch.Tensor]:
