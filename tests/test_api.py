@@ -358,6 +358,24 @@ def test_a_copy_plan_notices_a_destination_that_moved() -> None:
     assert not plan.still_valid()
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_copy_plan_copies_every_byte_of_small_and_large_spans(threads: int) -> None:
+    # Small spans are copied through byte views, large ones by memmove, and
+    # over several threads past PARALLEL_COPY_BYTES: each byte lands once,
+    # as often as the plan runs.
+    from weightsync._copy import PARALLEL_COPY_BYTES, CopyPlan
+
+    sizes = [1, 7, (64 << 10) // 4, (64 << 10) // 4 + 1, 3 * PARALLEL_COPY_BYTES // 4]
+    src = [torch.randn(n) for n in sizes] + [torch.arange(5, dtype=torch.int16)]
+    dst = [torch.zeros_like(t) for t in src]
+    plan = CopyPlan(dst, src)
+    for _ in range(2):
+        plan.run(threads)
+        assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
+        for t in src:
+            t.add_(1)
+
+
 def test_a_copy_plan_refuses_tensors_that_differ() -> None:
     from weightsync._copy import CopyPlan
 
