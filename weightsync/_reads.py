@@ -81,23 +81,26 @@ def _values(nodes: list[_Node]) -> list[Any] | None:
     a class changed), and the state dict must be taken again."""
     values: list[Any] = []
     for module, cls, params, buffers, hidden, children in nodes:
+        # (Read from the module's own dict: no attribute lookup through its class.)
+        own = module.__dict__
+        held, bufs = own["_parameters"], own["_buffers"]
         if (
             type(module) is not cls
-            or module._state_dict_hooks
-            or module._state_dict_pre_hooks
-            or "state_dict" in module.__dict__
-            or "_save_to_state_dict" in module.__dict__
-            or tuple(module._parameters) != params
-            or tuple(module._buffers) != buffers
-            or module._non_persistent_buffers_set != hidden
-            or tuple(module._modules.items()) != children
+            or own.get("_state_dict_hooks")
+            or own.get("_state_dict_pre_hooks")
+            or "state_dict" in own
+            or "_save_to_state_dict" in own
+            or tuple(held) != params
+            or tuple(bufs) != buffers
+            or own["_non_persistent_buffers_set"] != hidden
+            or tuple(own["_modules"].items()) != children
         ):
             return None
-        values += module._parameters.values()
+        values += held.values()
         if hidden:
-            values += [b for name, b in module._buffers.items() if name not in hidden]
+            values += [b for name, b in bufs.items() if name not in hidden]
         else:
-            values += module._buffers.values()
+            values += bufs.values()
     return values
 
 
