@@ -190,3 +190,16 @@ def test_another_module_and_other_sources_are_read_in_full() -> None:
     read = reads.read(weights)
     assert list(read) == ["x"] and not reads.kept(read)
     assert reads.read(one) is not first  # the last read was of another source
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_a_torchscript_module_is_read_through_its_state_dict() -> None:
+    # Its tensors live in C++, behind mappings that are not dicts: no tree.
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(3, 3), nn.ReLU()))
+    reads = ModuleReads()
+    first = reads.read(scripted)
+    assert _same(first, scripted) and reads.read(scripted) is first
+    with torch.no_grad():
+        scripted[0].weight.data = torch.zeros(3, 3)
+    again = reads.read(scripted)
+    assert again is not first and _same(again, scripted)

@@ -14,6 +14,7 @@ read found them, that read is handed back.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -40,9 +41,11 @@ def _plain(module: nn.Module) -> bool:
     """Whether ``module``'s own entries in a state dict are its parameters
     and persistent buffers, as ``nn.Module`` saves them: no hook, no method
     of the three overridden (by its class or on the module itself)."""
-    cls = type(module)
+    cls, own = type(module), module.__dict__
     return (
-        not module._state_dict_hooks
+        # (A TorchScript module keeps its tensors in C++, behind other mappings.)
+        all(type(own.get(name)) in (dict, OrderedDict) for name in ("_parameters", "_buffers", "_modules"))
+        and not module._state_dict_hooks
         and not module._state_dict_pre_hooks
         and (cls.state_dict, cls._save_to_state_dict, cls.get_extra_state) == _MODULE_METHODS
         and "state_dict" not in module.__dict__
@@ -80,27 +83,30 @@ def _values(nodes: list[_Node]) -> list[Any] | None:
     out); None where a node is not what it was (a name, a child, a hook,
     a class changed), and the state dict must be taken again."""
     values: list[Any] = []
-    for module, cls, params, buffers, hidden, children in nodes:
-        # (Read from the module's own dict: no attribute lookup through its class.)
-        own = module.__dict__
-        held, bufs = own["_parameters"], own["_buffers"]
-        if (
-            type(module) is not cls
-            or own.get("_state_dict_hooks")
-            or own.get("_state_dict_pre_hooks")
-            or "state_dict" in own
-            or "_save_to_state_dict" in own
-            or tuple(held) != params
-            or tuple(bufs) != buffers
-            or own["_non_persistent_buffers_set"] != hidden
-            or tuple(own["_modules"].items()) != children
-        ):
-            return None
-        values += held.values()
-        if hidden:
-            values += [b for name, b in bufs.items() if name not in hidden]
-        else:
-            values += bufs.values()
+    try:
+        for module, cls, params, buffers, hidden, children in nodes:
+            # (Read from the module's own dict: no attribute lookup through its class.)
+            own = module.__dict__
+            held, bufs = own["_parameters"], own["_buffers"]
+            if (
+                type(module) is not cls
+                or own.get("_state_dict_hooks")
+                or own.get("_state_dict_pre_hooks")
+                or "state_dict" in own
+                or "_save_to_state_dict" in own
+                or tuple(held) != params
+                or tuple(bufs) != buffers
+                or own["_non_persistent_buffers_set"] != hidden
+                or tuple(own["_modules"].items()) != children
+            ):
+                return None
+            values += held.values()
+            if hidden:
+                values += [b for name, b in bufs.items() if name not in hidden]
+            else:
+                values += bufs.values()
+    except (KeyError, TypeError, AttributeError):
+        return None  # (a module's own dict no longer holds what nn.Module keeps there)
     return values
 
 
