@@ -24,7 +24,8 @@ def _same(read: dict[str, torch.Tensor], module: nn.Module) -> bool:
     its tensor's bytes with its layout."""
     want = _expected(module)
     return list(read) == list(want) and all(
-        read[k].data_ptr() == want[k].data_ptr() and read[k].shape == want[k].shape and read[k].dtype == want[k].dtype
+        (read[k].data_ptr(), read[k].shape, read[k].dtype)
+        == (want[k].data_ptr(), want[k].shape, want[k].dtype)
         for k in want
     )
 
