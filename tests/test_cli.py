@@ -28,7 +28,19 @@ def test_bench_prints_table_and_writes_json(
     # The results go where --json says.
     monkeypatch.chdir(tmp_path)
     shm_before = shm_entries()
-    args = ["--scheme", "multiprocess", "--size", "0.25", "--workers", "1", "2", "--repeats", "3"]
+    args = [
+        "--scheme",
+        "multiprocess",
+        "--size",
+        "0.25",
+        "--workers",
+        "1",
+        "2",
+        "--repeats",
+        "3",
+        "--min-time",
+        "0",
+    ]
     args += ["--json", "results.json"]
     code = main(["bench", *args, "--warmup", "1"])
     printed = capsys.readouterr()
@@ -73,6 +85,44 @@ def test_bench_prints_table_and_writes_json(
     assert mp.active_children() == []
     assert not [t.name for t in threading.enumerate() if t.name.startswith(("weightsync", "AnyIO", "bench"))]
     assert shm_entries() <= shm_before
+
+
+def test_a_case_sends_past_repeats_until_its_sends_took_min_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """By default a small case goes on past --repeats until its timed sends
+    took --min-time in all (at most 10x --repeats), so its median stands on
+    enough sends; every count that follows (each worker's CPU per update)
+    is of the sends made."""
+    out = tmp_path / "results.json"
+    args = ["--scheme", "multiprocess", "--size", "0.25", "--workers", "2", "--repeats", "2"]
+    assert main(["bench", *args, "--min-time", "0.05", "--json", str(out)]) == 0
+    assert "2 timed sends per case or more, until they took 0.05 s (at most 20)" in capsys.readouterr().out
+    (case,) = json.loads(out.read_text())["cases"]
+    sends = case["samples"]["send_s"]
+    assert 2 < len(sends) <= 20 and (sum(sends) >= 0.05 or len(sends) == 20)
+    assert sum(sends[:-1]) < 0.05  # (it stopped at the first send that reached it)
+    assert len(case["samples"]["stall_s"]) == len(sends)
+    assert len(case["samples"]["worker_cpu_s"]) == 2 * len(sends)
+
+
+def test_a_configs_rounds_are_its_repeats_then_more_until_min_seconds() -> None:
+    from weightsync.bench import BenchConfig
+
+    exact = BenchConfig(repeats=3, warmup=1)
+    timed: list[float] = []
+    assert list(exact.rounds(timed)) == [0, 1, 2, 3]  # (nothing timed, min_seconds 0: exactly)
+    timed_config = BenchConfig(repeats=3, warmup=1, min_seconds=1.0)
+    steps = []
+    for step in timed_config.rounds(timed):
+        steps.append(step)
+        if step >= 1:
+            timed.append(0.3)
+    assert steps == [0, 1, 2, 3, 4] and sum(timed) >= 1.0  # 4 timed sends of 0.3 s
+    timed.clear()
+    assert len(list(BenchConfig(repeats=3, warmup=1, min_seconds=1e9).rounds(timed))) == 1 + 30
+    with pytest.raises(ValueError, match="min_seconds must not be negative"):
+        BenchConfig(min_seconds=-1)
 
 
 def _check_default_output(text: str, schemes: list[str]) -> None:
@@ -124,7 +174,18 @@ def test_bench_without_options_runs_ray_where_installed() -> None:
 def test_bench_partial_and_verified_sends(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     args = ["--size", "0.25", "--workers", "2", "--tensors", "20", "--partial", "0.1", "1", "--verify"]
-    args += ["--scheme", "multiprocess", "--repeats", "2", "--warmup", "0", "--json", str(out)]
+    args += [
+        "--scheme",
+        "multiprocess",
+        "--repeats",
+        "2",
+        "--min-time",
+        "0",
+        "--warmup",
+        "0",
+        "--json",
+        str(out),
+    ]
     code = main(["bench", *args])
     printed = capsys.readouterr()
     assert code == 0, printed.err
@@ -153,7 +214,7 @@ def test_rows_of_one_size_and_worker_count_share_one_floor(
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     args = ["--scheme", "multiprocess", "--compare", "bare-shm", "--size", "0.25", "0.5"]
-    args += ["--workers", "1", "2", "--verify", "--repeats", "2", "--warmup", "0"]
+    args += ["--workers", "1", "2", "--verify", "--repeats", "2", "--min-time", "0", "--warmup", "0"]
     code = main(["bench", *args, "--json", str(out), "--plot", str(png)])
     printed = capsys.readouterr()
     assert code == 0, printed.err
@@ -197,6 +258,8 @@ def test_bench_fails_when_a_worker_holds_other_weights() -> None:
             "1",
             "--repeats",
             "2",
+            "--min-time",
+            "0",
             "--warmup",
             "0",
             "--corrupt-worker",
@@ -219,7 +282,7 @@ def test_bench_tight_loop_against_blocking_sends_checked_once(
     out = tmp_path / "bench.json"
     shm_before = shm_entries()
     args = ["--scheme", "multiprocess", "--compare", "bare-tight", "--blocking", "--check-once"]
-    args += ["--size", "0.25", "0.25", "--workers", "2", "--repeats", "3", "--warmup", "1"]
+    args += ["--size", "0.25", "0.25", "--workers", "2", "--repeats", "3", "--min-time", "0", "--warmup", "1"]
     code = main(["bench", *args, "--json", str(out)])
     printed = capsys.readouterr()
     assert code == 0, printed.err
@@ -348,6 +411,8 @@ def test_bench_all_schemes_with_alternatives_writes_json_and_plot(
         "1",
         "--repeats",
         "2",
+        "--min-time",
+        "0",
         "--warmup",
         "1",
         "--scheme",
@@ -419,6 +484,8 @@ def test_bench_bfloat16_with_torch_mp_and_progress(
         "2",
         "--repeats",
         "2",
+        "--min-time",
+        "0",
         "--warmup",
         "1",
         "--dtype",
@@ -525,7 +592,7 @@ def test_bench_ray_scheme_and_ray_put_on_ray_actors(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = _bench_subprocess(
         *("--scheme", "ray", "--compare", "ray-put", "--size", "1", "--workers", "2"),
-        *("--repeats", "3", "--warmup", "1", "--json", str(out), "--wide"),
+        *("--repeats", "3", "--min-time", "0", "--warmup", "1", "--json", str(out), "--wide"),
     )
     # Exit 0: every send of both cases passed verification.
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -591,7 +658,20 @@ def test_bench_compares_torchrls_schemes(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = _bench_subprocess(
         *("--compare", "torchrl-mp", "torchrl-shared", "torchrl-ray", "--scheme", "ray"),
-        *("--size", "1", "--workers", "2", "--repeats", "2", "--warmup", "1", "--json", str(out)),
+        *(
+            "--size",
+            "1",
+            "--workers",
+            "2",
+            "--repeats",
+            "2",
+            "--min-time",
+            "0",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+        ),
     )
     # Exit 0: every send of every case passed verification.
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -686,7 +766,18 @@ def test_bench_device_options_are_checked(capsys: pytest.CaptureFixture[str]) ->
 
 def test_bench_on_cpu_devices_runs_as_by_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
-    args = ["--scheme", "multiprocess", "--size", "0.25", "--workers", "1", "--repeats", "2"]
+    args = [
+        "--scheme",
+        "multiprocess",
+        "--size",
+        "0.25",
+        "--workers",
+        "1",
+        "--repeats",
+        "2",
+        "--min-time",
+        "0",
+    ]
     devices = ["--trainer-device", "cpu", "--worker-device", "cpu"]
     code = main(["bench", *args, *devices, "--compare", "bare-shm", "cuda-ipc", "--json", str(out)])
     printed = capsys.readouterr()
@@ -722,7 +813,7 @@ def test_bench_compares_torchrls_process_schemes_on_cuda_placements(
     proc = _bench_subprocess(
         *("--scheme", "multiprocess", "--compare", "torchrl-mp", "torchrl-shared"),
         *("--trainer-device", trainer, "--worker-device", worker, "--size", "1", "--workers", "2"),
-        *("--repeats", "2", "--warmup", "1", "--json", str(out)),
+        *("--repeats", "2", "--min-time", "0", "--warmup", "1", "--json", str(out)),
     )
     # Exit 0: every send verified bit-exactly on every worker, each worker's
     # model still on the worker device after torchrl's connect().
@@ -752,7 +843,19 @@ def test_bench_on_cuda_placements(
     trainer: str, worker: str, floor: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "bench.json"
-    args = ["--scheme", "multiprocess", "shared", "--size", "1", "--workers", "2", "--repeats", "2"]
+    args = [
+        "--scheme",
+        "multiprocess",
+        "shared",
+        "--size",
+        "1",
+        "--workers",
+        "2",
+        "--repeats",
+        "2",
+        "--min-time",
+        "0",
+    ]
     compare = ["--compare", "bare-shm", "torch-mp", "cuda-ipc", "pinned-shm"]
     devices = ["--trainer-device", trainer, "--worker-device", worker]
     code = main(["bench", *args, *compare, *devices, "--json", str(out)])

@@ -33,6 +33,7 @@ from ._types import (
     ALTERNATIVES,
     DTYPES,
     LOCAL_SCHEMES,
+    MAX_ROUNDS_FACTOR,
     MEMORY_METHOD,
     SCHEMES,
     BenchConfig,
@@ -177,6 +178,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--warmup", type=int, default=_DEFAULTS.warmup, help="untimed sends first (default: %(default)s)"
+    )
+    bench.add_argument(
+        "--min-time",
+        type=float,
+        default=0.25,
+        metavar="SECONDS",
+        help="a case goes on sending past --repeats until its timed sends took this long in all, "
+        f"up to {MAX_ROUNDS_FACTOR}x --repeats sends, so that a small case's median stands on enough "
+        "sends (default: %(default)s; 0: exactly --repeats)",
     )
     bench.add_argument(
         "--timeout",
@@ -653,6 +663,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             verify=(False, True) if args.verify else (False,),
             repeats=args.repeats,
             warmup=args.warmup,
+            min_seconds=args.min_time,
             timeout=args.timeout,
             worker_threads=args.worker_threads or None,
             trainer_device=args.trainer_device,
@@ -667,8 +678,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _say(
         describe_machine(machine_facts()),
         *([describe_devices(*config.devices, cuda_facts(config.devices))] if cuda else []),
-        f"{tensors}{config.dtype} tensors; {config.repeats} timed sends per case after {config.warmup} "
-        "untimed; copy: private = own copy per worker, shared = one shared buffer (compare like with like)",
+        f"{tensors}{config.dtype} tensors; {_sends_per_case(config)} after {config.warmup} untimed; "
+        "copy: private = own copy per worker, shared = one shared buffer (compare like with like)",
     )
     shown = columns_for(
         any(p < 1.0 for p in config.partials),
@@ -732,6 +743,16 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 1
         print(f"plot: {args.plot}")
     return 0
+
+
+def _sends_per_case(config: BenchConfig) -> str:
+    """How many timed sends a case makes, in words."""
+    if not config.min_seconds:
+        return f"{config.repeats} timed sends per case"
+    return (
+        f"{config.repeats} timed sends per case or more, until they took {config.min_seconds:g} s "
+        f"(at most {MAX_ROUNDS_FACTOR * config.repeats})"
+    )
 
 
 def _say(*paragraphs: str) -> None:

@@ -411,7 +411,7 @@ def _run_tight(
     staging = _BareShm(named, shapes, case.dtype, None)
     pairs = staging.pairs
     tensors = list(named.values())
-    rounds = config.warmup + config.repeats
+    rounds = 0
     ended = False
     try:
         every_round = not config.check_once
@@ -420,7 +420,8 @@ def _run_tight(
             _bound_reads(fd, config.timeout)
         clock = time.perf_counter
         with torch.no_grad():
-            for step in range(rounds):
+            for step in config.rounds(result.send_s):
+                rounds = step + 1
                 change_model(tensors, step)
                 cpu = time.thread_time()
                 start = clock()
@@ -456,7 +457,7 @@ def _run_tight(
                     with suppress(OSError):
                         os.write(fd, _END)
         finally:
-            result.worker_cpu_s = timed_worker_cpu(pool.end_case(index), config.repeats)
+            result.worker_cpu_s = timed_worker_cpu(pool.end_case(index), len(result.send_s))
 
 
 def _run_on_actors(

@@ -182,7 +182,7 @@ def timed_rounds(
     each, outside the timing (after ``before_verify(version)``, if given)."""
     names = list(named)
     tensors = list(named.values())
-    for step in range(config.warmup + config.repeats):
+    for step in config.rounds(result.send_s):
         change_model(tensors, step)
         version = step + 1
         start = time.perf_counter()
@@ -201,7 +201,7 @@ def timed_worker_cpu(per_worker: Sequence[Sequence[float]], repeats: int) -> lis
     """The CPU seconds of the timed sends' updates, every worker's together:
     each worker's last ``repeats`` (one update per send: the ones before are
     the warm-up's and the first weights')."""
-    return [cpu for cpus in per_worker for cpu in cpus[-repeats:]]
+    return [cpu for cpus in per_worker for cpu in cpus[max(len(cpus) - repeats, 0) :]] if repeats > 0 else []
 
 
 # -- worker processes -----------------------------------------------------------

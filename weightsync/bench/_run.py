@@ -194,7 +194,7 @@ def _run_scheme(
             report = sender.send()  # a partial update goes to workers that hold the whole model
             pool.verify(report.version, names, tensor_checksums(named))
         on_ray = pool_of(case.scheme) == "ray"
-        for step in range(config.warmup + config.repeats):
+        for step in config.rounds(result.send_s):
             change_model(tensors, step)
             staged = None
             cpu = time.thread_time()
@@ -230,7 +230,7 @@ def _run_scheme(
         try:
             scheme.shutdown()
         finally:
-            result.worker_cpu_s = timed_worker_cpu(pool.end_case(index), config.repeats)
+            result.worker_cpu_s = timed_worker_cpu(pool.end_case(index), len(result.send_s))
 
 
 def _put_seconds(tensors: list[Any]) -> float:

@@ -17,7 +17,7 @@ import math
 import platform
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ __all__ = [
     "ALTERNATIVES",
     "DTYPES",
     "LOCAL_SCHEMES",
+    "MAX_ROUNDS_FACTOR",
     "MEMORY_METHOD",
     "MIB",
     "MODEL_ID",
@@ -504,10 +505,16 @@ class Case:
         return None if self.worker_device == "cpu" else self.worker_device
 
 
+#: A case's timed sends past ``repeats`` (``min_seconds``) stop at this many times ``repeats``.
+MAX_ROUNDS_FACTOR = 10
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """What to run: every combination of schemes, sizes, worker counts and
-    tensor counts, each with ``warmup`` untimed and ``repeats`` timed sends.
+    tensor counts, each with ``warmup`` untimed and ``repeats`` timed sends,
+    and more timed sends (up to ``MAX_ROUNDS_FACTOR`` times ``repeats``)
+    while those took less than ``min_seconds`` in all (:meth:`rounds`).
 
     ``timeout`` is each send's deadline (and how long to wait for a worker);
     ``worker_threads`` is torch's thread count in the workers (None: torch's
@@ -529,6 +536,10 @@ class BenchConfig:
     tensors: tuple[int, ...] = (8,)
     repeats: int = 8
     warmup: int = 1
+    # Timed sends go on past ``repeats`` until they took this long in all
+    # (0: exactly ``repeats``): a small case's median then stands on enough
+    # sends that one run's scheduling does not decide it.
+    min_seconds: float = 0.0
     timeout: float = 60.0
     worker_threads: int | None = 1
     dtype: str = "float32"
@@ -570,6 +581,7 @@ class BenchConfig:
             ),
             (self.repeats >= 1, "repeats must be at least 1"),
             (self.warmup >= 0, "warmup must not be negative"),
+            (self.min_seconds >= 0, "min_seconds must not be negative"),
             (self.timeout > 0, "timeout must be positive"),
             (self.worker_threads is None or self.worker_threads >= 1, "worker threads must be at least 1"),
         ]
@@ -584,6 +596,16 @@ class BenchConfig:
             raise ValueError(
                 "every list of schemes (or alternatives), sizes, workers and tensors needs a value"
             )
+
+    def rounds(self, timed: list[float]) -> Iterator[int]:
+        """The steps of one case, from 0: ``warmup`` untimed, then timed
+        ones, whose seconds the caller appends to ``timed`` as each ends:
+        ``repeats`` of them, then more while ``timed`` sums to less than
+        ``min_seconds``, up to ``MAX_ROUNDS_FACTOR * repeats`` in all."""
+        step, most = 0, self.warmup + MAX_ROUNDS_FACTOR * self.repeats
+        while step < self.warmup + self.repeats or (step < most and sum(timed) < self.min_seconds):
+            yield step
+            step += 1
 
     @property
     def devices(self) -> tuple[str, str]:
