@@ -751,7 +751,7 @@ def _sends_per_case(config: BenchConfig) -> str:
         return f"{config.repeats} timed sends per case"
     return (
         f"{config.repeats} timed sends per case or more, until they took {config.min_seconds:g} s "
-        f"(at most {MAX_ROUNDS_FACTOR * config.repeats})"
+        f"(at most {MAX_ROUNDS_FACTOR * config.repeats}),"
     )
 
 
