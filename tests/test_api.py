@@ -358,17 +358,21 @@ def test_a_copy_plan_notices_a_destination_that_moved() -> None:
     assert not plan.still_valid()
 
 
+@pytest.mark.parametrize("large", [False, True])
 @pytest.mark.parametrize("threads", [1, 4])
-def test_a_copy_plan_copies_every_byte_of_small_and_large_spans(threads: int) -> None:
-    # Small spans are copied through byte views, large ones by memmove, and
-    # over several threads past PARALLEL_COPY_BYTES: each byte lands once,
-    # as often as the plan runs.
+def test_a_copy_plan_copies_every_byte_of_small_and_large_spans(threads: int, large: bool) -> None:
+    # In a plan of at most PARALLEL_COPY_BYTES, small spans are copied
+    # through byte views and large ones by memmove; a larger plan copies
+    # every span by memmove, over several threads where it may: each byte
+    # lands once, as often as the plan runs.
     from weightsync._copy import PARALLEL_COPY_BYTES, CopyPlan
 
-    sizes = [1, 7, (64 << 10) // 4, (64 << 10) // 4 + 1, 3 * PARALLEL_COPY_BYTES // 4]
+    sizes = [1, 7, (64 << 10) // 4, (64 << 10) // 4 + 1, 3 * PARALLEL_COPY_BYTES // (4 if large else 16)]
     src = [torch.randn(n) for n in sizes] + [torch.arange(5, dtype=torch.int16)]
     dst = [torch.zeros_like(t) for t in src]
     plan = CopyPlan(dst, src)
+    assert (plan.total <= PARALLEL_COPY_BYTES) is not large
+    assert bool(plan._views) is not large  # (the path this case is for)
     for _ in range(2):
         plan.run(threads)
         assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))

@@ -57,11 +57,12 @@ def _memmove_spans(spans: list[Span]) -> None:
         ctypes.memmove(dst, src, size)
 
 
-# A span up to this size is copied by a memoryview slice assignment: a
-# tenth of ``ctypes.memmove``'s cost per call (its arguments converted on
-# each call, about 0.5 us), which is most of a small tensor's copy. Such a
-# copy holds the GIL, for a few microseconds at most at this size; larger
-# spans go through ``memmove``, which lets go of it.
+# In a plan of at most PARALLEL_COPY_BYTES, a span up to this size is
+# copied by a memoryview slice assignment: a tenth of ``ctypes.memmove``'s
+# cost per call (its arguments converted on each call, about 0.5 us), which
+# is most of a small tensor's copy. Such a copy holds the GIL: a few us per
+# span, a few hundred us for a whole plan at most. Larger spans, and every
+# span of a larger plan, go through ``memmove``, which lets go of it.
 _VIEW_SPAN = 64 << 10
 
 
@@ -209,8 +210,9 @@ class CopyPlan:
                 self.slow_dst.append(dst)
                 self.slow_src.append(src)
         # Run on one thread: the small spans through byte views, the others by memmove.
-        self._views = [_byte_views(span) for span in self.spans if span[2] <= _VIEW_SPAN]
-        self._moves = [span for span in self.spans if span[2] > _VIEW_SPAN]
+        viewed = self.total <= PARALLEL_COPY_BYTES
+        self._views = [_byte_views(span) for span in self.spans if viewed and span[2] <= _VIEW_SPAN]
+        self._moves = [span for span in self.spans if not viewed or span[2] > _VIEW_SPAN]
         # The plan holds raw addresses: keep the tensors alive with it, and
         # remember where the destinations' data was.
         self._keep = (list(destinations), list(sources))
