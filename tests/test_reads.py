@@ -204,3 +204,16 @@ def test_a_torchscript_module_is_read_through_its_state_dict() -> None:
         scripted[0].weight.data = torch.zeros(3, 3)
     again = reads.read(scripted)
     assert again is not first and _same(again, scripted)
+
+
+def test_a_state_dict_hook_runs_once_per_read() -> None:
+    # A module with a hook is read through its state dict each send: once,
+    # a full read after a change included.
+    model = _mlp()
+    calls: list[int] = []
+    model[0]._register_state_dict_hook(lambda *args: calls.append(1))
+    reads = ModuleReads()
+    first = reads.read(model)
+    assert reads.read(model) is first and len(calls) == 2
+    model[0].weight.data = torch.zeros(4, 4)
+    assert reads.read(model) is not first and len(calls) == 3

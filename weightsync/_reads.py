@@ -45,11 +45,11 @@ def _plain(module: nn.Module) -> bool:
     return (
         # (A TorchScript module keeps its tensors in C++, behind other mappings.)
         all(type(own.get(name)) in (dict, OrderedDict) for name in ("_parameters", "_buffers", "_modules"))
-        and not module._state_dict_hooks
-        and not module._state_dict_pre_hooks
+        and not own.get("_state_dict_hooks")
+        and not own.get("_state_dict_pre_hooks")
         and (cls.state_dict, cls._save_to_state_dict, cls.get_extra_state) == _MODULE_METHODS
-        and "state_dict" not in module.__dict__
-        and "_save_to_state_dict" not in module.__dict__
+        and "state_dict" not in own
+        and "_save_to_state_dict" not in own
     )
 
 
@@ -174,7 +174,7 @@ class ModuleReads:
         source = resolve_source(source, context, model_id)
         if not isinstance(source, nn.Module):
             return flat_weights(source, model_id=model_id)
-        last = self._last
+        last, live = self._last, None
         if last is not None and last[0] is source:
             nodes = last[1]
             if nodes is not None:
@@ -186,7 +186,8 @@ class ModuleReads:
                 if list(live) == last[2] and _whereabouts(list(live.values()), self._complex) == last[3]:
                     return last[4]
         self._last = None
-        live = source.state_dict(keep_vars=True)
+        if live is None:  # (taken once a read: its hooks run once)
+            live = source.state_dict(keep_vars=True)
         out = checked_read(live, model_id)
         refuse_sharded(out, model_id, side="the trainer's", flat=True)
         self._complex = any(t.is_complex() for t in out.values())
