@@ -28,20 +28,8 @@ def test_bench_prints_table_and_writes_json(
     # The results go where --json says.
     monkeypatch.chdir(tmp_path)
     shm_before = shm_entries()
-    args = [
-        "--scheme",
-        "multiprocess",
-        "--size",
-        "0.25",
-        "--workers",
-        "1",
-        "2",
-        "--repeats",
-        "3",
-        "--min-time",
-        "0",
-    ]
-    args += ["--json", "results.json"]
+    args = ["--scheme", "multiprocess", "--size", "0.25", "--workers", "1", "2", "--repeats", "3"]
+    args += ["--min-time", "0", "--json", "results.json"]
     code = main(["bench", *args, "--warmup", "1"])
     printed = capsys.readouterr()
     assert code == 0, printed.err
@@ -175,18 +163,8 @@ def test_bench_without_options_runs_ray_where_installed() -> None:
 def test_bench_partial_and_verified_sends(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     args = ["--size", "0.25", "--workers", "2", "--tensors", "20", "--partial", "0.1", "1", "--verify"]
-    args += [
-        "--scheme",
-        "multiprocess",
-        "--repeats",
-        "2",
-        "--min-time",
-        "0",
-        "--warmup",
-        "0",
-        "--json",
-        str(out),
-    ]
+    args += ["--scheme", "multiprocess", "--repeats", "2", "--warmup", "0", "--json", str(out)]
+    args += ["--min-time", "0"]
     code = main(["bench", *args])
     printed = capsys.readouterr()
     assert code == 0, printed.err
@@ -245,27 +223,10 @@ def test_rows_of_one_size_and_worker_count_share_one_floor(
 def test_bench_fails_when_a_worker_holds_other_weights() -> None:
     # Through ``python -m weightsync`` too: the hidden hook makes worker 0
     # change its model after applying, so the first verification must fail.
+    argv = [sys.executable, "-m", "weightsync", "bench", "--scheme", "multiprocess", "--size", "0.25"]
+    argv += ["--workers", "1", "--repeats", "2", "--min-time", "0", "--warmup", "0", "--corrupt-worker", "0"]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "weightsync",
-            "bench",
-            "--scheme",
-            "multiprocess",
-            "--size",
-            "0.25",
-            "--workers",
-            "1",
-            "--repeats",
-            "2",
-            "--min-time",
-            "0",
-            "--warmup",
-            "0",
-            "--corrupt-worker",
-            "0",
-        ],
+        argv,
         capture_output=True,
         text=True,
         timeout=90,
@@ -659,20 +620,8 @@ def test_bench_compares_torchrls_schemes(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = _bench_subprocess(
         *("--compare", "torchrl-mp", "torchrl-shared", "torchrl-ray", "--scheme", "ray"),
-        *(
-            "--size",
-            "1",
-            "--workers",
-            "2",
-            "--repeats",
-            "2",
-            "--min-time",
-            "0",
-            "--warmup",
-            "1",
-            "--json",
-            str(out),
-        ),
+        *("--size", "1", "--workers", "2", "--repeats", "2", "--warmup", "1", "--json", str(out)),
+        *("--min-time", "0"),
     )
     # Exit 0: every send of every case passed verification.
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -767,18 +716,8 @@ def test_bench_device_options_are_checked(capsys: pytest.CaptureFixture[str]) ->
 
 def test_bench_on_cpu_devices_runs_as_by_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
-    args = [
-        "--scheme",
-        "multiprocess",
-        "--size",
-        "0.25",
-        "--workers",
-        "1",
-        "--repeats",
-        "2",
-        "--min-time",
-        "0",
-    ]
+    args = ["--scheme", "multiprocess", "--size", "0.25", "--workers", "1"]
+    args += ["--repeats", "2", "--min-time", "0"]
     devices = ["--trainer-device", "cpu", "--worker-device", "cpu"]
     code = main(["bench", *args, *devices, "--compare", "bare-shm", "cuda-ipc", "--json", str(out)])
     printed = capsys.readouterr()
@@ -844,19 +783,8 @@ def test_bench_on_cuda_placements(
     trainer: str, worker: str, floor: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "bench.json"
-    args = [
-        "--scheme",
-        "multiprocess",
-        "shared",
-        "--size",
-        "1",
-        "--workers",
-        "2",
-        "--repeats",
-        "2",
-        "--min-time",
-        "0",
-    ]
+    args = ["--scheme", "multiprocess", "shared", "--size", "1", "--workers", "2", "--repeats", "2"]
+    args += ["--min-time", "0"]
     compare = ["--compare", "bare-shm", "torch-mp", "cuda-ipc", "pinned-shm"]
     devices = ["--trainer-device", trainer, "--worker-device", worker]
     code = main(["bench", *args, *compare, *devices, "--json", str(out)])
