@@ -15,7 +15,7 @@ read found them, that read is handed back.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -30,11 +30,31 @@ __all__ = ["ModuleReads"]
 # follow from these alone (see _plain).
 _Node = tuple[nn.Module, type, tuple[str, ...], tuple[str, ...], frozenset[str], tuple[tuple[str, Any], ...]]
 
-# A module's last full read: the module, its tree (None where it is not
-# plain), its names, the whereabouts of what was compared, the read.
-_Read = tuple[nn.Module, list[_Node] | None, list[str], list[tuple[Any, ...] | None], dict[str, torch.Tensor]]
+
+class _Read(NamedTuple):
+    """A module's last full read."""
+
+    module: nn.Module
+    nodes: list[_Node] | None  # its tree; None where it is not plain (read through its state dict)
+    names: list[str]
+    where: list[tuple[Any, ...] | None]  # the whereabouts of what a warm read compares
+    read: dict[str, torch.Tensor]
+
 
 _MODULE_METHODS = (nn.Module.state_dict, nn.Module._save_to_state_dict, nn.Module.get_extra_state)
+
+
+def _customised(own: dict[str, Any]) -> bool:
+    """Whether a module, by its own ``__dict__``, changes what its state
+    dict holds on the instance: a state-dict hook, or ``state_dict`` or
+    ``_save_to_state_dict`` set on it (asked at every warm read too: a hook
+    may come at any time)."""
+    return bool(
+        own.get("_state_dict_hooks")
+        or own.get("_state_dict_pre_hooks")
+        or "state_dict" in own
+        or "_save_to_state_dict" in own
+    )
 
 
 def _plain(module: nn.Module) -> bool:
@@ -45,11 +65,8 @@ def _plain(module: nn.Module) -> bool:
     return (
         # (A TorchScript module keeps its tensors in C++, behind other mappings.)
         all(type(own.get(name)) in (dict, OrderedDict) for name in ("_parameters", "_buffers", "_modules"))
-        and not own.get("_state_dict_hooks")
-        and not own.get("_state_dict_pre_hooks")
         and (cls.state_dict, cls._save_to_state_dict, cls.get_extra_state) == _MODULE_METHODS
-        and "state_dict" not in own
-        and "_save_to_state_dict" not in own
+        and not _customised(own)
     )
 
 
@@ -90,10 +107,7 @@ def _values(nodes: list[_Node]) -> list[Any] | None:
             held, bufs = own["_parameters"], own["_buffers"]
             if (
                 type(module) is not cls
-                or own.get("_state_dict_hooks")
-                or own.get("_state_dict_pre_hooks")
-                or "state_dict" in own
-                or "_save_to_state_dict" in own
+                or _customised(own)
                 or tuple(held) != params
                 or tuple(bufs) != buffers
                 or own["_non_persistent_buffers_set"] != hidden
@@ -161,7 +175,7 @@ class ModuleReads:
         whose tensors it aliases): what the caller derives from it is worth
         keeping too. Any other read is the caller's own tensors, which
         nothing should hold past the send."""
-        return self._last is not None and self._last[4] is read
+        return self._last is not None and self._last.read is read
 
     def read(
         self, source: Any, *, context: Any = None, model_id: str | None = None
@@ -175,16 +189,17 @@ class ModuleReads:
         if not isinstance(source, nn.Module):
             return flat_weights(source, model_id=model_id)
         last, live = self._last, None
-        if last is not None and last[0] is source:
-            nodes = last[1]
+        if last is not None and last.module is source:
+            nodes = last.nodes
             if nodes is not None:
                 values = _values(nodes)
-                if values is not None and _whereabouts(values, self._complex) == last[3]:
-                    return last[4]
+                if values is not None and _whereabouts(values, self._complex) == last.where:
+                    return last.read
             else:
                 live = source.state_dict(keep_vars=True)
-                if list(live) == last[2] and _whereabouts(list(live.values()), self._complex) == last[3]:
-                    return last[4]
+                same = list(live) == last.names
+                if same and _whereabouts(list(live.values()), self._complex) == last.where:
+                    return last.read
         self._last = None
         if live is None:  # (taken once a read: its hooks run once)
             live = source.state_dict(keep_vars=True)
@@ -200,5 +215,5 @@ class ModuleReads:
             nodes = None
         where = _whereabouts(compared, self._complex)
         if where is not None:
-            self._last = (source, nodes, list(live), where, out)
+            self._last = _Read(source, nodes, list(live), where, out)
         return out
