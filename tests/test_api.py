@@ -346,7 +346,7 @@ def test_manifest_is_aligned_sorted_and_stable() -> None:
         assert view.shape == source.shape and view.dtype == source.dtype
 
 
-def test_a_copy_plan_notices_a_destination_that_moved() -> None:
+def test_a_copy_plan_notices_a_destination_that_moved_or_was_restrided() -> None:
     from weightsync._copy import CopyPlan
 
     dst, src = torch.zeros(4), torch.arange(4.0)
@@ -355,6 +355,11 @@ def test_a_copy_plan_notices_a_destination_that_moved() -> None:
     plan.run()
     assert torch.equal(param.detach(), src) and plan.still_valid()
     param.data = torch.zeros(4)  # the user swapped the storage under the plan
+    assert not plan.still_valid()
+    square = nn.Parameter(torch.zeros(3, 3))
+    plan = CopyPlan([square], [torch.arange(9.0).view(3, 3)])
+    assert plan.still_valid()
+    square.data = square.data.t()  # the same bytes, read in another order
     assert not plan.still_valid()
 
 

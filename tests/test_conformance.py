@@ -307,6 +307,12 @@ def test_a_worker_that_repoints_its_parameters_still_gets_exact_updates(make_clu
     c.bump()
     c.sender.send()
     c.assert_has(0, c.expected())
+    # Same address, shape and dtype, the elements in another order (strides):
+    # the update must land in that order, not as the bytes lay before.
+    assert c.command(0, "restride") == "ok"
+    c.bump()
+    c.sender.send()
+    c.assert_has(0, c.expected())
     assert c.command(0, "reshape") == "ok"
     c.bump()
     with pytest.raises(ws.WorkerApplyError, match="layout"):

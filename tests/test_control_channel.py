@@ -389,6 +389,14 @@ def test_the_channel_reads_frames_split_or_together() -> None:
         assert channel.poll() is None
         theirs.send(("ack", 3, None))  # a plain Connection frames the same way
         assert channel.poll() == ("ack", 3, None)
+        # Every message that came, at once: one frame, several, part of one.
+        assert channel.poll_all() == []
+        os.write(fd, frame(("ack", 4, None)))
+        assert channel.poll_all() == [("ack", 4, None)]
+        os.write(fd, frame(("ack", 5, None)) + frame(("ack", 6, None)) + big[:10])
+        assert channel.poll_all() == [("ack", 5, None), ("ack", 6, None)]
+        os.write(fd, big[10:])
+        assert channel.poll_all() == [("hello", "x" * 100_000)]
         theirs.close()
         with pytest.raises(RuntimeError, match="closed"):
             channel.poll()

@@ -176,6 +176,11 @@ def split_evenly(sizes: Sequence[int], parts: int) -> list[tuple[int, int]]:
     return runs
 
 
+def _whereabouts(tensors: list[torch.Tensor]) -> list[tuple[int, tuple[int, ...]]]:
+    """Where each tensor's data is, and its strides."""
+    return [(t.data_ptr(), t.stride()) for t in tensors]
+
+
 def check_same_layout(dst: torch.Tensor, src: torch.Tensor) -> None:
     """:raises ValueError: the two differ in shape or dtype. Raw copies
     trust sizes: never make one between tensors that differ."""
@@ -213,19 +218,22 @@ class CopyPlan:
         viewed = self.total <= PARALLEL_COPY_BYTES
         self._views = [_byte_views(span) for span in self.spans if viewed and span[2] <= _VIEW_SPAN]
         self._moves = [span for span in self.spans if not viewed or span[2] > _VIEW_SPAN]
-        # The plan holds raw addresses: keep the tensors alive with it, and
-        # remember where the destinations' data was.
+        # The plan holds raw addresses, and byte copies for the tensors that
+        # were contiguous: keep the tensors alive with it, and remember where
+        # each one's data was and in what order its elements lay.
         self._keep = (list(destinations), list(sources))
-        self._where = [t.data_ptr() for t in self._keep[0]]
-        self._from = [t.data_ptr() for t in self._keep[1]]
+        self._where = _whereabouts(self._keep[0])
+        self._from = _whereabouts(self._keep[1])
 
     def still_valid(self, *, sources: bool = False) -> bool:
         """False if a destination's data (with ``sources``, also a source's)
-        moved since the plan was made (e.g. ``param.data = other``): the
-        plan must then be made again."""
-        if [t.data_ptr() for t in self._keep[0]] != self._where:
+        moved or was laid out otherwise since the plan was made (e.g.
+        ``param.data = other``, or the same bytes viewed with other
+        strides): the plan must then be made again. (Shapes and dtypes are
+        the callers' to check: a plan is made for one layout.)"""
+        if _whereabouts(self._keep[0]) != self._where:
             return False
-        return not sources or [t.data_ptr() for t in self._keep[1]] == self._from
+        return not sources or _whereabouts(self._keep[1]) == self._from
 
     def run(self, threads: int = 1) -> None:
         """Copy every byte; blocks until done, and an interruption

@@ -391,7 +391,7 @@ class SendMachine:
     # -- the driver's side ------------------------------------------------------
     def start(self) -> Action:
         """The first action (raises as :meth:`feed`)."""
-        return self._next(None)
+        return self.feed(None)
 
     def feed(self, result: Any) -> Action:
         """The result of the last action; the next one.
@@ -399,9 +399,6 @@ class SendMachine:
         :raises: the send's errors (see ``AsyncWeightSender.send``); the
             machine is then over.
         """
-        return self._next(result)
-
-    def _next(self, result: Any) -> Action:
         try:
             return self._steps.send(result)
         except StopIteration as stop:

@@ -221,6 +221,10 @@ def worker_main(
                 if cmd == "repoint":  # new storage, same shape: updates must follow it
                     model.out.weight.data = torch.zeros_like(model.out.weight)
                     ptrs["out.weight"] = model.out.weight.data_ptr()
+                elif cmd == "restride":  # the same bytes read in another order: updates must follow it
+                    rows, cols = model.out.weight.shape
+                    with torch.no_grad():
+                        model.out.weight.data = model.out.weight.data.as_strided((rows, cols), (1, rows))
                 elif cmd == "reshape":  # new storage of another shape: updates must be refused
                     model.out.weight.data = torch.zeros(5, 16)
                     ptrs["out.weight"] = model.out.weight.data_ptr()
@@ -356,6 +360,12 @@ class RayWorker:
     def repoint(self) -> str:
         self.model.out.weight.data = torch.zeros_like(self.model.out.weight)
         self.ptrs["out.weight"] = self.model.out.weight.data_ptr()
+        return "ok"
+
+    def restride(self) -> str:
+        rows, cols = self.model.out.weight.shape
+        with torch.no_grad():
+            self.model.out.weight.data = self.model.out.weight.data.as_strided((rows, cols), (1, rows))
         return "ok"
 
     def reshape(self) -> str:

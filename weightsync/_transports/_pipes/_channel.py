@@ -262,8 +262,33 @@ class PipeChannel:
         self._pending += got
         return True
 
+    def _whole_read(self) -> tuple[Any, ...] | bool:
+        """With nothing buffered, one read of the socket: the message it
+        held if it was exactly one frame (the usual case: an ack, a
+        notice), taken as it came, past the buffer; else whether it held
+        anything (the bytes then wait in the buffer)."""
+        assert self._sock is not None and not self._pending
+        self._readable_seen = False
+        try:
+            got = self._sock.recv(_READ_SIZE, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except (OSError, ValueError) as exc:
+            raise self._closed(exc) from exc
+        if not got:
+            raise self._closed(EOFError(""))
+        if len(got) > 4 and _LENGTH.unpack_from(got)[0] == len(got) - 4:
+            return self._decode(memoryview(got)[4:])
+        self._pending += got
+        return True
+
     def poll(self) -> tuple[Any, ...] | None:
         """The next message if one is ready, without waiting."""
+        if self._sock is not None and not self._pending:
+            whole = self._whole_read()
+            if whole is not True:
+                return whole or None
+            return None if (data := self._frame()) is None else self._decode(data)
         data = self._frame()
         if data is None:
             if not self._read_some():
@@ -276,13 +301,18 @@ class PipeChannel:
     def poll_all(self) -> list[tuple[Any, ...]]:
         """Every message the pipe holds now, in order, without waiting (one
         read, where the pipe is readable)."""
-        self._read_some()
+        if self._sock is not None and not self._pending:
+            whole = self._whole_read()
+            if whole is not True:
+                return [whole] if whole else []
+        else:
+            self._read_some()
         messages = []
         while (data := self._frame()) is not None:
             messages.append(self._decode(data))
         return messages
 
-    def _decode(self, data: bytes) -> tuple[Any, ...]:
+    def _decode(self, data: bytes | memoryview) -> tuple[Any, ...]:
         try:
             # Trusted: the pipe the user set up between their own processes
             # (unpickling runs code; see docs/usage.md on what the channel trusts).
