@@ -361,6 +361,15 @@ def test_a_copy_plan_notices_a_destination_that_moved_or_was_restrided() -> None
     assert plan.still_valid()
     square.data = square.data.t()  # the same bytes, read in another order
     assert not plan.still_valid()
+    wave = torch.zeros(3, dtype=torch.complex64)
+    plan = CopyPlan([wave], [torch.ones(3, dtype=torch.complex64)])
+    assert plan.still_valid(sources=True)
+    wave.data = wave.data.conj()  # the same bytes, read as their conjugate
+    assert not plan.still_valid()
+    source = torch.arange(4.0).view(2, 2)
+    plan = CopyPlan([torch.zeros(2, 2)], [source])
+    source.data = source.data.t()
+    assert plan.still_valid() and not plan.still_valid(sources=True)
 
 
 @pytest.mark.parametrize("large", [False, True])

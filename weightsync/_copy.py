@@ -176,9 +176,10 @@ def split_evenly(sizes: Sequence[int], parts: int) -> list[tuple[int, int]]:
     return runs
 
 
-def _whereabouts(tensors: list[torch.Tensor]) -> list[tuple[int, tuple[int, ...]]]:
-    """Where each tensor's data is, and its strides."""
-    return [(t.data_ptr(), t.stride()) for t in tensors]
+# (Unbound: mapped over a plan's tensors, one C call each, no Python frame.)
+_data_ptr = torch.Tensor.data_ptr
+_is_contiguous = torch.Tensor.is_contiguous
+_is_conj = torch.Tensor.is_conj
 
 
 def check_same_layout(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -186,6 +187,31 @@ def check_same_layout(dst: torch.Tensor, src: torch.Tensor) -> None:
     trust sizes: never make one between tensors that differ."""
     if dst.shape != src.shape or dst.dtype != src.dtype:
         raise ValueError(f"cannot copy {src.dtype}{tuple(src.shape)} into {dst.dtype}{tuple(dst.shape)}")
+
+
+class _Side:
+    """One side of a copy plan: its tensors, kept alive with the plan (it
+    holds raw addresses), and what the plan relies on about them."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], byte_copied: list[torch.Tensor]) -> None:
+        self.tensors = list(tensors)
+        self._where = list(map(_data_ptr, self.tensors))
+        # Those copied byte for byte must stay plain: the same bytes viewed
+        # with other strides (or, complex, as their conjugate) at the same
+        # address would read them otherwise. (Only a complex tensor can
+        # turn conjugate with its dtype unchanged.)
+        self._plain = byte_copied
+        self._complex = [t for t in byte_copied if t.is_complex()]
+
+    def unchanged(self) -> bool:
+        """Whether every tensor's data is where it was, and those copied
+        byte for byte are plain still. (Shapes and dtypes are the callers'
+        to check: a plan is made for one layout.)"""
+        return (
+            list(map(_data_ptr, self.tensors)) == self._where
+            and all(map(_is_contiguous, self._plain))
+            and not any(map(_is_conj, self._complex))
+        )
 
 
 class CopyPlan:
@@ -202,9 +228,13 @@ class CopyPlan:
         self.total = 0
         self.slow_dst: list[torch.Tensor] = []
         self.slow_src: list[torch.Tensor] = []
+        plain_dst: list[torch.Tensor] = []
+        plain_src: list[torch.Tensor] = []
         for dst, src in zip(destinations, sources, strict=True):
             check_same_layout(dst, src)
             if plain(dst) and plain(src):
+                plain_dst.append(dst)
+                plain_src.append(src)
                 size = dst.numel() * dst.element_size()
                 # (A pair over the same bytes holds them already: a sender
                 # group's rank 0 sends from the buffer its ranks wrote.)
@@ -218,22 +248,14 @@ class CopyPlan:
         viewed = self.total <= PARALLEL_COPY_BYTES
         self._views = [_byte_views(span) for span in self.spans if viewed and span[2] <= _VIEW_SPAN]
         self._moves = [span for span in self.spans if not viewed or span[2] > _VIEW_SPAN]
-        # The plan holds raw addresses, and byte copies for the tensors that
-        # were contiguous: keep the tensors alive with it, and remember where
-        # each one's data was and in what order its elements lay.
-        self._keep = (list(destinations), list(sources))
-        self._where = _whereabouts(self._keep[0])
-        self._from = _whereabouts(self._keep[1])
+        self._sides = (_Side(destinations, plain_dst), _Side(sources, plain_src))
 
     def still_valid(self, *, sources: bool = False) -> bool:
         """False if a destination's data (with ``sources``, also a source's)
-        moved or was laid out otherwise since the plan was made (e.g.
-        ``param.data = other``, or the same bytes viewed with other
-        strides): the plan must then be made again. (Shapes and dtypes are
-        the callers' to check: a plan is made for one layout.)"""
-        if _whereabouts(self._keep[0]) != self._where:
-            return False
-        return not sources or _whereabouts(self._keep[1]) == self._from
+        moved since the plan was made (e.g. ``param.data = other``), or one
+        copied byte for byte is no longer plain (the same bytes viewed with
+        other strides): the plan must then be made again."""
+        return self._sides[0].unchanged() and (not sources or self._sides[1].unchanged())
 
     def run(self, threads: int = 1) -> None:
         """Copy every byte; blocks until done, and an interruption
@@ -245,7 +267,7 @@ class CopyPlan:
             _memmove_spans(self._moves)
         else:
             shares = _split(self.spans, self.total, parts)
-            run_on_threads([functools.partial(_memmove_spans, share) for share in shares], self._keep)
+            run_on_threads([functools.partial(_memmove_spans, share) for share in shares], self._sides)
         if self.slow_dst:
             with torch.inference_mode():
                 torch._foreach_copy_(self.slow_dst, self.slow_src)
