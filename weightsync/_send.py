@@ -391,12 +391,7 @@ class SendMachine:
     # -- the driver's side ------------------------------------------------------
     def start(self) -> Action:
         """The first action (raises as :meth:`feed`)."""
-        # (Not through feed(): benchmarks/send_profile.py times feed() as
-        # the machine's own steps, and this one reads the weights.)
-        try:
-            return self._steps.send(None)
-        except StopIteration as stop:
-            return Done(stop.value)
+        return self._next(None)
 
     def feed(self, result: Any) -> Action:
         """The result of the last action; the next one.
@@ -404,6 +399,9 @@ class SendMachine:
         :raises: the send's errors (see ``AsyncWeightSender.send``); the
             machine is then over.
         """
+        return self._next(result)
+
+    def _next(self, result: Any) -> Action:
         try:
             return self._steps.send(result)
         except StopIteration as stop:

@@ -239,9 +239,8 @@ class PipeChannel:
         extent = self._extent()
         return extent is not None and len(self._pending) >= extent[1]
 
-    def _read_some(self) -> bool:
-        """Read what the pipe holds into the buffer, without waiting; False
-        if it held nothing."""
+    def _recv_some(self) -> bytes | None:
+        """What the pipe holds now, read without waiting; None if nothing."""
         try:
             seen, self._readable_seen = self._readable_seen, False
             extent = self._extent()
@@ -250,33 +249,33 @@ class PipeChannel:
                 try:
                     got = self._sock.recv(want, socket.MSG_DONTWAIT)
                 except BlockingIOError:
-                    return False
+                    return None
             else:
                 if not seen and not _readable(self._fd):
-                    return False
+                    return None
                 got = os.read(self._fd, want)
         except (OSError, ValueError) as exc:
             raise self._closed(exc) from exc
         if not got:
             raise self._closed(EOFError(""))
+        return got
+
+    def _read_some(self) -> bool:
+        """Read what the pipe holds into the buffer, without waiting; False
+        if it held nothing."""
+        got = self._recv_some()
+        if got is None:
+            return False
         self._pending += got
         return True
 
-    def _whole_read(self) -> tuple[Any, ...] | bool:
-        """With nothing buffered, one read of the socket: the message it
-        held if it was exactly one frame (the usual case: an ack, a
-        notice), taken as it came, past the buffer; else whether it held
-        anything (the bytes then wait in the buffer)."""
-        assert self._sock is not None and not self._pending
-        self._readable_seen = False
-        try:
-            got = self._sock.recv(_READ_SIZE, socket.MSG_DONTWAIT)
-        except BlockingIOError:
+    def _read_whole(self) -> tuple[Any, ...] | bool:
+        """:meth:`_read_some` with nothing buffered, where a read that held
+        exactly one frame (the usual case: an ack, a notice) is that
+        message, taken as it came, past the buffer."""
+        got = self._recv_some()
+        if got is None:
             return False
-        except (OSError, ValueError) as exc:
-            raise self._closed(exc) from exc
-        if not got:
-            raise self._closed(EOFError(""))
         if len(got) > 4 and _LENGTH.unpack_from(got)[0] == len(got) - 4:
             return self._decode(memoryview(got)[4:])
         self._pending += got
@@ -284,8 +283,8 @@ class PipeChannel:
 
     def poll(self) -> tuple[Any, ...] | None:
         """The next message if one is ready, without waiting."""
-        if self._sock is not None and not self._pending:
-            whole = self._whole_read()
+        if not self._pending:
+            whole = self._read_whole()
             if whole is not True:
                 return whole or None
             return None if (data := self._frame()) is None else self._decode(data)
@@ -301,8 +300,8 @@ class PipeChannel:
     def poll_all(self) -> list[tuple[Any, ...]]:
         """Every message the pipe holds now, in order, without waiting (one
         read, where the pipe is readable)."""
-        if self._sock is not None and not self._pending:
-            whole = self._whole_read()
+        if not self._pending:
+            whole = self._read_whole()
             if whole is not True:
                 return [whole] if whole else []
         else:
