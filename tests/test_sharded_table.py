@@ -29,3 +29,13 @@ def test_the_table_says_whether_the_rank_was_killed_or_stopped(kind: str, said: 
     assert f"rank 3 {said}" in table and "44 ms into a send of deadline 10 s" in table, table
     assert "rank 0: SenderGroupError after 0.40 s: send 4 failed: rank 3 died during it" in table, table
     assert "workers: 2 on the version before, 0 on the new one, 0 holding a mix" in table, table
+
+
+def test_the_table_says_when_a_fault_missed_sends_and_they_were_sent_again() -> None:
+    result = _result("stop-rank")
+    result["row"]["fault"] |= {"tries": 3, "missed": False}
+    table = format_sharded_table(result)
+    assert "(2 send(s) before it ended before the fault fired; each was sent again)" in table, table
+    result["row"]["fault"] |= {"tries": 4, "missed": True}
+    table = format_sharded_table(result)
+    assert "(every one of 4 sends ended before its fault: nothing was faulted)" in table, table

@@ -204,7 +204,8 @@ def _faulted(row: dict[str, Any]) -> list[str]:
     what = "killed (SIGKILL)" if killed else "stopped (SIGSTOP, until the others raised)"
     lines = [
         f"rank {fault['rank']} {what} {fault['after_s'] * 1e3:.0f} ms into a send of deadline "
-        f"{fault['deadline_s']:g} s:"
+        f"{fault['deadline_s']:g} s:",
+        *_tries(fault),
     ]
     for rank, (kind, text, seconds) in fault["outcomes"].items():
         # (Its first sentence: the rest says what the workers hold.)
@@ -226,6 +227,17 @@ def _faulted(row: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _tries(record: dict[str, Any]) -> list[str]:
+    """A line on the sends a fault missed, if any (each ended before it
+    fired, and was sent again with the fault sooner)."""
+    tries = int(record.get("tries", 1))
+    if record.get("missed"):
+        return [f"  (every one of {tries} sends ended before its fault: nothing was faulted)"]
+    if tries > 1:
+        return [f"  ({tries - 1} send(s) before it ended before the fault fired; each was sent again)"]
+    return []
+
+
 def _soaked(soak: dict[str, Any]) -> list[str]:
     """The lines of a soak: a line per send (its fault, each rank's outcome
     in short, what the workers hold), then the violations."""
@@ -239,6 +251,7 @@ def _soaked(soak: dict[str, Any]) -> list[str]:
         )
         held = "/".join(record["workers"])
         lines.append(f"  {i:>2} {what:<14} ranks {said}; workers {held}")
+        lines += ["   " + line for line in _tries(record)]
     violations = soak["violations"]
     lines.append(f"violations: {len(violations)}" + "".join(f"\n  {v}" for v in violations))
     return lines

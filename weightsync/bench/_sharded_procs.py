@@ -221,6 +221,8 @@ def worker_main(host: str, ports: list[int], rank: int, mib: float, tp: int, gro
 
 #: The deadline of the send a trainer rank is killed or stopped in (s).
 KILL_DEADLINE = 10.0
+#: How many times a faulted round is sent while its fault misses the send.
+TRIES = 4
 
 
 def rank_main(
@@ -506,15 +508,41 @@ class _Round:
 
     def run(self, tag: str, step: int, fault: Fault, deadline: float) -> dict[str, Any]:
         """One send of the next version, ``fault`` injected ``after`` s into
+        it (see :meth:`_once`). A fault that missed its send (the send
+        ended before it fired, on a machine that sped up since the sends
+        it was timed from) is not a fault: the round is sent again, its
+        fault a quarter of the way into the send that ended first, up to
+        :data:`TRIES` times; the record says how many (``tries``) and
+        whether the last one missed too (``missed``)."""
+        for attempt in range(1, TRIES + 1):
+            record = self._once(tag if attempt == 1 else f"{tag}.{attempt}", step, fault, deadline)
+            # (Rank 0 says whether the round is sent again, and how soon the
+            # fault fires then; a rank killed or stopped by it is not asked.)
+            key = f"again/{tag}/{attempt}"
+            if self.rank == 0:
+                again = bool(record["missed"]) and attempt < TRIES
+                if again:
+                    self.after = min(o[2] for o in record["outcomes"].values()) / 4
+                record["tries"] = attempt
+                self.ctrl.set(key, json.dumps([again, self.after]).encode())
+            else:
+                again, self.after = json.loads(wait_keys(self.ctrl, [key])[0])
+            if not again:
+                return record
+        raise AssertionError("unreachable: the last try is never sent again")
+
+    def _once(self, tag: str, step: int, fault: Fault, deadline: float) -> dict[str, Any]:
+        """One send of the next version, ``fault`` injected ``after`` s into
         it: a faulted trainer rank faults itself, on its own clock; rank 0
         stops a worker, and continues whatever was stopped once the
         others raised (past the deadline and :data:`NAMED_WITHIN`). Returns,
-        on rank 0, each rank's outcome (what it raised and when) and what
-        each worker holds: what it held before (``old``: the version of the
-        round before, or of the last one that reached it), this version
-        (``new``) or a mix, checked box by box against every rank's shards,
-        computed before the send ({} on the other ranks). After a stop,
-        rank 0 waits ``RECOVERY`` s (the others at the next round)."""
+        on rank 0, each rank's outcome (what it raised and when), whether
+        the fault missed the send, and what each worker holds: what it held
+        before (``old``: the version of the round before, or of the last
+        one that reached it), this version (``new``) or a mix, checked box
+        by box against every rank's shards, computed before the send ({}
+        on the other ranks). After a stop, rank 0 waits ``RECOVERY`` s (the
+        others at the next round)."""
         import torch.distributed as dist
 
         old_asked, old = self.expect("sharded")
@@ -522,18 +550,20 @@ class _Round:
         self.change(step)
         held = self.after + deadline + NAMED_WITHIN + 2.0
         dist.barrier()
-        timers = []
+        shot: _Shot | None = None
+        wake: threading.Timer | None = None
         if fault.kind in ("stop-rank", "kill-rank") and self.rank == fault.target:
             sig = signal.SIGKILL if fault.kind == "kill-rank" else signal.SIGSTOP
-            timers.append(threading.Timer(self.after, os.kill, (os.getpid(), sig)))
+            shot = _Shot(self.after, os.getpid(), sig)
         if self.rank == 0 and fault.kind == "stop-rank":
-            timers.append(threading.Timer(held, os.kill, (self.pids[fault.target], signal.SIGCONT)))
+            wake = threading.Timer(held, os.kill, (self.pids[fault.target], signal.SIGCONT))
         if self.rank == 0 and fault.kind == "stop-worker":
             pid = self.worker_pids[fault.target - 1]
-            timers.append(threading.Timer(self.after, os.kill, (pid, signal.SIGSTOP)))
-            timers.append(threading.Timer(held, os.kill, (pid, signal.SIGCONT)))
-        for timer in timers:
-            timer.start()
+            shot = _Shot(self.after, pid, signal.SIGSTOP)
+            wake = threading.Timer(held, os.kill, (pid, signal.SIGCONT))
+        for timer in (shot, wake):
+            if timer is not None:
+                timer.start()
         started = time.monotonic()
         try:
             self.scheme.send(timeout=deadline)
@@ -541,18 +571,26 @@ class _Round:
         except ws.WeightSyncError as exc:
             said = [type(exc).__name__, str(exc)]
         said.append(time.monotonic() - started)
-        if fault.kind == "kill-rank" and self.rank == fault.target:  # (the send ended before the timer)
-            os.kill(os.getpid(), signal.SIGKILL)
+        # (Whoever fired the fault knows whether it came before the send ended.)
+        missed = shot is not None and shot.ended()
         if self.rank != 0:
-            self.ctrl.set(f"said/{tag}/{self.rank}", json.dumps(said).encode())
+            self.ctrl.set(f"said/{tag}/{self.rank}", json.dumps([*said, missed]).encode())
             return {}
         others = [
             r for r in range(1, len(self.pids)) if not (fault.kind == "kill-rank" and r == fault.target)
         ]
-        heard = wait_keys(self.ctrl, [f"said/{tag}/{r}" for r in others])
-        outcomes = {0: said} | {r: json.loads(v) for r, v in zip(others, heard, strict=True)}
-        for timer in timers:
-            timer.join()  # (whatever was stopped runs again: it answers)
+        heard = [json.loads(v) for v in wait_keys(self.ctrl, [f"said/{tag}/{r}" for r in others])]
+        outcomes = {0: said} | {r: v[:3] for r, v in zip(others, heard, strict=True)}
+        missed = missed or any(v[3] for v in heard)
+        if fault.kind == "kill-rank" and all(o[0] == "none" for o in outcomes.values()):
+            # Every other send ended well: the killed rank's most likely did
+            # too, before its fault (then it says so at once, and lives).
+            with contextlib.suppress(SystemExit):
+                missed = json.loads(wait_keys(self.ctrl, [f"said/{tag}/{fault.target}"], NAMED_WITHIN)[0])[3]
+        if wake is not None:
+            if missed:
+                wake.cancel()  # (nothing was stopped)
+            wake.join()  # (whatever was stopped runs again: it answers)
         got = self.ask("sharded", tag, old_asked)
         places = [str((r - 1) % self.tp) for r in range(1, len(got) + 1)]
         before = self.held if self.held is not None else [old[place] for place in places]
@@ -562,7 +600,7 @@ class _Round:
             if states[-1] == "new":
                 before[r] = sums
         self.held = before
-        if fault.kind.startswith("stop"):
+        if fault.kind.startswith("stop") and not missed:
             # Healed: what it stopped may still be named for a while (the
             # chain it woke into ends within its first-frame wait), as in
             # the single sender's soak; the next round is judged after it.
@@ -570,7 +608,38 @@ class _Round:
         return {
             "kind": fault.kind, "rank": fault.target, "after_s": self.after, "deadline_s": deadline,
             "outcomes": {str(r): o for r, o in sorted(outcomes.items())}, "workers": states,
+            "missed": missed,
         }  # fmt: skip
+
+
+class _Shot:
+    """A signal sent to ``pid`` ``after`` s from :meth:`start`, unless the
+    send it is meant for ended first (:meth:`ended`): the two are decided
+    under one lock, so a fault either lands in its send or never fires."""
+
+    def __init__(self, after: float, pid: int, sig: signal.Signals) -> None:
+        self._lock = threading.Lock()
+        self._ended = self._fired = False
+        self._timer = threading.Timer(after, self._fire, (pid, sig))
+        self._timer.daemon = True
+
+    def start(self) -> None:
+        self._timer.start()
+
+    def _fire(self, pid: int, sig: signal.Signals) -> None:
+        with self._lock:
+            if not self._ended:
+                self._fired = True
+                # (Under the lock: a process that stops itself holds it
+                # until it is continued, so its send is not seen to end
+                # before the fault.)
+                os.kill(pid, sig)
+
+    def ended(self) -> bool:
+        """The send ended: whether the fault missed it (then it never fires)."""
+        with self._lock:
+            self._ended = True
+            return not self._fired
 
 
 def judge_round(record: dict[str, Any], tp: int) -> list[str]:
@@ -582,6 +651,9 @@ def judge_round(record: dict[str, Any], tp: int) -> list[str]:
     it reached on the new version and the others on the old."""
     kind, target, states = record["kind"], record["rank"], record["workers"]
     where = f"{kind} {target}" if kind != "none" else "calm"
+    if record.get("missed"):
+        # (Not a broken promise: the sends outran the fault every time.)
+        return [f"{where}: every send ended before the fault fired ({record['tries']} tries)"]
     bad = [
         f"{where}: worker rank {r} holds a mix of two versions"
         for r, s in enumerate(states, 1)
