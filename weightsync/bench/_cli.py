@@ -289,9 +289,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="K",
         help="with --sharded-trainer: after the timed sends, trainer rank K (1 or more) is killed (SIGKILL) "
-        "a quarter of the way into one more send (its parts in flight); prints what every other rank's send "
-        "raised and when, and whether each worker holds the version before or the new one (or a mix); no "
-        "gather row",
+        "a quarter of the way into one more send (its parts in flight; sent again, the fault sooner, if "
+        "the send ended first); prints what every other rank's send raised and when, and whether each "
+        "worker holds the version before or the new one (or a mix); no gather row",
     )
     across.add_argument(
         "--stop-rank",

@@ -81,9 +81,11 @@ def run_sharded(
     consecutive hosts; ``fault`` (``("kill", K)`` or ``("stop", K)``):
     after the timed sends trainer rank K (1 or more: rank 0 drives the
     run) is killed, or stopped until the others raised, a quarter of its
-    fastest timed send into one more send, in place of the gather rows (the row's
-    ``fault``: each rank's outcome, what each worker holds, and for a
-    stop, the time of the send after it); or ``("soak", N)``: N more sends
+    fastest timed send into one more send, in place of the gather rows (a
+    send that ends before its fault fires is sent again, the fault a
+    quarter of the way into it; the row's ``fault``: each rank's outcome,
+    what each worker holds, the tries, and for a stop, the time of the
+    send after it); or ``("soak", N)``: N more sends
     under the seeded faults of ``_sharded_procs.soak_schedule`` (``seed``),
     each judged (the row's ``fault``: each round, and the violations).
     Returns rank 0's row and the link rate (bytes/s). Needs root.
